@@ -1,0 +1,285 @@
+"""A use-def view of a jaxpr that looks through nested calls.
+
+Attention code is rarely in one flat jaxpr: ``jnp.where``, ``jnp.tril`` and user
+helpers are nested ``jit`` calls, layers live in ``scan``/``remat`` bodies.  A
+`Scope` is one jaxpr (the top level, or the body of an *opaque* higher-order
+primitive such as ``scan``) with every *transparent* call (``jit``,
+``closed_call``) inlined, so a pattern can follow values across call
+boundaries.  Opaque bodies become child scopes, matched on their own.
+
+Every equation is addressed by a global `Path`: the equation indices and
+parameter names leading to it from the top-level jaxpr, e.g.
+``(4, "jaxpr", 2)`` is equation 2 of the body of top-level equation 4.  Values
+are addressed by `Key`: the path of the jaxpr instance they live in, plus the
+`Var`.  A body called twice is two instances, so its values get two keys.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Iterable
+from typing import Any
+
+import numpy as np
+
+from . import compat
+
+#: Calls whose bodies are inlined into the enclosing scope's view.
+TRANSPARENT_CALLS = frozenset({"jit", "pjit", "closed_call", "core_call"})
+
+#: Largest intermediate (in elements) constant folding will materialise.
+FOLD_LIMIT = 1 << 27
+
+Path = tuple
+Key = tuple  # (instance path, Var)
+
+
+@dataclasses.dataclass(frozen=True)
+class Const:
+    """A literal or a closed-over constant used as an operand."""
+
+    value: Any
+    aval: Any
+
+
+@dataclasses.dataclass(eq=False)
+class Node:
+    """One equation in a scope's view."""
+
+    path: Path
+    eqn: Any
+    ins: list  # Key | Const
+    outs: list  # Key | None (dropped outputs)
+    order: int
+    calls: tuple  # paths of the transparent call equations this node sits inside
+
+    @property
+    def prim(self) -> str:
+        return self.eqn.primitive.name
+
+    @property
+    def params(self) -> dict:
+        return self.eqn.params
+
+    @property
+    def out(self):
+        return self.outs[0]
+
+    @property
+    def location(self) -> str | None:
+        return compat.user_location(self.eqn)
+
+    def __repr__(self) -> str:
+        return f"<{self.prim} @ {self.path}>"
+
+
+@dataclasses.dataclass(frozen=True)
+class ChildScope:
+    """An opaque higher-order equation's body, matched as its own scope."""
+
+    node: Node
+    param: str  # params key ("jaxpr", "branches", ...)
+    index: int | None  # position inside a tuple param (cond branches)
+    closed: Any  # ClosedJaxpr (open Jaxprs are wrapped with no consts)
+
+    @property
+    def prefix(self) -> Path:
+        step = self.param if self.index is None else f"{self.param}[{self.index}]"
+        return (*self.node.path, step)
+
+
+class Scope:
+    """The view of one jaxpr with transparent calls inlined."""
+
+    def __init__(self, closed, prefix: Path = ()):
+        self.closed = closed
+        self.prefix = prefix
+        self.nodes: list[Node] = []
+        self.children: list[ChildScope] = []
+        self._producer: dict[Key, Node] = {}
+        self._consumers: dict[Key, list[tuple[Node, int]]] = {}
+        self._alias: dict[Key, Key | Const] = {}
+        self._avals: dict[Key, Any] = {}
+        self._fold_cache: dict[Key, Any] = {}
+        jaxpr = closed.jaxpr
+        self.invars = [self._key(prefix, v) for v in jaxpr.invars]
+        for var, value in zip(jaxpr.constvars, closed.consts, strict=True):
+            self._alias[(prefix, var)] = Const(value, var.aval)
+        self._walk(jaxpr, prefix, calls=())
+        self.outputs = [self.resolve(self._atom(prefix, v)) for v in jaxpr.outvars]
+        self._output_keys = {o for o in self.outputs if not isinstance(o, Const)}
+
+    # ------------------------------------------------------------------ building
+
+    def _key(self, inst: Path, var) -> Key:
+        key = (inst, var)
+        self._avals.setdefault(key, var.aval)
+        return key
+
+    def _atom(self, inst: Path, atom):
+        if compat.is_literal(atom):
+            return Const(compat.literal_value(atom), atom.aval)
+        return self._key(inst, atom)
+
+    def _walk(self, jaxpr, inst: Path, calls: tuple) -> None:
+        for i, eqn in enumerate(jaxpr.eqns):
+            path = (*inst, i)
+            ins = [self.resolve(self._atom(inst, a)) for a in eqn.invars]
+            if eqn.primitive.name in TRANSPARENT_CALLS and "jaxpr" in eqn.params:
+                self._inline(eqn, path, ins, calls)
+                continue
+            outs = [
+                None if isinstance(v, compat.DropVar) else self._key(inst, v) for v in eqn.outvars
+            ]
+            node = Node(path, eqn, ins, outs, len(self.nodes), calls)
+            self.nodes.append(node)
+            for pos, a in enumerate(ins):
+                if not isinstance(a, Const):
+                    self._consumers.setdefault(a, []).append((node, pos))
+            for o in outs:
+                if o is not None:
+                    self._producer[o] = node
+            self._collect_children(node)
+
+    def _inline(self, eqn, path: Path, ins: list, calls: tuple) -> None:
+        body = eqn.params["jaxpr"]
+        inst = (*path, "jaxpr")
+        for var, value in zip(body.jaxpr.constvars, body.consts, strict=True):
+            self._alias[(inst, var)] = Const(value, var.aval)
+        for var, outer in zip(body.jaxpr.invars, ins, strict=True):
+            self._avals.setdefault((inst, var), var.aval)
+            self._alias[(inst, var)] = outer
+        self._walk(body.jaxpr, inst, (*calls, path))
+        for outer, inner in zip(eqn.outvars, body.jaxpr.outvars, strict=True):
+            if isinstance(outer, compat.DropVar):
+                continue
+            self._avals.setdefault((path[:-1], outer), outer.aval)
+            self._alias[(path[:-1], outer)] = self.resolve(self._atom(inst, inner))
+
+    def _collect_children(self, node: Node) -> None:
+        for name, value in node.params.items():
+            items = value if isinstance(value, tuple) else (value,)
+            for j, item in enumerate(items):
+                index = j if isinstance(value, tuple) else None
+                if isinstance(item, compat.ClosedJaxpr):
+                    self.children.append(ChildScope(node, name, index, item))
+                elif isinstance(item, compat.Jaxpr):
+                    self.children.append(
+                        ChildScope(node, name, index, compat.ClosedJaxpr(item, ()))
+                    )
+
+    # ------------------------------------------------------------------ queries
+
+    def resolve(self, atom):
+        """Follow aliases (call boundaries) to the canonical key or constant."""
+        seen = 0
+        while not isinstance(atom, Const) and atom in self._alias:
+            atom = self._alias[atom]
+            seen += 1
+            if seen > 10_000:  # pragma: no cover - defensive
+                raise RuntimeError("alias cycle in jaxpr view")
+        return atom
+
+    def aval(self, atom):
+        atom = self.resolve(atom)
+        if isinstance(atom, Const):
+            return atom.aval
+        return self._avals[atom]
+
+    def shape(self, atom) -> tuple[int, ...]:
+        return tuple(self.aval(atom).shape)
+
+    def dtype(self, atom):
+        return np.dtype(self.aval(atom).dtype)
+
+    def producer(self, atom) -> Node | None:
+        atom = self.resolve(atom)
+        if isinstance(atom, Const):
+            return None
+        return self._producer.get(atom)
+
+    def consumers(self, atom) -> list[tuple[Node, int]]:
+        atom = self.resolve(atom)
+        if isinstance(atom, Const):
+            return []
+        return self._consumers.get(atom, [])
+
+    def is_output(self, atom) -> bool:
+        atom = self.resolve(atom)
+        return not isinstance(atom, Const) and atom in self._output_keys
+
+    def forward_cone(self, start: Iterable) -> set[Node]:
+        """All nodes that (transitively) consume any of the ``start`` keys."""
+        seen: set[Node] = set()
+        stack = [self.resolve(s) for s in start]
+        while stack:
+            key = stack.pop()
+            for node, _ in self.consumers(key):
+                if node not in seen:
+                    seen.add(node)
+                    stack.extend(o for o in node.outs if o is not None)
+        return seen
+
+    def backward_cone(self, start: Iterable, stop: set[Node] | None = None) -> set[Node]:
+        """All nodes that (transitively) produce any of the ``start`` atoms."""
+        seen: set[Node] = set()
+        stack = [self.resolve(s) for s in start]
+        while stack:
+            node = self.producer(stack.pop())
+            if node is None or node in seen:
+                continue
+            seen.add(node)
+            if stop is not None and node in stop:
+                continue
+            stack.extend(a for a in node.ins if not isinstance(a, Const))
+        return seen
+
+    # ------------------------------------------------------------------ constant folding
+
+    def fold(self, atom):
+        """The concrete value of ``atom`` if it depends on no input, else None.
+
+        Evaluates the producing equations eagerly (on the host) once and
+        caches the result; refuses intermediates above `FOLD_LIMIT` elements.
+        """
+        atom = self.resolve(atom)
+        if isinstance(atom, Const):
+            return np.asarray(atom.value)
+        if atom in self._fold_cache:
+            return self._fold_cache[atom]
+        value = self._fold(atom)
+        self._fold_cache[atom] = value
+        return value
+
+    def _fold(self, key):
+        node = self.producer(key)
+        if node is None or node.eqn.effects or compat.subjaxprs_of_params(node.params):
+            return None
+        for o in node.outs:
+            if o is not None and math.prod(self.shape(o)) > FOLD_LIMIT:
+                return None
+        args = []
+        for a in node.ins:
+            value = self.fold(a)
+            if value is None:
+                return None
+            args.append(value)
+        with compat.compile_time_eval():
+            outs = compat.bind_equation(node.eqn, args)
+        for o, value in zip(node.outs, outs, strict=True):
+            if o is not None:
+                self._fold_cache[o] = np.asarray(value)
+        return self._fold_cache[key]
+
+
+def build_scopes(closed) -> list[Scope]:
+    """The top-level scope and, recursively, every opaque body's scope."""
+    scopes: list[Scope] = []
+    pending = [(closed, ())]
+    while pending:
+        jaxpr, prefix = pending.pop(0)
+        scope = Scope(jaxpr, prefix)
+        scopes.append(scope)
+        pending.extend((child.closed, child.prefix) for child in scope.children)
+    return scopes

@@ -1,0 +1,287 @@
+"""Site finding: from a `Scope` to `AttentionSite`s and `Miss`es.
+
+The anchor is the softmax (found from its ``exp``).  From there:
+
+1. the score chain is walked back to the score ``dot_general``
+   (`patterns.chain`), every equation read by a registered rule;
+2. the score product's dimension numbers give every axis a role
+   (`patterns.products`), and the softmax axis must be the key axis;
+3. the probabilities must feed exactly one ``P·V`` product that contracts the
+   key axis and keeps the query axis;
+4. every equation between the score product and the output must have been
+   recognised (nothing skipped), and no intermediate may be used outside the
+   site (the escape check);
+5. side operands become canonical score ops; constant masks are classified by
+   value (causal or not).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from flashpass.kernels import AttentionSpec, Bias, Causal, ExtraSpec, Mask, Scale
+from flashpass.patterns import chain as chain_mod
+from flashpass.patterns.common import Miss, where
+from flashpass.patterns.masks import and_factors, causal_offset, excluding
+from flashpass.patterns.products import output_product, score_product
+from flashpass.patterns.softcap import fold_softcap
+from flashpass.patterns.softmax import match_softmax
+
+from .graph import Const, Scope
+from .site import AttentionSite, ExtraSource, Operand, collapse_batch, extra_shape4
+
+ESCAPE_HINT = (
+    "; to rewrite it, do not return or reuse the attention weights (for a training step, "
+    "apply flashpass.optimize to the model or loss function inside jax.grad, not to the "
+    "function that computes gradients)"
+)
+
+
+def find_sites(scope: Scope) -> tuple[list[AttentionSite], list[Miss]]:
+    """All attention sites of one scope, and the relevant near misses."""
+    chain_mod.ensure_loaded()
+    sites: list[AttentionSite] = []
+    misses: list[Miss] = []
+    claimed: set = set()
+    for node in scope.nodes:
+        if node.prim != "exp":
+            continue
+        soft = match_softmax(scope, node)
+        if not soft:
+            if soft.relevant:
+                misses.append(soft)
+            continue
+        try:
+            site = match_site(scope, soft)
+        except Exception as err:  # a matcher bug must never break the user's program
+            site = Miss(f"internal matcher error ({type(err).__name__}: {err}){where(node)}", node)
+        if not site:
+            if site.node is None:
+                site.node = node
+            misses.append(site)
+            continue
+        if site.nodes & claimed:
+            misses.append(Miss(f"overlaps another attention site{where(node)}", node))
+            continue
+        claimed |= site.nodes
+        sites.append(site)
+    return sites, misses
+
+
+def match_site(scope: Scope, soft) -> AttentionSite | Miss:
+    chain = chain_mod.walk_chain(scope, soft.s_in)
+    if not chain:
+        return chain
+    dot = chain.dot
+
+    # Which dot output axis is the softmax axis?  Follow transposes forward.
+    positions = list(range(len(scope.shape(dot.out))))
+    for step in chain.steps:
+        if step.kind == "transpose":
+            positions = [positions[p] for p in step.data["perm"]]
+    sp = score_product(scope, dot, positions[soft.axis])
+    if not sp:
+        return sp
+
+    roles = list(sp.roles)
+    nodes = {dot, *soft.nodes}
+    ops: list = []
+    extras: list = []
+    tanh = object()
+    t_len = scope.shape(sp.q)[sp.q_perm[-2]]
+    s_len = scope.shape(sp.k)[sp.k_perm[-2]]
+    full = {**{("b", i): d for i, d in enumerate(sp.batch_shape)}, "T": t_len, "S": s_len}
+    canon = [("b", i) for i in range(sp.n_batch)] + ["T", "S"]
+
+    def add_extra(prof, transform, kind_dtype):
+        role_axes = {roles[t]: prof.axes[t] for t in range(len(roles))}
+        axes = tuple(role_axes[r] for r in canon)
+        base_shape = scope.shape(prof.base)
+        sizes = [1 if a is None else base_shape[a] for a in axes]
+        extras.append(ExtraSource(prof.base, axes, transform, kind_dtype))
+        return len(extras) - 1, extra_shape4(sizes, sp.batch_shape)
+
+    for step in chain.steps:
+        nodes.add(step.node)
+        if step.kind == "transpose":
+            roles = [roles[p] for p in step.data["perm"]]
+        elif step.kind == "scale":
+            ops.append(Scale(step.data["value"]))
+        elif step.kind == "tanh":
+            ops.append(tanh)
+        elif step.kind == "bias":
+            prof, sign = step.data["profile"], step.data["sign"]
+            causal = _folded_causal(scope, prof, roles, canon, full, additive=True, sign=sign)
+            if isinstance(causal, Causal):
+                ops.append(causal)
+                continue
+            dtype = scope.dtype(prof.base)
+            if not np.issubdtype(dtype, np.floating):
+                return Miss(f"scores biased by a {dtype} tensor{where(step.node)}", step.node)
+            index, shape4 = add_extra(prof, "neg" if sign < 0 else None, dtype)
+            ops.append(Bias(index, shape4, dtype))
+        elif step.kind == "mask":
+            fill, keep_when = step.data["fill"], step.data["keep_when"]
+            for factor in and_factors(scope, step.data["profile"]):
+                causal = _folded_causal(
+                    scope, factor, roles, canon, full, keep_when=keep_when, fill=fill
+                )
+                if causal == "all":
+                    continue  # keeps every score: no-op
+                if isinstance(causal, Causal):
+                    ops.append(causal)
+                    continue
+                index, shape4 = add_extra(factor, None if keep_when else "not", np.bool_)
+                ops.append(Mask(index, shape4, fill))
+    ops = fold_softcap(ops, tanh)
+    if isinstance(ops, str):
+        return Miss(ops + where(dot), dot)
+
+    if roles[soft.axis] != "S":
+        return Miss(
+            f"softmax is over the {_role_name(roles[soft.axis])} axis, not the key axis"
+            f"{where(soft.exp)}",
+            soft.exp,
+        )
+    out = output_product(scope, soft.out, roles)
+    if not out:
+        return out
+    root = out.node
+    nodes |= out.casts | {root}
+    if soft.shift is not None:
+        cone = scope.forward_cone([dot.out])
+        nodes |= scope.backward_cone([soft.shift]) & cone
+
+    problem = _check_closed(scope, dot, root, nodes)
+    if problem:
+        return problem
+
+    # dtypes and the spec
+    for name, atom in (("query", sp.q), ("key", sp.k), ("value", out.v)):
+        if not np.issubdtype(scope.dtype(atom), np.floating):
+            return Miss(f"{name} is {scope.dtype(atom)}, not floating point{where(dot)}", dot)
+    q = Operand(sp.q, sp.q_perm, scope.shape(sp.q), scope.dtype(sp.q))
+    k = Operand(sp.k, sp.k_perm, scope.shape(sp.k), scope.dtype(sp.k))
+    v = Operand(out.v, out.v_perm, scope.shape(out.v), scope.dtype(out.v))
+    if scope.shape(out.v)[out.v_perm[-2]] != s_len:
+        return Miss(f"value length differs from key length{where(root)}", root)
+    b, h = collapse_batch(sp.batch_shape)
+    spec = AttentionSpec(
+        batch=b,
+        heads=h,
+        kv_heads=h,
+        q_len=t_len,
+        kv_len=s_len,
+        head_dim=scope.shape(sp.q)[sp.q_perm[-1]],
+        v_head_dim=scope.shape(out.v)[out.v_perm[-1]],
+        q_dtype=q.dtype,
+        k_dtype=k.dtype,
+        v_dtype=v.dtype,
+        out_dtype=scope.dtype(root.out),
+        compute_dtype=soft.dtype,
+        p_dtype=out.p_dtype,
+        score_ops=tuple(ops),
+        extras=tuple(ExtraSpec(_extra_shape(o), e.dtype) for o, e in _ops_extras(ops, extras)),
+    )
+    pieces = [type(op).__name__.lower() for op in ops]
+    return AttentionSite(
+        scope_prefix=scope.prefix,
+        nodes=frozenset(nodes),
+        root=root,
+        q=q,
+        k=k,
+        v=v,
+        extras=tuple(extras),
+        batch_shape=sp.batch_shape,
+        out_roles=tuple(out.roles),
+        spec=spec,
+        pattern="softmax(QKᵀ)V" + (f" [{', '.join(pieces)}]" if pieces else ""),
+        location=root.location or soft.exp.location,
+    )
+
+
+def _ops_extras(ops, extras):
+    by_index = {op.index: op for op in ops if isinstance(op, Bias | Mask)}
+    return [(by_index[i], e) for i, e in enumerate(extras)]
+
+
+def _extra_shape(op) -> tuple:
+    return tuple(op.shape)
+
+
+def _role_name(role) -> str:
+    return {"T": "query", "S": "key"}.get(role, "batch")
+
+
+def _check_closed(scope: Scope, dot, root, nodes: set) -> Miss | None:
+    """Nothing unrecognised in between, and no intermediate escapes the site."""
+    between = scope.forward_cone([dot.out]) & scope.backward_cone([root.out])
+    unknown = sorted(between - nodes, key=lambda n: n.order)
+    if unknown:
+        n = unknown[0]
+        return Miss(f"unrecognised `{n.prim}` inside the attention pattern{where(n)}", n)
+    for node in sorted(nodes, key=lambda n: n.order):
+        if node is root:
+            continue
+        for o in node.outs:
+            if o is None:
+                continue
+            if scope.is_output(o):
+                return Miss(
+                    f"the intermediate `{node.prim}`{where(node)} is returned by the "
+                    f"function{ESCAPE_HINT}",
+                    node,
+                )
+            for user, _ in scope.consumers(o):
+                if user not in nodes:
+                    return Miss(
+                        f"the intermediate `{node.prim}`{where(node)} is also used by "
+                        f"`{user.prim}`{where(user)}{ESCAPE_HINT}",
+                        node,
+                    )
+    return None
+
+
+def _folded_causal(scope, prof, roles, canon, full, *, keep_when=True, fill=None, additive=False,
+                   sign=1):
+    """Classify a constant mask/bias: a `Causal` op, "all" (keeps everything) or None."""
+    base = scope.fold(prof.base)
+    if base is None:
+        return None
+    role_axes = {roles[t]: prof.axes[t] for t in range(len(roles))}
+    if role_axes.get("T") is None or role_axes.get("S") is None:
+        if additive or not np.all(np.asarray(base) == keep_when):
+            return None
+        return "all"
+    if any(role_axes.get(r) is not None and full[r] != 1 for r in canon[:-2]):
+        # Varies along a batch axis: only OK if it does not actually vary.
+        pass
+    t_axis, s_axis = role_axes["T"], role_axes["S"]
+    arr = np.asarray(base)
+    others = [a for a in range(arr.ndim) if a not in (t_axis, s_axis)]
+    arr = np.transpose(arr, [*others, t_axis, s_axis])
+    arr = arr.reshape(-1, arr.shape[-2], arr.shape[-1])
+    if not np.all(arr == arr[:1]):
+        return None
+    mat = arr[0]
+    if additive:
+        mat = mat * sign
+        keep = mat == 0
+        masked = mat[~keep]
+        if masked.size == 0 or not np.all(masked <= -1000.0):
+            return None
+        fill_value = float(masked.max())
+    else:
+        keep = mat == keep_when
+        if keep.all():
+            return "all"
+        fill_value = fill
+        if fill_value is None or not excluding(fill_value):
+            return None
+    offset = causal_offset(keep)
+    if offset is None:
+        return None
+    return Causal(offset, fill_value)
+
+
+__all__ = ["find_sites", "match_site", "Const"]

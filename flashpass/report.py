@@ -1,0 +1,137 @@
+"""What flashpass did to a function, per attention site, and why."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any
+
+
+@dataclasses.dataclass(frozen=True)
+class Rewrite:
+    """An attention site replaced by a kernel call."""
+
+    pattern: str
+    kernel: str
+    location: str | None
+    q_shape: tuple
+    k_shape: tuple
+    v_shape: tuple
+    dtype: str
+    causal: bool
+    mask: str  # "none", "causal", "boolean", "boolean+causal", ...
+    bias: bool
+    scale: float
+    scope: str  # where in the program: "top level", "scan body at ...", ...
+    spec: dict = dataclasses.field(default_factory=dict, repr=False)
+
+    def to_dict(self) -> dict:
+        return _jsonable(dataclasses.asdict(self))
+
+
+@dataclasses.dataclass(frozen=True)
+class Fallback:
+    """A site (or near-site) that keeps its original computation."""
+
+    location: str | None
+    reason: str
+    scope: str
+    pattern: str | None = None
+    rejections: dict = dataclasses.field(default_factory=dict)  # kernel -> [reasons]
+
+    def to_dict(self) -> dict:
+        return _jsonable(dataclasses.asdict(self))
+
+
+@dataclasses.dataclass
+class Report:
+    """Per-site result of `flashpass.optimize` for one input signature.
+
+    ``rewrites`` lists the sites replaced by a kernel; ``fallbacks`` those kept
+    as written, each with the first condition that failed.
+    """
+
+    rewrites: list = dataclasses.field(default_factory=list)
+    fallbacks: list = dataclasses.field(default_factory=list)
+    platform: str = ""
+    jax_version: str = ""
+
+    @property
+    def kernels(self) -> list[str]:
+        return [r.kernel for r in self.rewrites]
+
+    def to_dict(self) -> dict:
+        return {
+            "platform": self.platform,
+            "jax_version": self.jax_version,
+            "rewrites": [r.to_dict() for r in self.rewrites],
+            "fallbacks": [f.to_dict() for f in self.fallbacks],
+        }
+
+    def to_json(self, **kwargs) -> str:
+        return json.dumps(self.to_dict(), **kwargs)
+
+    def __str__(self) -> str:
+        lines = [
+            f"flashpass report ({self.platform}): {len(self.rewrites)} rewritten, "
+            f"{len(self.fallbacks)} kept as written"
+        ]
+        if self.rewrites:
+            rows = [("#", "kernel", "location", "q / k / v", "dtype", "mask", "bias", "scale")]
+            for i, r in enumerate(self.rewrites):
+                rows.append(
+                    (
+                        str(i),
+                        r.kernel,
+                        _short(r.location),
+                        f"{_dims(r.q_shape)} / {_dims(r.k_shape)} / {_dims(r.v_shape)}",
+                        r.dtype,
+                        r.mask,
+                        "yes" if r.bias else "no",
+                        f"{r.scale:.4g}",
+                    )
+                )
+            lines += ["", "rewritten:", *_table(rows)]
+        if self.fallbacks:
+            lines += ["", "kept as written:"]
+            for i, f in enumerate(self.fallbacks):
+                lines.append(f"  [{i}] {_short(f.location)}: {f.reason}")
+                for kernel, reasons in f.rejections.items():
+                    for reason in reasons:
+                        lines.append(f"        {kernel}: {reason}")
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        return f"Report(rewrites={len(self.rewrites)}, fallbacks={len(self.fallbacks)})"
+
+
+def _dims(shape) -> str:
+    return "x".join(str(d) for d in shape)
+
+
+def _short(location: str | None) -> str:
+    if not location:
+        return "?"
+    path, _, line = location.rpartition(":")
+    parts = path.replace("\\", "/").split("/")
+    return "/".join(parts[-2:]) + ":" + line
+
+
+def _table(rows) -> list[str]:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    out = []
+    for j, row in enumerate(rows):
+        out.append("  " + "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)))
+        if j == 0:
+            out.append("  " + "  ".join("-" * w for w in widths))
+    return out
+
+
+def _jsonable(value: Any):
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, float | int | str | bool) or value is None:
+        return value
+    return str(value)

@@ -1,0 +1,187 @@
+"""Rewriting: evaluate a jaxpr with its sites swapped for kernel calls, re-trace.
+
+The rewritten program is produced the way Equinox's jaxpr finalisation does
+it: an ``eval_jaxpr``-style interpreter binds every equation as written,
+except that
+
+* a site's equations are skipped and, at its root, the kernel is called on the
+  site's inputs (through a ``jit`` named ``flashpass_<kernel>``, so the call is
+  visible in the jaxpr, the HLO and profiler traces);
+* a transparent call (``jit``) holding part of a site is inlined;
+* a higher-order equation (``scan``, ``cond``, ``while``, ``remat``,
+  ``custom_jvp``...) whose body holds sites is re-bound with its body rewritten
+  the same way, which keeps the body's signature, so any such primitive is
+  handled generically.
+
+Re-tracing the interpreter with ``make_jaxpr`` and removing dead equations
+yields the rewritten ``ClosedJaxpr``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+
+from . import compat
+from .graph import Const, Scope
+
+KERNEL_PREFIX = "flashpass_"
+_MISSING = object()
+
+
+@dataclasses.dataclass(eq=False)
+class PlannedSite:
+    site: object  # AttentionSite
+    kernel: object  # kernels.Kernel
+    interpret: bool = False
+
+
+class RewriteError(Exception):
+    """A body could not be rewritten; its sites fall back."""
+
+
+class Plan:
+    """Which equations to skip, replace and inline, per global path."""
+
+    def __init__(self, planned: list[PlannedSite], scopes: list[Scope]):
+        self.planned = planned
+        self.scopes = {s.prefix: s for s in scopes}
+        self.by_root = {p.site.root.path: p for p in planned}
+        self.skip = set()
+        self.inline = set()
+        for p in planned:
+            self.skip |= p.site.paths - {p.site.root.path}
+            self.inline |= p.site.inline_calls
+        self.site_prefixes = {p.site.scope_prefix for p in planned}
+        self.failed: dict[tuple, str] = {}  # scope prefix -> error, filled while rewriting
+
+    def touches(self, prefix: tuple) -> bool:
+        n = len(prefix)
+        return any(sp[:n] == prefix for sp in self.site_prefixes)
+
+
+def kernel_call(kernel, spec, interpret: bool):
+    """A jitted, named call of ``kernel`` for ``spec``: ``flashpass_<name>``."""
+
+    def call(q, k, v, *extras):
+        return kernel.apply(spec, q, k, v, extras, interpret=interpret)
+
+    call.__name__ = call.__qualname__ = f"{KERNEL_PREFIX}{kernel.name}"
+    return jax.jit(call)
+
+
+def rewrite(closed, plan: Plan, prefix: tuple = ()):
+    """The rewritten version of ``closed`` (the jaxpr at ``prefix``)."""
+    scope = plan.scopes[prefix]
+    avals = [v.aval for v in closed.jaxpr.invars]
+    structs = [
+        jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=getattr(a, "weak_type", False))
+        for a in avals
+    ]
+
+    def run(*args):
+        return _Evaluator(plan, scope).run(closed.jaxpr, closed.consts, args, prefix)
+
+    new = jax.make_jaxpr(run)(*structs)
+    return compat.dce_closed_jaxpr(new)
+
+
+class _Evaluator:
+    def __init__(self, plan: Plan, scope: Scope):
+        self.plan = plan
+        self.scope = scope
+        self.env: dict = {}
+
+    def write(self, key, value) -> None:
+        self.env[key] = value
+        canon = self.scope.resolve(key)
+        if not isinstance(canon, Const):
+            self.env[canon] = value
+
+    def read(self, inst, atom, default=None):
+        if compat.is_literal(atom):
+            return compat.literal_value(atom)
+        if default is _MISSING:
+            return self.env.get((inst, atom), _MISSING)
+        return self.env[(inst, atom)]
+
+    def read_key(self, atom):
+        """Value of a view atom (a canonical key or a constant)."""
+        if isinstance(atom, Const):
+            return atom.value
+        return self.env[self.scope.resolve(atom)]
+
+    def run(self, jaxpr, consts, args, inst) -> list:
+        for var, value in zip(jaxpr.constvars, consts, strict=True):
+            self.write((inst, var), value)
+        for var, value in zip(jaxpr.invars, args, strict=True):
+            if value is not _MISSING:
+                self.write((inst, var), value)
+        self._eqns(jaxpr, inst)
+        return [self.read(inst, v, _MISSING) for v in jaxpr.outvars]
+
+    def _eqns(self, jaxpr, inst) -> None:
+        plan = self.plan
+        for i, eqn in enumerate(jaxpr.eqns):
+            path = (*inst, i)
+            if path in plan.skip:
+                continue
+            planned = plan.by_root.get(path)
+            if planned is not None:
+                self._replace(eqn, inst, planned)
+                continue
+            if path in plan.inline:
+                # Values inside the site were never computed: pass them on as _MISSING.
+                invals = [self.read(inst, a, _MISSING) for a in eqn.invars]
+                body = eqn.params["jaxpr"]
+                outs = self.run(body.jaxpr, body.consts, invals, (*path, "jaxpr"))
+            else:
+                invals = [self.read(inst, a) for a in eqn.invars]
+                outs = compat.bind_equation(eqn, invals, self._params(eqn, path))
+            for var, value in zip(eqn.outvars, outs, strict=True):
+                if not isinstance(var, compat.DropVar) and value is not _MISSING:
+                    self.write((inst, var), value)
+
+    def _replace(self, eqn, inst, planned: PlannedSite) -> None:
+        site = planned.site
+        q, k, v, extras = site.to_kernel(self.read_key)
+        call = kernel_call(planned.kernel, site.spec, planned.interpret)
+        with jax.named_scope(f"{KERNEL_PREFIX}{planned.kernel.name}"):
+            out = call(q, k, v, *extras)
+        self.write((inst, eqn.outvars[0]), site.from_kernel(out))
+
+    def _params(self, eqn, path):
+        """``eqn.params`` with every body that holds sites rewritten."""
+        params = None
+        for name, value in eqn.params.items():
+            items = value if isinstance(value, tuple) else (value,)
+            new_items = list(items)
+            for j, item in enumerate(items):
+                if not isinstance(item, compat.ClosedJaxpr | compat.Jaxpr):
+                    continue
+                step = f"{name}[{j}]" if isinstance(value, tuple) else name
+                prefix = (*path, step)
+                if not self.plan.touches(prefix):
+                    continue
+                new_items[j] = _rewrite_body(item, self.plan, prefix)
+            if new_items != list(items):
+                params = dict(eqn.params) if params is None else params
+                params[name] = tuple(new_items) if isinstance(value, tuple) else new_items[0]
+        return params
+
+
+def _rewrite_body(item, plan: Plan, prefix: tuple):
+    """Rewrite one nested body; on failure keep it and record why."""
+    is_open = isinstance(item, compat.Jaxpr)
+    closed = compat.ClosedJaxpr(item, ()) if is_open else item
+    try:
+        new = rewrite(closed, plan, prefix)
+        if is_open:
+            if new.consts:
+                raise RewriteError("the rewritten body would close over constants")
+            return new.jaxpr
+        return new
+    except Exception as err:  # keep the original body: its sites fall back
+        plan.failed[prefix] = f"{type(err).__name__}: {err}"
+        return item

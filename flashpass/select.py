@@ -1,0 +1,96 @@
+"""Choosing a kernel per site: ordered, constraint-checked, probe-lowered.
+
+Each kernel in the order is asked `check(spec, ctx)` (static, explains
+itself); the first that accepts is probed once per (kernel, spec, interpret):
+its call is traced (the output must have the promised shape and dtype) and,
+on the platform it will run on, lowered.  Any exception there rejects the
+kernel with the error as the reason — never a crash.
+"""
+
+from __future__ import annotations
+
+import collections
+
+import jax
+
+from flashpass.kernels import CheckContext, Kernel, default_order, get_kernel
+
+from .rewrite import kernel_call
+
+#: (kernel name, id(kernel), spec, interpret, platform) -> error string or None
+_PROBES: collections.OrderedDict = collections.OrderedDict()
+_PROBE_LIMIT = 512
+
+
+def resolve_order(kernel, platform: str) -> tuple[list[Kernel], bool]:
+    """Kernels to try and whether the user named them explicitly."""
+    if kernel is None:
+        return [get_kernel(n) for n in default_order(platform)], False
+    names = [kernel] if isinstance(kernel, str | Kernel) else list(kernel)
+    if not names:
+        raise ValueError("kernel=... must name at least one kernel")
+    return [get_kernel(n) for n in names], True
+
+
+def choose(spec, kernels: list[Kernel], ctx: CheckContext):
+    """(kernel, rejections): the first kernel that accepts ``spec``, or None."""
+    rejections: dict[str, list[str]] = {}
+    for kernel in kernels:
+        try:
+            reasons = list(kernel.check(spec, ctx))
+        except Exception as err:
+            reasons = [f"check() raised {type(err).__name__}: {err}"]
+        if not reasons:
+            error = probe(kernel, spec, ctx)
+            if error is None:
+                return kernel, rejections
+            reasons = [error]
+        rejections[kernel.name] = reasons
+    return None, rejections
+
+
+def probe(kernel: Kernel, spec, ctx: CheckContext) -> str | None:
+    """Trace (and, on its own platform, lower) the kernel call for ``spec``."""
+    key = (kernel.name, id(kernel), spec, ctx.interpret, ctx.platform)
+    if key in _PROBES:
+        _PROBES.move_to_end(key)
+        return _PROBES[key]
+    error = _probe(kernel, spec, ctx)
+    _PROBES[key] = error
+    if len(_PROBES) > _PROBE_LIMIT:
+        _PROBES.popitem(last=False)
+    return error
+
+
+def _probe(kernel: Kernel, spec, ctx: CheckContext) -> str | None:
+    args = [
+        jax.ShapeDtypeStruct(spec.q_shape, spec.q_dtype),
+        jax.ShapeDtypeStruct(spec.k_shape, spec.k_dtype),
+        jax.ShapeDtypeStruct(spec.v_shape, spec.v_dtype),
+        *[jax.ShapeDtypeStruct(e.shape, e.dtype) for e in spec.extras],
+    ]
+    call = kernel_call(kernel, spec, ctx.interpret)
+    try:
+        out = jax.eval_shape(call, *args)
+        if tuple(out.shape) != spec.out_shape or out.dtype != spec.out_dtype:
+            return (
+                f"returned {out.dtype}{list(out.shape)}, expected "
+                f"{spec.out_dtype}{list(spec.out_shape)}"
+            )
+        if ctx.platform == current_platform():
+            with jax.ensure_compile_time_eval():
+                call.lower(*args)
+    except Exception as err:  # the kernel failed: the site falls back
+        message = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        return f"raised {type(err).__name__} while tracing/lowering: {message}"[:500]
+    return None
+
+
+def current_platform() -> str:
+    """"cpu", "gpu" or "tpu" for JAX's default backend."""
+    backend = jax.default_backend()
+    return {"cuda": "gpu", "rocm": "gpu"}.get(backend, backend)
+
+
+def clear_probe_cache() -> None:
+    _PROBES.clear()

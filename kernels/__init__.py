@@ -1,0 +1,97 @@
+"""Kernel adapters and the per-platform registry.
+
+Adding a kernel is one adapter module here plus one line in `_BUILTIN` (and,
+if it should be tried by default, in `DEFAULT_ORDER`).
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from .base import (
+    EXCLUDING_FILL,
+    AttentionSpec,
+    Bias,
+    Causal,
+    CheckContext,
+    ExtraSpec,
+    Kernel,
+    Mask,
+    Scale,
+    ScoreOp,
+    Softcap,
+)
+
+__all__ = [
+    "EXCLUDING_FILL",
+    "AttentionSpec",
+    "Bias",
+    "Causal",
+    "CheckContext",
+    "ExtraSpec",
+    "Kernel",
+    "Mask",
+    "Scale",
+    "ScoreOp",
+    "Softcap",
+    "DEFAULT_ORDER",
+    "default_order",
+    "get_kernel",
+    "kernel_names",
+    "register_kernel",
+]
+
+#: name -> "module:Class" of the built-in adapters, imported lazily so that a
+#: kernel whose JAX module is missing only fails when it is asked for.
+_BUILTIN = {
+    "blockwise": "blockwise:BlockwiseKernel",
+    "pallas_tpu": "pallas_tpu:PallasTpuKernel",
+    "reference": "reference:ReferenceKernel",
+}
+
+#: Kernels tried, in order, when the user names none.
+DEFAULT_ORDER: dict[str, tuple[str, ...]] = {
+    "tpu": ("pallas_tpu", "blockwise"),
+    "gpu": ("blockwise",),
+    "cpu": ("blockwise",),
+}
+
+_registry: dict[str, Kernel] = {}
+
+
+def register_kernel(kernel: Kernel, *, replace: bool = False) -> Kernel:
+    """Register a kernel instance under ``kernel.name`` (returns it)."""
+    if not isinstance(kernel, Kernel):
+        raise TypeError(f"expected a flashpass.kernels.Kernel instance, got {kernel!r}")
+    if not kernel.name:
+        raise ValueError("a kernel needs a non-empty `name`")
+    if not replace and (kernel.name in _registry or kernel.name in _BUILTIN):
+        raise ValueError(f"a kernel named {kernel.name!r} is already registered")
+    _registry[kernel.name] = kernel
+    return kernel
+
+
+def kernel_names() -> list[str]:
+    """All known kernel names (built-in and registered)."""
+    return sorted(set(_BUILTIN) | set(_registry))
+
+
+def get_kernel(name: str) -> Kernel:
+    """The kernel registered as ``name``; a clear ValueError lists the known ones."""
+    if isinstance(name, Kernel):
+        return name
+    if name in _registry:
+        return _registry[name]
+    if name not in _BUILTIN:
+        raise ValueError(
+            f"unknown flashpass kernel {name!r}; known kernels: {', '.join(kernel_names())}"
+        )
+    module, cls = _BUILTIN[name].split(":")
+    kernel = getattr(importlib.import_module(f"{__name__}.{module}"), cls)()
+    _registry[name] = kernel
+    return kernel
+
+
+def default_order(platform: str) -> tuple[str, ...]:
+    """The kernels tried by default on ``platform``."""
+    return DEFAULT_ORDER.get(platform, ("blockwise",))

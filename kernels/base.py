@@ -1,0 +1,254 @@
+"""The contract between the matcher and the kernels.
+
+The matcher turns every attention site into one canonical, fully static
+`AttentionSpec`.  Kernels only ever see that spec plus canonical arrays:
+
+* ``q``: ``[B, H, T, D]``, ``k``: ``[B, Hkv, S, D]``, ``v``: ``[B, Hkv, S, Dv]``,
+  with ``H = Hkv * G``; query head ``h`` reads key/value head ``h // G``.
+* ``extras``: the bias and mask arrays named by the spec's score ops, each 4-D
+  and broadcastable to ``[B, H, T, S]`` (size-1 axes are broadcast, never
+  materialised by the matcher).
+
+The kernel returns ``[B, H, T, Dv]`` in ``spec.out_dtype``.  The score function
+it must implement is, in order::
+
+    s = q @ k^T                      (accumulated in spec.compute_dtype)
+    for op in spec.score_ops: s = op(s)
+    p = softmax(s, axis=-1)          (in spec.compute_dtype)
+    p = p.astype(spec.p_dtype)
+    out = p @ v
+
+Each `ScoreOp` documents its exact semantics.  A kernel that cannot honour a
+spec says so in `Kernel.check`, in words a user can act on.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any, ClassVar
+
+import numpy as np
+
+#: A mask fill at or below this value gives excluded keys a weight that is
+#: exactly zero in float32 (exp(-1000) underflows), so a kernel may skip them.
+EXCLUDING_FILL = -1000.0
+
+
+# --------------------------------------------------------------------------- score ops
+
+
+@dataclasses.dataclass(frozen=True)
+class Scale:
+    """``s = s * value`` (a division by ``c`` is recorded as ``1 / c``)."""
+
+    value: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Bias:
+    """``s = s + extras[index]``; ``shape`` is 4-D and broadcastable to the scores."""
+
+    index: int
+    shape: tuple[int, ...]
+    dtype: Any
+
+
+@dataclasses.dataclass(frozen=True)
+class Mask:
+    """``s = where(extras[index], s, fill)``: ``True`` keeps the score."""
+
+    index: int
+    shape: tuple[int, ...]
+    fill: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Causal:
+    """``s = where(j <= i + offset, s, fill)`` for query ``i`` and key ``j``.
+
+    The matcher only emits this when every query row keeps at least one key
+    (``offset >= 0``) and ``fill <= EXCLUDING_FILL`` (or ``-inf``), so excluded
+    keys have exactly zero weight and a kernel may skip them.
+    """
+
+    offset: int
+    fill: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Softcap:
+    """``s = cap * tanh(s / cap)`` (logit soft-capping)."""
+
+    cap: float
+
+
+ScoreOp = Scale | Bias | Mask | Causal | Softcap
+
+
+# --------------------------------------------------------------------------- spec
+
+
+@dataclasses.dataclass(frozen=True)
+class ExtraSpec:
+    """Shape and dtype of one extra (bias or mask) array."""
+
+    shape: tuple[int, ...]
+    dtype: Any
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionSpec:
+    """A canonical attention site: everything a kernel needs, all static."""
+
+    batch: int
+    heads: int
+    kv_heads: int
+    q_len: int
+    kv_len: int
+    head_dim: int
+    v_head_dim: int
+    q_dtype: Any
+    k_dtype: Any
+    v_dtype: Any
+    out_dtype: Any
+    compute_dtype: Any
+    p_dtype: Any
+    score_ops: tuple = ()
+    extras: tuple = ()
+
+    def __post_init__(self):
+        for name in ("q_dtype", "k_dtype", "v_dtype", "out_dtype", "compute_dtype", "p_dtype"):
+            object.__setattr__(self, name, np.dtype(getattr(self, name)))
+        if self.kv_heads <= 0 or self.heads % self.kv_heads:
+            raise ValueError(f"heads={self.heads} is not a multiple of kv_heads={self.kv_heads}")
+
+    # -- derived views kernels commonly need ------------------------------------------
+
+    @property
+    def groups(self) -> int:
+        """Query heads per key/value head (1 without GQA/MQA)."""
+        return self.heads // self.kv_heads
+
+    @property
+    def q_shape(self) -> tuple[int, int, int, int]:
+        return (self.batch, self.heads, self.q_len, self.head_dim)
+
+    @property
+    def k_shape(self) -> tuple[int, int, int, int]:
+        return (self.batch, self.kv_heads, self.kv_len, self.head_dim)
+
+    @property
+    def v_shape(self) -> tuple[int, int, int, int]:
+        return (self.batch, self.kv_heads, self.kv_len, self.v_head_dim)
+
+    @property
+    def out_shape(self) -> tuple[int, int, int, int]:
+        return (self.batch, self.heads, self.q_len, self.v_head_dim)
+
+    @property
+    def causal(self) -> Causal | None:
+        found = [op for op in self.score_ops if isinstance(op, Causal)]
+        return found[0] if len(found) == 1 else None
+
+    @property
+    def scale(self) -> float:
+        """Product of all Scale ops (1.0 when there are none)."""
+        value = 1.0
+        for op in self.score_ops:
+            if isinstance(op, Scale):
+                value *= op.value
+        return value
+
+    def ops_of(self, kind: type) -> list:
+        return [op for op in self.score_ops if isinstance(op, kind)]
+
+    def describe(self) -> dict:
+        """A JSON-friendly summary for reports."""
+        out = dataclasses.asdict(self)
+        for key, value in out.items():
+            if isinstance(value, np.dtype):
+                out[key] = value.name
+        out["score_ops"] = [_op_to_dict(op) for op in self.score_ops]
+        out["extras"] = [
+            {"shape": list(e.shape), "dtype": np.dtype(e.dtype).name} for e in self.extras
+        ]
+        return out
+
+
+def _op_to_dict(op) -> dict:
+    d = {"op": type(op).__name__.lower()}
+    for f in dataclasses.fields(op):
+        value = getattr(op, f.name)
+        if f.name == "dtype":
+            value = np.dtype(value).name
+        elif isinstance(value, tuple):
+            value = list(value)
+        d[f.name] = value
+    return d
+
+
+# --------------------------------------------------------------------------- kernels
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckContext:
+    """What a kernel's `check` may consult besides the spec.
+
+    ``explicit`` is True when the user named this kernel: cost heuristics
+    (e.g. "sequence too short to pay off") must then not reject the site.
+    """
+
+    platform: str
+    interpret: bool = False
+    explicit: bool = False
+
+
+class Kernel:
+    """Base class of kernel adapters.  Subclasses set the class attributes
+    and implement `check` and `apply`."""
+
+    #: Registry name, also used in the ``flashpass_<name>`` call in rewritten jaxprs.
+    name: ClassVar[str] = ""
+    #: Platforms the kernel runs on natively ("cpu", "gpu", "tpu").
+    platforms: ClassVar[tuple[str, ...]] = ()
+    #: Platforms on which ``interpret=True`` lets it run (e.g. a TPU kernel on CPU).
+    interpret_platforms: ClassVar[tuple[str, ...]] = ()
+    #: Whether the kernel has a gradient (a ``custom_vjp`` or differentiable code).
+    supports_grad: ClassVar[bool] = True
+
+    def check(self, spec: AttentionSpec, ctx: CheckContext) -> list[str]:
+        """Return the reasons this kernel cannot run ``spec`` (empty: it can).
+
+        Must not execute anything; it only inspects static information.
+        """
+        raise NotImplementedError
+
+    def apply(
+        self,
+        spec: AttentionSpec,
+        q,
+        k,
+        v,
+        extras: Sequence = (),
+        *,
+        interpret: bool = False,
+    ):
+        """Compute the attention output ``[B, H, T, Dv]`` in ``spec.out_dtype``."""
+        raise NotImplementedError
+
+    def platform_reasons(self, ctx: CheckContext) -> list[str]:
+        """Shared helper: reject platforms the kernel cannot run on."""
+        if ctx.platform in self.platforms:
+            return []
+        if ctx.interpret and ctx.platform in self.interpret_platforms:
+            return []
+        hint = ""
+        if ctx.platform in self.interpret_platforms:
+            hint = " (pass interpret=True to run it in interpret mode)"
+        return [
+            f"{self.name} runs on {', '.join(self.platforms)}, not {ctx.platform}{hint}"
+        ]
+
+    def __repr__(self) -> str:
+        return f"<flashpass kernel {self.name!r}>"

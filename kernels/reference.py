@@ -1,0 +1,82 @@
+"""The executable definition of `AttentionSpec` semantics.
+
+`reference_attention` computes a spec the naive way (full ``T x S`` scores).
+It is the oracle of the kernel conformance tests and, registered as the
+``reference`` kernel (never in a default order), lets tests check the
+matcher's canonicalisation independently of any fast kernel's numerics.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from .base import AttentionSpec, Bias, Causal, CheckContext, Kernel, Mask, Scale, Softcap
+
+
+def apply_score_ops(spec: AttentionSpec, s, extras, q_pos=None, k_pos=None):
+    """Apply ``spec.score_ops`` to a score block ``s`` of shape ``[..., t, s]``.
+
+    ``extras`` are the (already block-sliced, broadcastable) bias/mask arrays;
+    ``q_pos``/``k_pos`` the absolute query/key positions of the block (default:
+    the whole sequence).  Shared by the reference and blockwise kernels so both
+    implement the spec identically.
+    """
+    for op in spec.score_ops:
+        if isinstance(op, Scale):
+            s = s * jnp.asarray(op.value, s.dtype)
+        elif isinstance(op, Bias):
+            s = s + extras[op.index].astype(s.dtype)
+        elif isinstance(op, Mask):
+            s = jnp.where(extras[op.index], s, jnp.asarray(op.fill, s.dtype))
+        elif isinstance(op, Causal):
+            if q_pos is None:
+                q_pos = jnp.arange(s.shape[-2])
+            if k_pos is None:
+                k_pos = jnp.arange(s.shape[-1])
+            keep = k_pos[None, :] <= q_pos[:, None] + op.offset
+            s = jnp.where(keep, s, jnp.asarray(op.fill, s.dtype))
+        elif isinstance(op, Softcap):
+            cap = jnp.asarray(op.cap, s.dtype)
+            s = cap * jnp.tanh(s / cap)
+        else:  # pragma: no cover - a new op must be taught to every kernel
+            raise TypeError(f"unknown score op {op!r}")
+    return s
+
+
+def repeat_kv(spec: AttentionSpec, x):
+    """Expand ``[B, Hkv, S, D]`` to ``[B, H, S, D]`` (query head h reads h // G)."""
+    if spec.groups == 1:
+        return x
+    return jnp.repeat(x, spec.groups, axis=1)
+
+
+def reference_attention(spec: AttentionSpec, q, k, v, extras=(), *, dtype=None):
+    """Naive attention for ``spec``; ``dtype`` overrides the compute dtype
+    (tests use float64 as the oracle)."""
+    cdt = jnp.dtype(dtype or spec.compute_dtype)
+    k = repeat_kv(spec, k)
+    v = repeat_kv(spec, v)
+    s = jnp.einsum("bhtd,bhsd->bhts", q.astype(cdt), k.astype(cdt), preferred_element_type=cdt)
+    s = apply_score_ops(spec, s, extras)
+    p = jax.nn.softmax(s, axis=-1)
+    p_dtype = cdt if dtype is not None else spec.p_dtype
+    v_dtype = cdt if dtype is not None else v.dtype
+    out = jnp.einsum(
+        "bhts,bhsd->bhtd", p.astype(p_dtype), v.astype(v_dtype), preferred_element_type=cdt
+    )
+    return out.astype(spec.out_dtype if dtype is None else cdt)
+
+
+class ReferenceKernel(Kernel):
+    """Naive XLA attention on the canonical layout.  Not in any default order:
+    it exists to test the matcher (its numerics equal the original code's)."""
+
+    name = "reference"
+    platforms = ("cpu", "gpu", "tpu")
+
+    def check(self, spec, ctx: CheckContext):
+        return self.platform_reasons(ctx)
+
+    def apply(self, spec, q, k, v, extras=(), *, interpret=False):
+        return reference_attention(spec, q, k, v, extras)

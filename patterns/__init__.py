@@ -1,0 +1,1 @@
+"""Pattern pieces: one module per piece of the attention pattern."""

@@ -1,0 +1,101 @@
+"""The score chain: everything between ``Q·Kᵀ`` and the softmax.
+
+Walking back from the softmax input, each equation must be recognised by a
+rule registered here by one of the piece modules (`scale`, `bias`, `masks`,
+`softcap`, `layout`).  A rule returns the possible readings of the equation as
+`Step`s (which operand carries the scores, what the other operand means); the
+walk tries them in order until one reaches the score ``dot_general``.  An
+equation no rule knows ends the match with a reason: nothing is skipped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+from flashpass.graph import Node, Scope
+
+from .common import Miss, where
+
+
+@dataclasses.dataclass
+class Step:
+    """One recognised equation of the score chain.
+
+    ``kind`` is one of "cast", "transpose", "scale", "bias", "mask", "tanh",
+    "identity"; ``chain_in`` the operand carrying the scores; ``data`` the
+    kind-specific payload (a scale value, a side-operand `Profile`, a fill...).
+    """
+
+    node: Node
+    kind: str
+    chain_in: object
+    data: dict = dataclasses.field(default_factory=dict)
+
+    @property
+    def side(self) -> list:
+        """Side operands (must not depend on the scores)."""
+        return [a for a in self.node.ins if a is not self.chain_in]
+
+
+Rule = Callable[[Scope, Node, object], "list[Step] | Miss"]
+RULES: dict[str, Rule] = {}
+
+#: Longest chain walked; real code has a handful of steps.
+MAX_STEPS = 64
+
+
+def rule(*prims: str):
+    """Register a chain rule for the given primitive names."""
+
+    def register(fn: Rule) -> Rule:
+        for prim in prims:
+            if prim in RULES:
+                raise ValueError(f"two chain rules for {prim!r}")
+            RULES[prim] = fn
+        return fn
+
+    return register
+
+
+@dataclasses.dataclass
+class Chain:
+    dot: Node
+    steps: list  # forward order: from the dot towards the softmax
+
+
+def walk_chain(scope: Scope, s_in) -> Chain | Miss:
+    """From the softmax input back to the score ``dot_general``."""
+    return _walk(scope, s_in, [])
+
+
+def _walk(scope: Scope, atom, steps: list) -> Chain | Miss:
+    node = scope.producer(atom)
+    if node is None:
+        return Miss("the softmax input is not computed from a dot_general (it is an input)")
+    if node.prim == "dot_general":
+        return Chain(node, list(reversed(steps)))
+    if len(steps) >= MAX_STEPS:
+        return Miss(f"more than {MAX_STEPS} operations between scores and softmax{where(node)}", node)
+    fn = RULES.get(node.prim)
+    if fn is None:
+        return Miss(
+            f"`{node.prim}` between the score product and the softmax is not a recognised "
+            f"score operation{where(node)}",
+            node,
+        )
+    readings = fn(scope, node, atom)
+    if isinstance(readings, Miss):
+        return readings
+    first_miss = None
+    for step in readings:
+        found = _walk(scope, step.chain_in, [*steps, step])
+        if found:
+            return found
+        first_miss = first_miss or found
+    return first_miss or Miss(f"`{node.prim}` could not be read as a score operation{where(node)}", node)
+
+
+def ensure_loaded() -> None:
+    """Import the piece modules so their rules are registered."""
+    from . import bias, layout, masks, scale, softcap  # noqa: F401

@@ -1,0 +1,132 @@
+"""Shared vocabulary of the pattern modules: `Miss` and operand `Profile`s."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from flashpass.graph import Const, Node, Scope
+
+
+class Miss:
+    """A failed match that says why.  Falsy, so ``if not m: return m`` reads naturally.
+
+    ``relevant`` marks misses worth reporting to the user: something that looks
+    like an attention softmax was found, but a later condition failed.  A bare
+    ``exp`` in a GELU is an irrelevant miss and stays silent.
+    """
+
+    __slots__ = ("reason", "node", "relevant")
+
+    def __init__(self, reason: str, node: Node | None = None, relevant: bool = True):
+        self.reason = reason
+        self.node = node
+        self.relevant = relevant
+
+    def __bool__(self) -> bool:
+        return False
+
+    @property
+    def location(self) -> str | None:
+        return self.node.location if self.node is not None else None
+
+    def __repr__(self) -> str:
+        return f"Miss({self.reason!r} at {self.location})"
+
+
+def where(node: Node | None) -> str:
+    """`` at file.py:LINE`` for messages (empty when unknown)."""
+    loc = node.location if node is not None else None
+    return f" at {loc}" if loc else ""
+
+
+@dataclasses.dataclass(frozen=True)
+class Profile:
+    """How an operand broadcasts against a value of ``target`` shape.
+
+    ``base`` is the un-broadcast atom; ``axes[t]`` is the base axis that feeds
+    target axis ``t``, or None where the operand is broadcast along ``t``.
+    Base axes not named in ``axes`` have size 1.
+    """
+
+    base: object
+    axes: tuple
+    target: tuple
+
+    @property
+    def is_scalar(self) -> bool:
+        return all(a is None for a in self.axes)
+
+
+def profile(scope: Scope, atom, target: tuple[int, ...]) -> Profile:
+    """Peel size-1 broadcasting, ``broadcast_in_dim`` and unit reshapes off ``atom``."""
+    shape = scope.shape(atom)
+    if not shape:  # lax binops broadcast rank-0 operands
+        return Profile(scope.resolve(atom), (None,) * len(target), tuple(target))
+    if len(shape) != len(target):
+        raise ValueError(f"operand of shape {shape} does not broadcast to {target}")
+    axes = tuple(
+        None if (shape[t] == 1 and target[t] != 1) else t for t in range(len(target))
+    )
+    atom = scope.resolve(atom)
+    while True:
+        node = scope.producer(atom)
+        if node is None:
+            break
+        if node.prim == "broadcast_in_dim":
+            dims = node.params["broadcast_dimensions"]
+            src = node.ins[0]
+            src_shape = scope.shape(src)
+            new = []
+            for a in axes:
+                if a is None or a not in dims:
+                    new.append(None)
+                else:
+                    b = dims.index(a)
+                    new.append(None if src_shape[b] == 1 and scope.shape(atom)[a] != 1 else b)
+            axes, atom = tuple(new), scope.resolve(src)
+            continue
+        if node.prim == "reshape" and node.params.get("dimensions") is None:
+            mapped = _unit_reshape_map(scope.shape(node.ins[0]), scope.shape(atom))
+            if mapped is None:
+                break
+            axes = tuple(None if a is None else mapped[a] for a in axes)
+            atom = scope.resolve(node.ins[0])
+            continue
+        break
+    # Axes that survive must really carry the target extent (or be size-1 broadcasts).
+    base_shape = scope.shape(atom)
+    axes = tuple(
+        None if (a is not None and base_shape[a] == 1 and target[t] != 1) else a
+        for t, a in enumerate(axes)
+    )
+    return Profile(atom, axes, tuple(target))
+
+
+def _unit_reshape_map(src: tuple, dst: tuple) -> dict | None:
+    """For a reshape that only adds/removes size-1 axes: dst axis -> src axis."""
+    if [d for d in src if d != 1] != [d for d in dst if d != 1]:
+        return None
+    src_big = [i for i, d in enumerate(src) if d != 1]
+    dst_big = [i for i, d in enumerate(dst) if d != 1]
+    mapping = {d: s for d, s in zip(dst_big, src_big, strict=True)}
+    return {i: mapping.get(i) for i in range(len(dst))}
+
+
+def scalar_value(scope: Scope, atom) -> float | None:
+    """The Python float of a scalar-like constant operand, else None."""
+    value = scope.fold(atom)
+    if value is None:
+        return None
+    value = np.asarray(value)
+    if value.size == 0:
+        return None
+    flat = value.reshape(-1)
+    if not np.all(flat == flat[0]) and not np.all(np.isnan(flat)):
+        return None
+    return float(flat[0])
+
+
+def is_const(atom) -> bool:
+    return isinstance(atom, Const)

@@ -1,0 +1,31 @@
+"""Layout-only steps of the score chain: dtype casts and transposes.
+
+``scores.astype(jnp.float32)`` before ``jax.nn.softmax`` (mixed precision code:
+Flax, Hugging Face) and einsum output permutations change no value the kernel
+computes; casts fix the softmax dtype, transposes move axis roles.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .chain import Step, rule
+from .common import Miss, where
+
+
+@rule("convert_element_type")
+def _cast(scope, node, out):
+    src, dst = scope.dtype(node.ins[0]), np.dtype(node.params["new_dtype"])
+    if not (np.issubdtype(src, np.floating) and np.issubdtype(dst, np.floating)):
+        return Miss(f"scores converted from {src} to {dst}{where(node)}", node)
+    return [Step(node, "cast", node.ins[0], {"dtype": dst})]
+
+
+@rule("transpose")
+def _transpose(scope, node, out):
+    return [Step(node, "transpose", node.ins[0], {"perm": tuple(node.params["permutation"])})]
+
+
+@rule("copy", "copy_p")
+def _copy(scope, node, out):
+    return [Step(node, "identity", node.ins[0])]

@@ -1,0 +1,46 @@
+"""Score scaling: ``s * c``, ``c * s``, ``s / c`` with a constant scalar ``c``.
+
+Covers ``1 / sqrt(d)`` written as a Python float, ``jnp.sqrt``, ``lax.rsqrt`` or
+``d ** -0.5`` (all constant-folded), and Hugging Face's ``/ sqrt(head_dim)``.
+A query (or key) scaled before the product needs no rule: it is part of q.
+"""
+
+from __future__ import annotations
+
+from .chain import Step, rule
+from .common import Miss, profile, scalar_value, where
+
+
+def _scale_reading(scope, node, chain, side, invert):
+    prof = profile(scope, side, scope.shape(node.out))
+    if not prof.is_scalar:
+        return None
+    value = scalar_value(scope, prof.base)
+    if value is None:
+        return Miss(f"scores scaled by a traced (non-constant) value{where(node)}", node)
+    if value == 0.0 or value != value:
+        return Miss(f"scores scaled by {value}{where(node)}", node)
+    return Step(node, "scale", chain, {"value": 1.0 / value if invert else value})
+
+
+@rule("mul")
+def _mul(scope, node, out):
+    a, b = node.ins
+    readings, miss = [], None
+    for chain, side in ((a, b), (b, a)):
+        step = _scale_reading(scope, node, chain, side, invert=False)
+        if isinstance(step, Miss):
+            miss = step
+        elif step is not None:
+            readings.append(step)
+    if readings:
+        return readings
+    return miss or Miss(f"scores multiplied elementwise by a tensor{where(node)}", node)
+
+
+@rule("div")
+def _div(scope, node, out):
+    step = _scale_reading(scope, node, node.ins[0], node.ins[1], invert=True)
+    if step is None:
+        return Miss(f"scores divided elementwise by a tensor{where(node)}", node)
+    return step if isinstance(step, Miss) else [step]

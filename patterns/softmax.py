@@ -1,0 +1,156 @@
+"""Softmax spellings.
+
+Recognised (all normalise over exactly one axis, the key axis):
+
+* ``jax.nn.softmax(s, axis)`` — in JAX 0.10 it traces to
+  ``e = exp(s - stop_gradient(max(-inf, reduce_max(s)))); e / reduce_sum(e)``
+  (Flax, Haiku, Equinox, Keras and Hugging Face Flax all call it).
+* Hand-written ``e = exp(s - s.max(axis, keepdims=True)); e / e.sum(axis, keepdims=True)``
+  (nanoGPT-style code), with or without the max subtraction, with the divisor
+  broadcast via ``broadcast_in_dim``/``reshape`` or implicit size-1 broadcasting.
+* Normalisation written as ``e * (1 / sum)``.
+
+Semantics, not spelling: the shift ``c`` in ``exp(s - c)`` may be anything that
+is constant along the normalised axis (softmax is invariant to it, value and
+gradient), but the normaliser must be the sum of the same ``exp`` over the same
+axis.  Anything else is a near miss with a reason.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from flashpass.graph import Node, Scope
+
+from .common import Miss, profile, scalar_value, where
+
+
+@dataclasses.dataclass
+class Softmax:
+    exp: Node
+    axis: int  # the normalised (key) axis, in the layout of ``s_in``
+    s_in: object  # the softmax input (scores after all score ops)
+    shift: object | None  # the ``c`` of ``exp(s - c)``, if any
+    out: object  # normalised probabilities
+    nodes: set  # equations that belong to the softmax itself
+    dtype: object  # dtype the softmax is computed in
+
+
+def match_softmax(scope: Scope, exp: Node) -> Softmax | Miss:
+    """Recognise the softmax around ``exp`` (an ``exp`` equation)."""
+    e = exp.out
+    rank = len(scope.shape(e))
+    nodes = {exp}
+
+    # The normaliser: a reduce_sum of this very exp over one axis.
+    sums = [n for n, _ in scope.consumers(e) if n.prim == "reduce_sum"]
+    if not sums:
+        return Miss("exp is not normalised by a sum", exp, relevant=False)
+    if len(sums) > 1:
+        return Miss("exp is summed more than once", exp, relevant=False)
+    total = sums[0]
+    axes = tuple(total.params["axes"])
+    if len(axes) != 1:
+        return Miss(f"softmax normalises over several axes {axes}{where(exp)}", exp)
+    axis = axes[0] % rank
+    nodes.add(total)
+
+    norm = _find_normalisation(scope, e, total, axis)
+    if not norm:
+        return norm
+    norm_node, norm_nodes = norm
+    nodes |= norm_nodes
+
+    # The input: exp(s - c) with c constant along the axis, or exp(s).
+    x = exp.ins[0]
+    shift = None
+    sub = scope.producer(x)
+    s_in = x
+    if sub is not None and sub.prim == "sub":
+        c = sub.ins[1]
+        prof = profile(scope, c, scope.shape(x))
+        if prof.axes[axis] is not None:
+            return Miss(
+                f"exp(s - c) where c varies along the softmax axis {axis}{where(sub)}", sub
+            )
+        shift, s_in = c, sub.ins[0]
+        nodes.add(sub)
+    return Softmax(exp, axis, s_in, shift, norm_node.out, nodes, scope.dtype(e))
+
+
+def _find_normalisation(scope: Scope, e, total: Node, axis: int):
+    """The equation computing ``e / sum`` (or ``e * (1/sum)``) and its helpers."""
+    z = scope.resolve(total.out)
+    shape = scope.shape(e)
+    for node, pos in scope.consumers(e):
+        if node.prim == "div" and pos == 0:
+            prof = profile(scope, node.ins[1], shape)
+            helpers = _keepdims_of(scope, prof, z, axis)
+            if helpers is not None:
+                return node, {node, *helpers, *_peeled_nodes(scope, node.ins[1], prof.base)}
+        if node.prim == "mul":
+            other = node.ins[1 - pos]
+            prof = profile(scope, other, shape)
+            recip = scope.producer(prof.base)
+            if recip is None or not _is_reciprocal(scope, recip):
+                continue
+            inner = recip.ins[-1]  # div(1, x) or integer_pow(x, -1)
+            inner_prof = profile(scope, inner, scope.shape(inner))
+            helpers = _keepdims_of(scope, dataclasses.replace(prof, base=inner_prof.base), z, axis)
+            if helpers is not None:
+                peeled = _peeled_nodes(scope, other, prof.base)
+                return node, {node, recip, *helpers, *peeled}
+    return Miss(
+        f"exp is summed over axis {axis} but not divided by that sum{where(total)}", total
+    )
+
+
+def _is_reciprocal(scope: Scope, node: Node) -> bool:
+    if node.prim == "integer_pow" and node.params.get("y") == -1:
+        return True
+    return node.prim == "div" and scalar_value(scope, node.ins[0]) == 1.0
+
+
+def _keepdims_of(scope: Scope, prof, z, axis: int) -> set | None:
+    """Nodes between ``z`` and ``prof.base`` if the profile is ``z`` broadcast back
+    along ``axis`` (its other axes in order), else None."""
+    if prof.axes[axis] is not None:
+        return None
+    helpers: set = set()
+    base = scope.resolve(prof.base)
+    base_rank = len(scope.shape(base))
+    # keepdims spelled as a unit reshape of z: follow it back.
+    node = scope.producer(base)
+    while base != z and node is not None and node.prim in ("reshape", "broadcast_in_dim"):
+        if node.prim == "reshape" and node.params.get("dimensions") is not None:
+            return None
+        helpers.add(node)
+        base = scope.resolve(node.ins[0])
+        node = scope.producer(base)
+    if base != z:
+        return None
+    rank = len(prof.axes)
+    others = [a for t, a in enumerate(prof.axes) if t != axis]
+    if base_rank == rank:  # keepdims layout: axis t of the profile base is axis t
+        z_shape = scope.shape(z)
+        kept = scope.shape(prof.base)
+        if len(z_shape) == rank - 1 and kept != (*z_shape[:axis], 1, *z_shape[axis:]):
+            return None
+        expect = [t for t in range(rank) if t != axis]
+    else:
+        expect = list(range(rank - 1))
+    return helpers if others == expect else None
+
+
+def _peeled_nodes(scope: Scope, atom, base) -> set:
+    """The broadcast/reshape nodes between ``atom`` and its profile base."""
+    out = set()
+    base = scope.resolve(base)
+    atom = scope.resolve(atom)
+    while atom != base:
+        node = scope.producer(atom)
+        if node is None:
+            break
+        out.add(node)
+        atom = scope.resolve(node.ins[0])
+    return out
