@@ -17,6 +17,7 @@ The anchor is the softmax (found from its ``exp``).  From there:
 
 from __future__ import annotations
 
+import jax.numpy as jnp
 import numpy as np
 
 from flashpass.kernels import AttentionSpec, Bias, Causal, ExtraSpec, Mask, Scale
@@ -116,7 +117,7 @@ def match_site(scope: Scope, soft) -> AttentionSite | Miss:
                 ops.append(causal)
                 continue
             dtype = scope.dtype(prof.base)
-            if not np.issubdtype(dtype, np.floating):
+            if not jnp.issubdtype(dtype, jnp.floating):
                 return Miss(f"scores biased by a {dtype} tensor{where(step.node)}", step.node)
             index, shape4 = add_extra(prof, "neg" if sign < 0 else None, dtype)
             ops.append(Bias(index, shape4, dtype))
@@ -153,12 +154,12 @@ def match_site(scope: Scope, soft) -> AttentionSite | Miss:
         nodes |= scope.backward_cone([soft.shift]) & cone
 
     problem = _check_closed(scope, dot, root, nodes)
-    if problem:
+    if problem is not None:
         return problem
 
     # dtypes and the spec
     for name, atom in (("query", sp.q), ("key", sp.k), ("value", out.v)):
-        if not np.issubdtype(scope.dtype(atom), np.floating):
+        if not jnp.issubdtype(scope.dtype(atom), jnp.floating):
             return Miss(f"{name} is {scope.dtype(atom)}, not floating point{where(dot)}", dot)
     q = Operand(sp.q, sp.q_perm, scope.shape(sp.q), scope.dtype(sp.q))
     k = Operand(sp.k, sp.k_perm, scope.shape(sp.k), scope.dtype(sp.k))

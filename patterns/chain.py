@@ -92,8 +92,11 @@ def _walk(scope: Scope, atom, steps: list) -> Chain | Miss:
         found = _walk(scope, step.chain_in, [*steps, step])
         if found:
             return found
-        first_miss = first_miss or found
-    return first_miss or Miss(f"`{node.prim}` could not be read as a score operation{where(node)}", node)
+        if first_miss is None:
+            first_miss = found
+    if first_miss is not None:
+        return first_miss
+    return Miss(f"`{node.prim}` could not be read as a score operation{where(node)}", node)
 
 
 def ensure_loaded() -> None:

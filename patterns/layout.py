@@ -7,6 +7,7 @@ computes; casts fix the softmax dtype, transposes move axis roles.
 
 from __future__ import annotations
 
+import jax.numpy as jnp
 import numpy as np
 
 from .chain import Step, rule
@@ -16,7 +17,7 @@ from .common import Miss, where
 @rule("convert_element_type")
 def _cast(scope, node, out):
     src, dst = scope.dtype(node.ins[0]), np.dtype(node.params["new_dtype"])
-    if not (np.issubdtype(src, np.floating) and np.issubdtype(dst, np.floating)):
+    if not (jnp.issubdtype(src, jnp.floating) and jnp.issubdtype(dst, jnp.floating)):
         return Miss(f"scores converted from {src} to {dst}{where(node)}", node)
     return [Step(node, "cast", node.ins[0], {"dtype": dst})]
 

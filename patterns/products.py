@@ -23,6 +23,7 @@ from flashpass.graph import Node, Scope
 from .common import Miss, where
 
 Role = object
+_ROLE_NAMES = {"T": "query", "S": "key"}
 
 
 @dataclasses.dataclass
@@ -132,9 +133,11 @@ def output_product(scope: Scope, p, p_roles: list) -> OutputProduct | Miss:
         return Miss(f"P·V multiplies the probabilities by themselves{where(node)}", node)
     prank, vrank = len(p_roles), len(scope.shape(v))
     if len(pc) != 1 or p_roles[pc[0]] != "S":
-        got = [p_roles[a] for a in pc]
+        got = [_ROLE_NAMES.get(p_roles[a], "batch") for a in pc]
         return Miss(
-            f"P·V contracts probability axes {got}, expected the key axis only{where(node)}", node
+            f"P·V contracts the {'/'.join(got)} axis of the probabilities, a different axis "
+            f"than the softmax normalises (the key axis){where(node)}",
+            node,
         )
     batch_roles = [p_roles[a] for a in pb]
     want = sorted(r for r in p_roles if isinstance(r, tuple))

@@ -35,7 +35,9 @@ def _mul(scope, node, out):
             readings.append(step)
     if readings:
         return readings
-    return miss or Miss(f"scores multiplied elementwise by a tensor{where(node)}", node)
+    if miss is not None:
+        return miss
+    return Miss(f"scores multiplied elementwise by a tensor{where(node)}", node)
 
 
 @rule("div")

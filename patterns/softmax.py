@@ -99,6 +99,7 @@ def _find_normalisation(scope: Scope, e, total: Node, axis: int):
             helpers = _keepdims_of(scope, dataclasses.replace(prof, base=inner_prof.base), z, axis)
             if helpers is not None:
                 peeled = _peeled_nodes(scope, other, prof.base)
+                peeled |= _peeled_nodes(scope, inner, inner_prof.base)
                 return node, {node, recip, *helpers, *peeled}
     return Miss(
         f"exp is summed over axis {axis} but not divided by that sum{where(total)}", total

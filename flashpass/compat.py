@@ -1,0 +1,220 @@
+"""Every JAX-version difference and every private or experimental JAX import.
+
+flashpass touches JAX internals (jaxpr data structures, source info, DCE) and
+experimental modules (Pallas kernels).  They all go through this module, so a
+JAX upgrade that moves something breaks here, loudly, and nowhere else.
+
+Supported: JAX 0.10.x and 0.11.x.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+
+import jax
+from jax._src import core as _core
+from jax._src import source_info_util as _siu
+from jax._src.interpreters import partial_eval as _pe
+
+JAX_VERSION: tuple[int, ...] = tuple(int(p) for p in jax.__version__.split(".")[:3] if p.isdigit())
+
+# --------------------------------------------------------------------------- jaxpr types
+
+Jaxpr = _core.Jaxpr
+ClosedJaxpr = _core.ClosedJaxpr
+JaxprEqn = _core.JaxprEqn
+Var = _core.Var
+Literal = _core.Literal
+DropVar = _core.DropVar
+ShapedArray = _core.ShapedArray
+Primitive = _core.Primitive
+
+
+def is_literal(atom) -> bool:
+    return isinstance(atom, _core.Literal)
+
+
+def literal_value(atom):
+    return atom.val
+
+
+def get_aval(x):
+    """Abstract value of a concrete or traced array."""
+    return jax.typeof(x)
+
+
+def subjaxprs_of_params(params) -> list:
+    """All (Closed)Jaxprs held in an equation's params (any nesting)."""
+    return list(_core.jaxprs_in_params(params))
+
+
+def bind_equation(eqn, invals, params=None) -> list:
+    """Bind ``eqn``'s primitive on ``invals`` (optionally with replaced params),
+    keeping its source info and context, as ``eval_jaxpr`` does."""
+    params = eqn.params if params is None else params
+    bind_params = eqn.primitive.get_bind_params(params)
+    subfuns: tuple = ()
+    if isinstance(bind_params, tuple):  # JAX < 0.10 returned (subfuns, params)
+        subfuns, bind_params = bind_params
+    name_stack = _siu.current_name_stack() + eqn.source_info.name_stack
+    with _siu.user_context(eqn.source_info.traceback, name_stack=name_stack), eqn.ctx.manager:
+        out = eqn.primitive.bind(*subfuns, *invals, **bind_params)
+    return list(out) if eqn.primitive.multiple_results else [out]
+
+
+def eval_jaxpr(jaxpr, consts, *args):
+    return _core.eval_jaxpr(jaxpr, consts, *args)
+
+
+def jaxpr_as_fun(closed_jaxpr):
+    return _core.jaxpr_as_fun(closed_jaxpr)
+
+
+def dce_closed_jaxpr(closed: ClosedJaxpr) -> ClosedJaxpr:
+    """Remove dead equations, keeping every input and output (the signature)."""
+    jaxpr, _ = _pe.dce_jaxpr(closed.jaxpr, True, instantiate=True)
+    return ClosedJaxpr(jaxpr, closed.consts)
+
+
+# --------------------------------------------------------------------------- source info
+
+
+def user_location(eqn) -> str | None:
+    """``"file.py:LINE"`` of the innermost user frame that created ``eqn``."""
+    frame = _siu.user_frame(eqn.source_info.traceback)
+    if frame is None:
+        return None
+    return f"{frame.file_name}:{frame.start_line}"
+
+
+def user_frames(eqn) -> list[tuple[str, int]]:
+    """All user frames (innermost first) that created ``eqn``."""
+    return [(f.file_name, f.start_line) for f in _siu.user_frames(eqn.source_info.traceback)]
+
+
+# --------------------------------------------------------------------------- evaluation helpers
+
+
+def compile_time_eval():
+    """Context in which jax ops on concrete values run eagerly even inside a trace."""
+    return jax.ensure_compile_time_eval()
+
+
+# --------------------------------------------------------------------------- Pallas
+
+
+@functools.cache
+def tpu_flash_attention_module():
+    """``jax.experimental.pallas.ops.tpu.flash_attention`` (imported lazily)."""
+    from jax.experimental.pallas.ops.tpu import flash_attention
+
+    return flash_attention
+
+
+@contextlib.contextmanager
+def tpu_interpret_mode():
+    """Run Pallas TPU kernels in interpret mode (on CPU) inside this context."""
+    from jax.experimental.pallas import tpu as pltpu
+
+    with pltpu.force_tpu_interpret_mode():
+        yield
+
+
+# --- Pallas TPU adapter helpers
+
+
+@contextlib.contextmanager
+def _pallas_tpu_trace_context(interpret: bool):
+    with contextlib.ExitStack() as stack:
+        # The TPU flash kernel's index maps break under x64 (lax.select of an
+        # int32 program id and an int64 literal); its inputs are 32-bit anyway.
+        stack.enter_context(jax.enable_x64(False))
+        if interpret:
+            stack.enter_context(tpu_interpret_mode())
+        yield
+
+
+def pallas_tpu_traced(fn, *, interpret: bool = False):
+    """Wrap ``fn`` so the Pallas TPU kernels it calls, including those of its
+    backward pass, are traced with x64 off and, if ``interpret``, in interpret mode.
+
+    Both settings are read when ``pallas_call`` is *traced*: `tpu_interpret_mode`
+    becomes the call's ``interpret`` parameter (lowering and compiling do not
+    consult it).  A ``custom_vjp``'s backward is traced later, when the caller
+    differentiates, possibly outside any context, so the contexts are entered
+    here in the primal, forward and backward rules.  ``fn`` takes and returns
+    arrays only; the wrapper has reverse-mode AD only.
+    """
+
+    @jax.custom_vjp
+    def call(*args):
+        with _pallas_tpu_trace_context(interpret):
+            return fn(*args)
+
+    def fwd(*args):
+        with _pallas_tpu_trace_context(interpret):
+            out, vjp = jax.vjp(fn, *args)
+        return out, vjp  # `vjp` is a pytree of residual arrays (a tree_util.Partial).
+
+    def bwd(vjp, cotangent):
+        with _pallas_tpu_trace_context(interpret):
+            return vjp(cotangent)
+
+    call.defvjp(fwd, bwd)
+    return call
+
+
+def lower_for_tpu(fn, *args) -> str:
+    """StableHLO text of ``fn(*args)`` lowered for TPU, on any host (no TPU needed).
+
+    ``args`` may be arrays or `jax.ShapeDtypeStruct`s.  Pallas TPU kernels
+    appear as ``tpu_custom_call`` custom calls.  Uses `jax.export`, whose
+    ``platforms`` argument is the public way to cross-lower.
+    """
+    from jax import export
+
+    exported = export.export(jax.jit(fn), platforms=["tpu"])(*args)
+    return exported.mlir_module()
+
+
+# --------------------------------------------------------------------------- MLIR
+
+
+def stablehlo_ops(module) -> list[tuple[str, list[tuple[int, ...]], str | None]]:
+    """``(op name, result tensor shapes, custom-call target)`` for every operation
+    of a StableHLO module (``Lowered.compiler_ir("stablehlo")``), using the MLIR
+    Python bindings that ship in jaxlib."""
+    from jaxlib.mlir import ir
+
+    found = []
+
+    def visit(op) -> None:
+        shapes = []
+        for result in op.results:
+            try:
+                shapes.append(tuple(ir.RankedTensorType(result.type).shape))
+            except (ValueError, TypeError):  # not a ranked tensor (token, tuple...)
+                pass
+        target = None
+        if op.name == "stablehlo.custom_call" and "call_target_name" in op.attributes:
+            target = ir.StringAttr(op.attributes["call_target_name"]).value
+        found.append((op.name, shapes, target))
+        for region in op.regions:
+            for block in region.blocks:
+                for inner in block.operations:
+                    visit(inner.operation)
+
+    with module.context:
+        for op in module.body.operations:
+            visit(op.operation)
+    return found
+
+
+def parse_stablehlo(text: str):
+    """Parse StableHLO text (e.g. from `lower_for_tpu`) into an MLIR module."""
+    from jax._src.interpreters import mlir as jax_mlir
+    from jaxlib.mlir import ir
+
+    context = jax_mlir.make_ir_context()
+    return ir.Module.parse(text, context=context)

@@ -1,0 +1,144 @@
+"""Helpers for users' own test suites.
+
+* `assert_rewrites(fn, *args, count=..., kernel=...)` — the sites you expect
+  are rewritten (with the report in the failure message).
+* `assert_golden(fn, *args, path=...)` — pin the rewritten jaxpr of your model
+  in a checked-in file; when a JAX upgrade stops a rewrite, the diff and the
+  report say so.  ``FLASHPASS_UPDATE_GOLDENS=1`` rewrites the files.
+* `stablehlo_shapes(fn, *args)` / `custom_call_targets(...)` — read the
+  lowered StableHLO (e.g. to check no ``T x S`` tensor remains).
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import pathlib
+
+import jax
+
+from . import compat
+from .api import Optimized, optimize
+from .printer import count_kernel_calls, format_jaxpr
+from .report import Report
+
+UPDATE_ENV = "FLASHPASS_UPDATE_GOLDENS"
+
+
+def _optimized(fn, kwargs) -> Optimized:
+    if isinstance(fn, Optimized):
+        return fn
+    return optimize(fn, **kwargs)
+
+
+def assert_rewrites(
+    fn,
+    *args,
+    count: int | None = None,
+    kernel: str | None = None,
+    fallbacks: int | None = None,
+    optimize_kwargs: dict | None = None,
+    **kwargs,
+) -> Report:
+    """Assert that ``fn(*args, **kwargs)`` has ``count`` rewritten sites (all
+    with ``kernel`` if given, and exactly ``fallbacks`` kept sites if given).
+
+    ``fn`` may be an optimized function or a plain one (then
+    ``optimize(fn, **optimize_kwargs)`` is used).  Returns the `Report`.
+    """
+    opt = _optimized(fn, optimize_kwargs or {})
+    report = opt.explain(*args, **kwargs)
+    problems = []
+    if count is not None and len(report.rewrites) != count:
+        problems.append(f"expected {count} rewritten site(s), got {len(report.rewrites)}")
+    if count is None and not report.rewrites:
+        problems.append("expected at least one rewritten site, got none")
+    if kernel is not None:
+        others = [r.kernel for r in report.rewrites if r.kernel != kernel]
+        if others:
+            problems.append(f"expected every site to use {kernel!r}, got {others}")
+    if fallbacks is not None and len(report.fallbacks) != fallbacks:
+        problems.append(f"expected {fallbacks} fallback(s), got {len(report.fallbacks)}")
+    calls = count_kernel_calls(opt.rewritten_jaxpr(*args, **kwargs))
+    if sum(calls.values()) != len(report.rewrites):
+        problems.append(
+            f"the report lists {len(report.rewrites)} rewrites but the jaxpr has {calls}"
+        )
+    if problems:
+        raise AssertionError("; ".join(problems) + "\n" + str(report))
+    return report
+
+
+def golden_text(fn, *args, **kwargs) -> str:
+    """The golden file content for ``fn`` at these arguments (body only)."""
+    opt = _optimized(fn, {})
+    report = opt.explain(*args, **kwargs)
+    header = [
+        f"# rewrites: {len(report.rewrites)} "
+        f"({', '.join(sorted(r.kernel for r in report.rewrites)) or 'none'})",
+        f"# fallbacks: {len(report.fallbacks)}",
+    ]
+    return "\n".join(header) + "\n" + format_jaxpr(opt.rewritten_jaxpr(*args, **kwargs))
+
+
+def assert_golden(fn, *args, path, update: bool | None = None, **kwargs) -> None:
+    """Compare the rewritten jaxpr of ``fn(*args, **kwargs)`` with the file ``path``.
+
+    The file starts with a ``# jax X.Y.Z`` stamp (not compared).  With
+    ``update=True`` or ``FLASHPASS_UPDATE_GOLDENS=1`` the file is (re)written.
+    A mismatch raises AssertionError with a unified diff and, when the number
+    of rewritten sites changed, a note that an upgrade stopped a rewrite.
+    """
+    path = pathlib.Path(path)
+    body = golden_text(fn, *args, **kwargs)
+    if update is None:
+        update = os.environ.get(UPDATE_ENV, "") not in ("", "0")
+    if update or not path.exists():
+        if not update:
+            raise AssertionError(
+                f"golden file {path} does not exist; run with {UPDATE_ENV}=1 to create it"
+            )
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(f"# jax {jax.__version__}\n" + body)
+        return
+    expected = path.read_text().split("\n", 1)[1] if path.read_text().startswith("#") else ""
+    if expected == body:
+        return
+    diff = "".join(
+        difflib.unified_diff(
+            expected.splitlines(keepends=True),
+            body.splitlines(keepends=True),
+            fromfile=str(path),
+            tofile="now",
+        )
+    )
+    note = ""
+    if expected.splitlines()[:1] != body.splitlines()[:1]:
+        note = (
+            "\nThe number of rewritten sites changed: a JAX upgrade (or a code change) "
+            "stopped or added a rewrite.  See the report (flashpass.explain) for why."
+        )
+    raise AssertionError(
+        f"rewritten jaxpr differs from {path} (regenerate with {UPDATE_ENV}=1):{note}\n{diff}"
+    )
+
+
+def stablehlo_ops(fn, *args, **kwargs):
+    """``(op, result shapes, custom-call target)`` of ``jax.jit(fn)`` lowered here."""
+    module = jax.jit(fn).lower(*args, **kwargs).compiler_ir("stablehlo")
+    return compat.stablehlo_ops(module)
+
+
+def stablehlo_shapes(fn, *args, **kwargs) -> set[tuple[int, ...]]:
+    """Every tensor shape produced in the lowered StableHLO of ``fn``."""
+    return {s for _, shapes, _ in stablehlo_ops(fn, *args, **kwargs) for s in shapes}
+
+
+def custom_call_targets(fn, *args, platform: str | None = None, **kwargs) -> list[str]:
+    """Custom-call targets in ``fn``'s StableHLO; ``platform="tpu"`` cross-lowers."""
+    if platform == "tpu":
+        module = compat.parse_stablehlo(compat.lower_for_tpu(fn, *args))
+        ops = compat.stablehlo_ops(module)
+    else:
+        ops = stablehlo_ops(fn, *args, **kwargs)
+    return [t for _, _, t in ops if t]

@@ -1,0 +1,247 @@
+"""Attention spellings shared by the matcher, golden and kernel-integration tests.
+
+Each entry: name -> (function, argument builder).  Every function computes
+attention the way some real code writes it; the tests check it is rewritten
+and that outputs and gradients equal the original's.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+B, T, S, H, D = 2, 16, 16, 3, 8
+
+
+def _normal(rng, shape, dtype=np.float32):
+    return jnp.asarray(rng.standard_normal(shape).astype(np.float32)).astype(dtype)
+
+
+def btnh(rng, t=T, s=S, dtype=np.float32):
+    return (_normal(rng, (B, t, H, D), dtype), _normal(rng, (B, s, H, D), dtype),
+            _normal(rng, (B, s, H, D), dtype))
+
+
+def bnth(rng, t=T, s=S, dtype=np.float32):
+    return (_normal(rng, (B, H, t, D), dtype), _normal(rng, (B, H, s, D), dtype),
+            _normal(rng, (B, H, s, D), dtype))
+
+
+# ---------------------------------------------------------------- positive spellings
+
+
+def einsum_btnh(q, k, v):
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, k) / jnp.sqrt(q.shape[-1]).astype(q.dtype)
+    return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1), v)
+
+
+def matmul_bnth(q, k, v):
+    s = (q @ jnp.swapaxes(k, -1, -2)) * (1.0 / math.sqrt(q.shape[-1]))
+    return jax.nn.softmax(s) @ v
+
+
+def matmul_transpose_rsqrt(q, k, v):
+    s = jnp.matmul(q, jnp.transpose(k, (0, 1, 3, 2))) * lax.rsqrt(jnp.float32(q.shape[-1]))
+    return jnp.matmul(jax.nn.softmax(s, axis=-1), v)
+
+
+def dot_general_swapped(q, k, v):
+    # scores laid out [B, H, S, T] (key operand first); softmax over the key axis -2
+    s = lax.dot_general(k, q, (((3,), (3,)), ((0, 1), (0, 1))))
+    p = jax.nn.softmax(s * 0.5, axis=-2)
+    return lax.dot_general(p, v, (((2,), (2,)), ((0, 1), (0, 1))))  # [B, H, T, D]
+
+
+def handwritten_softmax(q, k, v):
+    s = jnp.einsum("bhtd,bhsd->bhts", q, k) / math.sqrt(q.shape[-1])
+    e = jnp.exp(s - jnp.max(s, axis=-1, keepdims=True))
+    p = e / jnp.sum(e, axis=-1, keepdims=True)
+    return jnp.einsum("bhts,bhsd->bhtd", p, v)
+
+
+def unstabilised_softmax(q, k, v):
+    e = jnp.exp(jnp.einsum("bhtd,bhsd->bhts", q, k) * 0.25)
+    return jnp.einsum("bhts,bhsd->bhtd", e / e.sum(-1, keepdims=True), v)
+
+
+def reciprocal_softmax(q, k, v):
+    s = jnp.einsum("bhtd,bhsd->bhts", q, k)
+    e = jnp.exp(s - lax.stop_gradient(s.max(-1, keepdims=True)))
+    p = e * (1.0 / e.sum(-1, keepdims=True))
+    return jnp.einsum("bhts,bhsd->bhtd", p, v)
+
+
+def causal_tril_where(q, k, v):
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(q.shape[-1])
+    mask = jnp.tril(jnp.ones((q.shape[1], k.shape[1]), dtype=bool))
+    s = jnp.where(mask, s, -jnp.inf)
+    return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1), v)
+
+
+def causal_iota_finfo_min(q, k, v):
+    t, s_len = q.shape[2], k.shape[2]
+    qi = lax.broadcasted_iota(jnp.int32, (t, s_len), 0)
+    ki = lax.broadcasted_iota(jnp.int32, (t, s_len), 1)
+    s = q @ k.swapaxes(-1, -2) / math.sqrt(q.shape[-1])
+    s = jnp.where(ki <= qi, s, jnp.finfo(s.dtype).min)
+    return jax.nn.softmax(s, -1) @ v
+
+
+def causal_additive(q, k, v):
+    t = q.shape[2]
+    bias = jnp.triu(jnp.full((t, t), -1e9, jnp.float32), k=1)
+    s = q @ k.swapaxes(-1, -2) * 0.3 + bias
+    return jax.nn.softmax(s, -1) @ v
+
+
+def causal_bottom_right(q, k, v):
+    # decode-style: T < S, query i sits at position i + (S - T)
+    t, s_len = q.shape[2], k.shape[2]
+    mask = jnp.tril(jnp.ones((t, s_len), dtype=bool), k=s_len - t)
+    s = jnp.where(mask, q @ k.swapaxes(-1, -2), -1e30)
+    return jax.nn.softmax(s, -1) @ v
+
+
+def padding_mask(q, k, v, mask):
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(q.shape[-1])
+    s = jnp.where(mask[:, None, None, :], s, -1e9)
+    return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1), v)
+
+
+def mask_and_causal(q, k, v, mask):
+    t = q.shape[1]
+    causal = jnp.tril(jnp.ones((t, t), bool))
+    full = jnp.logical_and(causal[None, None], mask[:, None, None, :])
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, k)
+    s = jnp.where(full, s, jnp.finfo(jnp.float32).min)
+    return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1), v)
+
+
+def bias_input(q, k, v, bias):
+    s = jnp.einsum("bhtd,bhsd->bhts", q, k) * 0.35 + bias
+    return jnp.einsum("bhts,bhsd->bhtd", jax.nn.softmax(s, axis=-1), v)
+
+
+def flax_style_prescaled(q, k, v, bias):
+    # flax.linen.dot_product_attention_weights: q scaled first, bias, then where
+    q = q / jnp.sqrt(q.shape[-1]).astype(q.dtype)
+    s = jnp.einsum("...qhd,...khd->...hqk", q, k)
+    s = s + bias
+    big_neg = jnp.finfo(s.dtype).min
+    causal = jnp.tril(jnp.ones((q.shape[1], k.shape[1]), bool))
+    s = jnp.where(causal, s, big_neg)
+    w = jax.nn.softmax(s).astype(q.dtype)
+    return jnp.einsum("...hqk,...khd->...qhd", w, v)
+
+
+def mixed_precision(q, k, v):
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(q.shape[-1])
+    p = jax.nn.softmax(s.astype(jnp.float32), axis=-1).astype(q.dtype)
+    return jnp.einsum("bhqk,bkhd->bqhd", p, v)
+
+
+@jax.jit
+def _softmax_helper(x):
+    return jax.nn.softmax(x, axis=-1)
+
+
+def nested_jit(q, k, v):
+    s = jnp.einsum("bhtd,bhsd->bhts", q, k) * 0.2
+    return jnp.einsum("bhts,bhsd->bhtd", _softmax_helper(s), v)
+
+
+def single_head(q, k, v):
+    # per-head code, as Equinox writes it before vmap: [T, D]
+    def head(qh, kh, vh):
+        return jax.nn.softmax(qh @ kh.T / math.sqrt(qh.shape[-1]), axis=-1) @ vh
+
+    return head(q[0, 0], k[0, 0], v[0, 0])
+
+
+def flattened_batch(q, k, v):
+    bh = q.shape[0] * q.shape[1]
+    qf, kf, vf = (x.reshape(bh, x.shape[2], x.shape[3]) for x in (q, k, v))
+    s = jnp.einsum("ntd,nsd->nts", qf, kf) * 0.3
+    return jnp.einsum("nts,nsd->ntd", jax.nn.softmax(s, -1), vf)
+
+
+def scan_layers(q, k, v):
+    def layer(x, _):
+        s = jnp.einsum("bhtd,bhsd->bhts", x, k) * 0.3
+        return jnp.einsum("bhts,bhsd->bhtd", jax.nn.softmax(s, -1), v), None
+
+    out, _ = lax.scan(layer, q, None, length=2)
+    return out
+
+
+def remat_attention(q, k, v):
+    @jax.checkpoint
+    def attn(q, k, v):
+        s = jnp.einsum("bhtd,bhsd->bhts", q, k) * 0.3
+        return jnp.einsum("bhts,bhsd->bhtd", jax.nn.softmax(s, -1), v)
+
+    return attn(q, k, v) * 2.0
+
+
+def softcapped(q, k, v):
+    s = jnp.einsum("bhtd,bhsd->bhts", q, k) * 0.3
+    s = 5.0 * jnp.tanh(s / 5.0)
+    return jnp.einsum("bhts,bhsd->bhtd", jax.nn.softmax(s, -1), v)
+
+
+def _mask_args(rng, layout=btnh):
+    q, k, v = layout(rng)
+    lengths = np.array([S, S // 2])
+    mask = jnp.asarray(np.arange(S)[None, :] < lengths[:, None])
+    return q, k, v, mask
+
+
+def _bias_args(rng):
+    q, k, v = bnth(rng)
+    return q, k, v, _normal(rng, (1, H, T, S))
+
+
+def _flax_bias_args(rng):
+    q, k, v = btnh(rng)
+    return q, k, v, _normal(rng, (1, H, T, S))
+
+
+POSITIVE = {
+    "einsum_btnh": (einsum_btnh, btnh),
+    "matmul_bnth": (matmul_bnth, bnth),
+    "matmul_transpose_rsqrt": (matmul_transpose_rsqrt, bnth),
+    "dot_general_swapped": (dot_general_swapped, bnth),
+    "handwritten_softmax": (handwritten_softmax, bnth),
+    "unstabilised_softmax": (unstabilised_softmax, bnth),
+    "reciprocal_softmax": (reciprocal_softmax, bnth),
+    "causal_tril_where": (causal_tril_where, btnh),
+    "causal_iota_finfo_min": (causal_iota_finfo_min, bnth),
+    "causal_additive": (causal_additive, bnth),
+    "causal_bottom_right": (causal_bottom_right, lambda r: bnth(r, t=8, s=S)),
+    "cross_attention": (matmul_bnth, lambda r: bnth(r, t=5, s=24)),
+    "padding_mask": (padding_mask, _mask_args),
+    "mask_and_causal": (mask_and_causal, _mask_args),
+    "bias_input": (bias_input, _bias_args),
+    "flax_style_prescaled": (flax_style_prescaled, _flax_bias_args),
+    "mixed_precision_bf16": (mixed_precision, lambda r: btnh(r, dtype=jnp.bfloat16)),
+    "nested_jit": (nested_jit, bnth),
+    "single_head": (single_head, bnth),
+    "flattened_batch": (flattened_batch, bnth),
+    "scan_layers": (scan_layers, bnth),
+    "remat": (remat_attention, bnth),
+    "softcap": (softcapped, bnth),
+}
+
+#: Spellings whose score ops must include a Causal op.
+CAUSAL = {
+    "causal_tril_where",
+    "causal_iota_finfo_min",
+    "causal_additive",
+    "causal_bottom_right",
+    "mask_and_causal",
+    "flax_style_prescaled",
+}

@@ -1,0 +1,137 @@
+"""Every spelling is matched, rewritten, and computes the original function.
+
+The ``reference`` kernel computes the canonical spec naively, so these tests
+isolate the matcher's canonicalisation (layouts, roles, score ops) from any
+fast kernel's numerics.  Kernel numerics are tested in tests/kernels/.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import spellings
+
+import flashpass
+from flashpass.kernels import Causal
+
+
+def _tol(dtype):
+    return (2e-2, 2e-2) if jnp.dtype(dtype) == jnp.bfloat16 else (2e-5, 2e-5)
+
+
+def _check_same_function(fn, opt, args, diff_argnums=(0, 1, 2)):
+    ref = fn(*args)
+    out = opt(*args)
+    assert out.shape == ref.shape and out.dtype == ref.dtype
+    rtol, atol = _tol(ref.dtype)
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref, np.float32),
+                               rtol=rtol, atol=atol)
+    ct = jnp.asarray(np.random.default_rng(1).standard_normal(ref.shape), ref.dtype)
+
+    def loss(f):
+        return lambda *a: jnp.sum((f(*a) * ct).astype(jnp.float32))
+
+    g_ref = jax.grad(loss(fn), argnums=diff_argnums)(*args)
+    g_opt = jax.grad(loss(opt), argnums=diff_argnums)(*args)
+    for a, b in zip(g_opt, g_ref, strict=True):
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
+                                   rtol=rtol * 5, atol=atol * 5)
+
+
+@pytest.mark.parametrize("name", sorted(spellings.POSITIVE))
+def test_spelling_is_rewritten_exactly(name, rng):
+    fn, make = spellings.POSITIVE[name]
+    args = make(rng)
+    opt = flashpass.optimize(fn, kernel="reference")
+    report = opt.explain(*args)
+    assert len(report.rewrites) == 1, str(report)
+    assert not report.fallbacks, str(report)
+    rewrite = report.rewrites[0]
+    assert rewrite.kernel == "reference"
+    assert rewrite.location and "spellings.py:" in rewrite.location
+    assert rewrite.causal == (name in spellings.CAUSAL), rewrite.spec
+    diff = tuple(i for i, a in enumerate(args) if jnp.issubdtype(a.dtype, jnp.floating))
+    _check_same_function(fn, opt, args, diff_argnums=diff)
+
+
+def test_scale_is_recorded(rng):
+    q, k, v = spellings.btnh(rng)
+    report = flashpass.explain(flashpass.optimize(spellings.einsum_btnh, kernel="reference"),
+                               q, k, v)
+    assert report.rewrites[0].scale == pytest.approx(1 / np.sqrt(spellings.D))
+
+
+def test_causal_offset_bottom_right(rng):
+    fn, make = spellings.POSITIVE["causal_bottom_right"]
+    args = make(rng)
+    report = flashpass.optimize(fn, kernel="reference").explain(*args)
+    ops = report.rewrites[0].spec["score_ops"]
+    causal = [op for op in ops if op["op"] == "causal"]
+    assert len(causal) == 1 and causal[0]["offset"] == spellings.S - 8
+    assert causal[0]["fill"] == pytest.approx(-1e30, rel=1e-6)
+
+
+def test_mask_and_causal_are_split(rng):
+    fn, make = spellings.POSITIVE["mask_and_causal"]
+    report = flashpass.optimize(fn, kernel="reference").explain(*make(rng))
+    kinds = [op["op"] for op in report.rewrites[0].spec["score_ops"]]
+    assert sorted(kinds) == ["causal", "mask"]
+    assert report.rewrites[0].mask == "causal+boolean"
+
+
+def test_padding_mask_is_not_materialised(rng):
+    fn, make = spellings.POSITIVE["padding_mask"]
+    report = flashpass.optimize(fn, kernel="reference").explain(*make(rng))
+    (extra,) = report.rewrites[0].spec["extras"]
+    # [B, 1, 1, S]: broadcast over heads and queries, never T x S
+    assert extra["shape"] == [spellings.B, 1, 1, spellings.S]
+    assert extra["dtype"] == "bool"
+
+
+def test_constant_non_causal_mask_is_a_mask(rng):
+    pattern = np.random.default_rng(3).random((spellings.T, spellings.S)) > 0.3
+    pattern[:, 0] = True
+
+    def fn(q, k, v):
+        s = jnp.where(jnp.asarray(pattern), q @ k.swapaxes(-1, -2), -1e9)
+        return jax.nn.softmax(s, -1) @ v
+
+    args = spellings.bnth(rng)
+    opt = flashpass.optimize(fn, kernel="reference")
+    report = opt.explain(*args)
+    assert report.rewrites[0].causal is False and report.rewrites[0].mask == "boolean"
+    _check_same_function(fn, opt, args)
+
+
+def test_weak_fill_causal_mask_keeps_literal_semantics(rng):
+    # fill -5 does not zero masked keys: must not become a Causal (skippable) op
+    def fn(q, k, v):
+        t = q.shape[2]
+        s = jnp.where(jnp.tril(jnp.ones((t, t), bool)), q @ k.swapaxes(-1, -2), -5.0)
+        return jax.nn.softmax(s, -1) @ v
+
+    args = spellings.bnth(rng)
+    opt = flashpass.optimize(fn, kernel="reference")
+    spec = opt.explain(*args).rewrites[0].spec
+    assert not any(op["op"] == "causal" for op in spec["score_ops"])
+    _check_same_function(fn, opt, args)
+
+
+def test_causal_spec_roundtrip(rng):
+    fn, make = spellings.POSITIVE["causal_tril_where"]
+    opt = flashpass.optimize(fn, kernel="reference")
+    args = make(rng)
+    opt(*args)
+    site_ops = opt.explain(*args).rewrites[0].spec["score_ops"]
+    assert {"op": "causal", "offset": 0, "fill": float("-inf")} in site_ops
+    assert Causal(0, float("-inf")).offset == 0
+
+
+def test_two_sites_in_one_function(rng):
+    def two(q, k, v):
+        return spellings.matmul_bnth(q, k, v) + spellings.handwritten_softmax(v, q, k)
+
+    args = spellings.bnth(rng)
+    opt = flashpass.optimize(two, kernel="reference")
+    assert len(opt.explain(*args).rewrites) == 2
+    _check_same_function(two, opt, args)

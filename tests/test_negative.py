@@ -1,0 +1,189 @@
+"""Near misses: what must NOT be rewritten, and the reasons given."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import spellings
+
+import flashpass
+
+
+def _report(fn, *args):
+    return flashpass.optimize(fn, kernel="reference").explain(*args)
+
+
+def _assert_not_rewritten(fn, args, reason_part=None):
+    opt = flashpass.optimize(fn, kernel="reference")
+    report = opt.explain(*args)
+    assert not report.rewrites, str(report)
+    if reason_part is not None:
+        reasons = " | ".join(f.reason for f in report.fallbacks)
+        assert reason_part in reasons, str(report)
+    # and the function is untouched: same outputs
+    np.testing.assert_allclose(np.asarray(opt(*args)), np.asarray(fn(*args)), rtol=1e-5,
+                               atol=1e-6)
+    return report
+
+
+def test_softmax_over_query_axis(rng):
+    def fn(q, k, v):
+        s = q @ k.swapaxes(-1, -2)
+        return jax.nn.softmax(s, axis=-2) @ v
+
+    _assert_not_rewritten(fn, spellings.bnth(rng), "different axis than the softmax")
+
+
+def test_pv_contracts_query_axis(rng):
+    def fn(q, k, v):
+        p = jax.nn.softmax(jnp.einsum("bhtd,bhsd->bhts", q, k), axis=-1)
+        return jnp.einsum("bhts,bhtd->bhsd", p, v)  # contracts T, not S
+
+    _assert_not_rewritten(fn, spellings.bnth(rng), "different axis than the softmax")
+
+
+def test_weights_returned(rng):
+    def fn(q, k, v):
+        p = jax.nn.softmax(q @ k.swapaxes(-1, -2), axis=-1)
+        return p @ v, p
+
+    report = _report(fn, *spellings.bnth(rng))
+    assert not report.rewrites
+    assert "returned" in report.fallbacks[0].reason
+    assert "inside jax.grad" in report.fallbacks[0].reason
+
+
+def test_weights_reused(rng):
+    def fn(q, k, v):
+        p = jax.nn.softmax(q @ k.swapaxes(-1, -2), axis=-1)
+        return (p @ v).sum() + p.max()
+
+    report = _report(fn, *spellings.bnth(rng))
+    assert not report.rewrites
+    assert "used" in report.fallbacks[0].reason
+
+
+def test_scores_reused(rng):
+    def fn(q, k, v):
+        s = q @ k.swapaxes(-1, -2)
+        return jax.nn.softmax(s, -1) @ v + s.mean()
+
+    _assert_not_rewritten(fn, spellings.bnth(rng), "also used")
+
+
+def test_gradient_inside_the_function(rng):
+    # a training step: the backward pass reuses the probabilities
+    def step(q, k, v):
+        return jax.grad(lambda q: (jax.nn.softmax(q @ k.swapaxes(-1, -2), -1) @ v).sum())(q)
+
+    report = _report(step, *spellings.bnth(rng))
+    assert not report.rewrites
+    assert any("inside jax.grad" in f.reason for f in report.fallbacks)
+
+
+@pytest.mark.parametrize("act", [jax.nn.sigmoid, jax.nn.relu, lambda s: s])
+def test_non_softmax_attention(act, rng):
+    def fn(q, k, v):
+        return act(q @ k.swapaxes(-1, -2)) @ v
+
+    report = _assert_not_rewritten(fn, spellings.bnth(rng))
+    assert not report.fallbacks  # nothing softmax-like: no noise in the report
+
+
+def test_softmax_feeding_a_classifier(rng):
+    def fn(x, w):
+        return jnp.sum(jax.nn.softmax(x @ w, axis=-1) * jnp.arange(w.shape[-1]), axis=-1)
+
+    x = jnp.asarray(rng.standard_normal((4, 8)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((8, 5)), jnp.float32)
+    _assert_not_rewritten(fn, (x, w), "not a P·V product")
+
+
+def test_moe_router(rng):
+    # gates = softmax(x Wg); out = sum_e gates[n, e] * expert_out[n, e, :]
+    def fn(x, wg, experts):
+        gates = jax.nn.softmax(x @ wg, axis=-1)
+        outs = jnp.einsum("nd,edf->nef", x, experts)
+        return jnp.einsum("ne,nef->nf", gates, outs)
+
+    x = jnp.asarray(rng.standard_normal((6, 8)), jnp.float32)
+    wg = jnp.asarray(rng.standard_normal((8, 4)), jnp.float32)
+    ex = jnp.asarray(rng.standard_normal((4, 8, 8)), jnp.float32)
+    _assert_not_rewritten(fn, (x, wg, ex), "batches over")
+
+
+def test_elementwise_tensor_scale(rng):
+    def fn(q, k, v, w):
+        return jax.nn.softmax((q @ k.swapaxes(-1, -2)) * w, -1) @ v
+
+    q, k, v = spellings.bnth(rng)
+    w = jnp.asarray(rng.standard_normal(q.shape[:3] + (k.shape[2],)), jnp.float32)
+    _assert_not_rewritten(fn, (q, k, v, w), "multiplied elementwise")
+
+
+def test_shift_varies_along_softmax_axis(rng):
+    def fn(q, k, v):
+        s = q @ k.swapaxes(-1, -2)
+        e = jnp.exp(s - s.max(axis=-2, keepdims=True))  # shift varies along the key axis
+        return (e / e.sum(-1, keepdims=True)) @ v
+
+    _assert_not_rewritten(fn, spellings.bnth(rng), "varies along the softmax axis")
+
+
+def test_normalised_over_other_axis(rng):
+    def fn(q, k, v):
+        e = jnp.exp(q @ k.swapaxes(-1, -2))
+        return (e / e.sum(-2, keepdims=True)) @ v  # sum over queries, PV over keys
+
+    _assert_not_rewritten(fn, spellings.bnth(rng))
+
+
+def test_permuted_key_batch_axes(rng):
+    # k's batch axes swapped relative to v's: PV pairs head with batch
+    def fn(q, k, v):
+        s = jnp.einsum("bhtd,bhsd->bhts", q, k)
+        p = jax.nn.softmax(s, -1)
+        return jnp.einsum("bhts,hbsd->bhtd", p, v)
+
+    q, k, v = spellings.bnth(rng)
+    v = jnp.swapaxes(v, 0, 1)  # [H, B, S, D]
+    # this *is* attention (v laid out [H, B, S, D]); it must be rewritten correctly
+    opt = flashpass.optimize(fn, kernel="reference")
+    assert len(opt.explain(q, k, v).rewrites) == 1
+    np.testing.assert_allclose(np.asarray(opt(q, k, v)), np.asarray(fn(q, k, v)),
+                               rtol=2e-5, atol=2e-5)
+
+
+def test_unknown_op_between(rng):
+    def fn(q, k, v):
+        s = q @ k.swapaxes(-1, -2)
+        s = jnp.abs(s)  # not a recognised score operation
+        return jax.nn.softmax(s, -1) @ v
+
+    _assert_not_rewritten(fn, spellings.bnth(rng), "`abs`")
+
+
+def test_traced_scale_is_reported(rng):
+    def fn(q, k, v, t):
+        return jax.nn.softmax((q @ k.swapaxes(-1, -2)) * t, -1) @ v
+
+    q, k, v = spellings.bnth(rng)
+    _assert_not_rewritten(fn, (q, k, v, jnp.float32(0.3)), "traced")
+
+
+def test_q_times_q(rng):
+    def fn(q, v):
+        s = q @ q.swapaxes(-1, -2) / math.sqrt(q.shape[-1])
+        return jax.nn.softmax(s, -1) @ v
+
+    # self-similarity attention is still attention (k is q): rewritten, and exact
+    q, _, v = spellings.bnth(rng)
+    opt = flashpass.optimize(fn, kernel="reference")
+    assert len(opt.explain(q, v).rewrites) == 1
+    np.testing.assert_allclose(np.asarray(opt(q, v)), np.asarray(fn(q, v)), rtol=2e-5,
+                               atol=2e-5)
+    g1 = jax.grad(lambda q: fn(q, v).sum())(q)
+    g2 = jax.grad(lambda q: opt(q, v).sum())(q)
+    np.testing.assert_allclose(np.asarray(g2), np.asarray(g1), rtol=1e-4, atol=1e-4)
