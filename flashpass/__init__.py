@@ -1,9 +1,9 @@
 """flashpass: rewrite every attention site in a JAX function to a flash-attention kernel.
 
-    @flashpass.optimize
-    def model(params, tokens): ...
+@flashpass.optimize
+def model(params, tokens): ...
 
-    print(model.explain(params, tokens))   # what was rewritten, and why not
+print(model.explain(params, tokens))   # what was rewritten, and why not
 """
 
 from .api import Optimized, explain, optimize

@@ -9,13 +9,14 @@ import inspect
 import logging
 import numbers
 import threading
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import numpy as np
 
-from flashpass.kernels import CheckContext, Kernel, get_kernel
+from flashpass.kernels import CheckContext, Kernel
 
 from . import compat
 from .graph import build_scopes
@@ -84,6 +85,8 @@ class Optimized:
         self._cache_size = cache_size
         self._lock = threading.RLock()
         self.traces = 0  # number of trace+match+rewrite runs (for tests and tuning)
+        self._bound: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._bound_by_id: dict = {}
         functools.update_wrapper(self, fn)
 
     # ------------------------------------------------------------------ calling
@@ -111,8 +114,32 @@ class Optimized:
         with self._lock:
             self._cache.clear()
 
-    def __get__(self, obj, objtype=None):  # support decorating methods
-        return self if obj is None else functools.partial(self, obj)
+    def __get__(self, obj, objtype=None):
+        """Decorated methods: one optimized function (and cache) per instance."""
+        if obj is None:
+            return self
+        try:
+            bound = self._bound.get(obj)
+        except TypeError:  # unhashable instance: key by identity
+            bound = self._bound_by_id.get(id(obj))
+        if bound is None:
+            bound = Optimized(
+                functools.partial(self._fn, obj),
+                kernel=self._kernel,
+                platform=self._platform,
+                interpret=self._interpret,
+                # ``self`` is bound: positions shift by one
+                static_argnums=tuple(i - 1 for i in self._static_argnums if i > 0),
+                static_argnames=tuple(
+                    n for n in self._static_argnames if n in _param_names(self._fn)[1:]
+                ),
+                cache_size=self._cache_size,
+            )
+            try:
+                self._bound[obj] = bound
+            except TypeError:
+                self._bound_by_id[id(obj)] = bound
+        return bound
 
     def __repr__(self) -> str:
         name = getattr(self._fn, "__qualname__", repr(self._fn))
@@ -195,9 +222,7 @@ def run_pass(closed, *, kernel=None, platform: str = "cpu", interpret: bool = Fa
     for scope in scopes:
         sites, misses = find_sites(scope)
         for miss in misses:
-            report.fallbacks.append(
-                Fallback(miss.location, miss.reason, where_is[scope.prefix])
-            )
+            report.fallbacks.append(Fallback(miss.location, miss.reason, where_is[scope.prefix]))
         for site in sites:
             chosen, rejections = choose(site.spec, kernels, ctx)
             if chosen is None:
@@ -205,8 +230,9 @@ def run_pass(closed, *, kernel=None, platform: str = "cpu", interpret: bool = Fa
                     f"{name}: {rs[0]}" for name, rs in rejections.items()
                 )
                 report.fallbacks.append(
-                    Fallback(site.location, reason, where_is[scope.prefix], site.pattern,
-                             rejections)
+                    Fallback(
+                        site.location, reason, where_is[scope.prefix], site.pattern, rejections
+                    )
                 )
                 continue
             planned.append(PlannedSite(site, chosen, interpret))
@@ -218,8 +244,12 @@ def run_pass(closed, *, kernel=None, platform: str = "cpu", interpret: bool = Fa
         failure = _failure_for(plan, p.site.scope_prefix)
         if failure is not None:
             report.fallbacks.append(
-                Fallback(p.site.location, f"rewriting the enclosing body failed: {failure}",
-                         where_is[p.site.scope_prefix], p.site.pattern)
+                Fallback(
+                    p.site.location,
+                    f"rewriting the enclosing body failed: {failure}",
+                    where_is[p.site.scope_prefix],
+                    p.site.pattern,
+                )
             )
             continue
         report.rewrites.append(_rewrite_entry(p, where_is[p.site.scope_prefix]))
@@ -272,8 +302,9 @@ def _log(report: Report, name: str) -> None:
     if not logger.isEnabledFor(logging.INFO):
         return
     for r in report.rewrites:
-        logger.info("%s: rewrote attention at %s with %s (%s)", name, r.location, r.kernel,
-                    r.pattern)
+        logger.info(
+            "%s: rewrote attention at %s with %s (%s)", name, r.location, r.kernel, r.pattern
+        )
     for f in report.fallbacks:
         logger.info("%s: kept attention at %s as written: %s", name, f.location, f.reason)
 
@@ -300,6 +331,13 @@ def _leaf_path(in_tree, index) -> str:
         if leaf == index:
             return jax.tree_util.keystr(path)
     return f"#{index}"
+
+
+def _param_names(fn) -> list[str]:
+    try:
+        return list(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        return []
 
 
 def _holds_tracers(consts) -> bool:

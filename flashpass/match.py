@@ -22,7 +22,7 @@ import numpy as np
 
 from flashpass.kernels import AttentionSpec, Bias, Causal, ExtraSpec, Mask, Scale
 from flashpass.patterns import chain as chain_mod
-from flashpass.patterns.common import Miss, where
+from flashpass.patterns.common import ESCAPE_HINT, Miss, where
 from flashpass.patterns.masks import and_factors, causal_offset, excluding
 from flashpass.patterns.products import output_product, score_product
 from flashpass.patterns.softcap import fold_softcap
@@ -30,12 +30,6 @@ from flashpass.patterns.softmax import match_softmax
 
 from .graph import Const, Scope
 from .site import AttentionSite, ExtraSource, Operand, collapse_batch, extra_shape4
-
-ESCAPE_HINT = (
-    "; to rewrite it, do not return or reuse the attention weights (for a training step, "
-    "apply flashpass.optimize to the model or loss function inside jax.grad, not to the "
-    "function that computes gradients)"
-)
 
 
 def find_sites(scope: Scope) -> tuple[list[AttentionSite], list[Miss]]:
@@ -243,8 +237,9 @@ def _check_closed(scope: Scope, dot, root, nodes: set) -> Miss | None:
     return None
 
 
-def _folded_causal(scope, prof, roles, canon, full, *, keep_when=True, fill=None, additive=False,
-                   sign=1):
+def _folded_causal(
+    scope, prof, roles, canon, full, *, keep_when=True, fill=None, additive=False, sign=1
+):
     """Classify a constant mask/bias: a `Causal` op, "all" (keeps everything) or None."""
     base = scope.fold(prof.base)
     if base is None:

@@ -87,7 +87,7 @@ def _probe(kernel: Kernel, spec, ctx: CheckContext) -> str | None:
 
 
 def current_platform() -> str:
-    """"cpu", "gpu" or "tpu" for JAX's default backend."""
+    """ "cpu", "gpu" or "tpu" for JAX's default backend."""
     backend = jax.default_backend()
     return {"cuda": "gpu", "rocm": "gpu"}.get(backend, backend)
 

@@ -39,6 +39,7 @@ __all__ = [
     "get_kernel",
     "kernel_names",
     "register_kernel",
+    "unregister_kernel",
 ]
 
 #: name -> "module:Class" of the built-in adapters, imported lazily so that a
@@ -69,6 +70,11 @@ def register_kernel(kernel: Kernel, *, replace: bool = False) -> Kernel:
         raise ValueError(f"a kernel named {kernel.name!r} is already registered")
     _registry[kernel.name] = kernel
     return kernel
+
+
+def unregister_kernel(name: str) -> None:
+    """Remove a kernel registered with `register_kernel` (built-ins stay known)."""
+    _registry.pop(name, None)
 
 
 def kernel_names() -> list[str]:

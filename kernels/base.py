@@ -246,9 +246,7 @@ class Kernel:
         hint = ""
         if ctx.platform in self.interpret_platforms:
             hint = " (pass interpret=True to run it in interpret mode)"
-        return [
-            f"{self.name} runs on {', '.join(self.platforms)}, not {ctx.platform}{hint}"
-        ]
+        return [f"{self.name} runs on {', '.join(self.platforms)}, not {ctx.platform}{hint}"]
 
     def __repr__(self) -> str:
         return f"<flashpass kernel {self.name!r}>"

@@ -76,7 +76,9 @@ def _walk(scope: Scope, atom, steps: list) -> Chain | Miss:
     if node.prim == "dot_general":
         return Chain(node, list(reversed(steps)))
     if len(steps) >= MAX_STEPS:
-        return Miss(f"more than {MAX_STEPS} operations between scores and softmax{where(node)}", node)
+        return Miss(
+            f"more than {MAX_STEPS} operations between scores and softmax{where(node)}", node
+        )
     fn = RULES.get(node.prim)
     if fn is None:
         return Miss(

@@ -8,6 +8,12 @@ import numpy as np
 
 from flashpass.graph import Const, Node, Scope
 
+ESCAPE_HINT = (
+    "; to rewrite it, do not return or reuse the attention weights (for a training step, "
+    "apply flashpass.optimize to the model or loss function inside jax.grad, not to the "
+    "function that computes gradients)"
+)
+
 
 class Miss:
     """A failed match that says why.  Falsy, so ``if not m: return m`` reads naturally.
@@ -66,9 +72,7 @@ def profile(scope: Scope, atom, target: tuple[int, ...]) -> Profile:
         return Profile(scope.resolve(atom), (None,) * len(target), tuple(target))
     if len(shape) != len(target):
         raise ValueError(f"operand of shape {shape} does not broadcast to {target}")
-    axes = tuple(
-        None if (shape[t] == 1 and target[t] != 1) else t for t in range(len(target))
-    )
+    axes = tuple(None if (shape[t] == 1 and target[t] != 1) else t for t in range(len(target)))
     atom = scope.resolve(atom)
     while True:
         node = scope.producer(atom)

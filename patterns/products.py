@@ -20,7 +20,7 @@ import dataclasses
 
 from flashpass.graph import Node, Scope
 
-from .common import Miss, where
+from .common import ESCAPE_HINT, Miss, where
 
 Role = object
 _ROLE_NAMES = {"T": "query", "S": "key"}
@@ -75,7 +75,8 @@ def score_product(scope: Scope, dot: Node, key_out_axis: int) -> ScoreProduct | 
         (q, qc, qb, qfree), (k, kc, kb, kfree) = (lhs, lc, lb, lfree), (rhs, rc, rb, rfree)
     if len(kfree) != 1:
         return Miss(
-            f"key operand of the score product has {len(kfree)} free axes, expected one{where(dot)}",
+            f"key operand of the score product has {len(kfree)} free axes, "
+            f"expected one{where(dot)}",
             dot,
         )
     if len(qfree) != 1:
@@ -106,13 +107,14 @@ def output_product(scope: Scope, p, p_roles: list) -> OutputProduct | Miss:
     atom = p
     while True:
         users = scope.consumers(atom)
-        if len(users) != 1:
+        if scope.is_output(atom) or len(users) != 1:
             node = scope.producer(atom)
-            return Miss(
-                f"the attention probabilities are used {len(users)} times, "
-                f"expected only by the P·V product{where(node)}",
-                node,
+            what = (
+                "returned by the function"
+                if scope.is_output(atom)
+                else f"used {len(users)} times, expected only by the P·V product"
             )
+            return Miss(f"the attention probabilities{where(node)} are {what}{ESCAPE_HINT}", node)
         node, pos = users[0]
         if node.prim == "convert_element_type":
             casts.add(node)

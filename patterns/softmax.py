@@ -70,9 +70,7 @@ def match_softmax(scope: Scope, exp: Node) -> Softmax | Miss:
         c = sub.ins[1]
         prof = profile(scope, c, scope.shape(x))
         if prof.axes[axis] is not None:
-            return Miss(
-                f"exp(s - c) where c varies along the softmax axis {axis}{where(sub)}", sub
-            )
+            return Miss(f"exp(s - c) where c varies along the softmax axis {axis}{where(sub)}", sub)
         shift, s_in = c, sub.ins[0]
         nodes.add(sub)
     return Softmax(exp, axis, s_in, shift, norm_node.out, nodes, scope.dtype(e))
@@ -101,9 +99,7 @@ def _find_normalisation(scope: Scope, e, total: Node, axis: int):
                 peeled = _peeled_nodes(scope, other, prof.base)
                 peeled |= _peeled_nodes(scope, inner, inner_prof.base)
                 return node, {node, recip, *helpers, *peeled}
-    return Miss(
-        f"exp is summed over axis {axis} but not divided by that sum{where(total)}", total
-    )
+    return Miss(f"exp is summed over axis {axis} but not divided by that sum{where(total)}", total)
 
 
 def _is_reciprocal(scope: Scope, node: Node) -> bool:

@@ -22,13 +22,19 @@ def _normal(rng, shape, dtype=np.float32):
 
 
 def btnh(rng, t=T, s=S, dtype=np.float32):
-    return (_normal(rng, (B, t, H, D), dtype), _normal(rng, (B, s, H, D), dtype),
-            _normal(rng, (B, s, H, D), dtype))
+    return (
+        _normal(rng, (B, t, H, D), dtype),
+        _normal(rng, (B, s, H, D), dtype),
+        _normal(rng, (B, s, H, D), dtype),
+    )
 
 
 def bnth(rng, t=T, s=S, dtype=np.float32):
-    return (_normal(rng, (B, H, t, D), dtype), _normal(rng, (B, H, s, D), dtype),
-            _normal(rng, (B, H, s, D), dtype))
+    return (
+        _normal(rng, (B, H, t, D), dtype),
+        _normal(rng, (B, H, s, D), dtype),
+        _normal(rng, (B, H, s, D), dtype),
+    )
 
 
 # ---------------------------------------------------------------- positive spellings

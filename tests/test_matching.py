@@ -9,10 +9,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import spellings
 
 import flashpass
 from flashpass.kernels import Causal
+
+import spellings
 
 
 def _tol(dtype):
@@ -24,8 +25,9 @@ def _check_same_function(fn, opt, args, diff_argnums=(0, 1, 2)):
     out = opt(*args)
     assert out.shape == ref.shape and out.dtype == ref.dtype
     rtol, atol = _tol(ref.dtype)
-    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref, np.float32),
-                               rtol=rtol, atol=atol)
+    np.testing.assert_allclose(
+        np.asarray(out, np.float32), np.asarray(ref, np.float32), rtol=rtol, atol=atol
+    )
     ct = jnp.asarray(np.random.default_rng(1).standard_normal(ref.shape), ref.dtype)
 
     def loss(f):
@@ -34,8 +36,9 @@ def _check_same_function(fn, opt, args, diff_argnums=(0, 1, 2)):
     g_ref = jax.grad(loss(fn), argnums=diff_argnums)(*args)
     g_opt = jax.grad(loss(opt), argnums=diff_argnums)(*args)
     for a, b in zip(g_opt, g_ref, strict=True):
-        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
-                                   rtol=rtol * 5, atol=atol * 5)
+        np.testing.assert_allclose(
+            np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=rtol * 5, atol=atol * 5
+        )
 
 
 @pytest.mark.parametrize("name", sorted(spellings.POSITIVE))
@@ -56,8 +59,9 @@ def test_spelling_is_rewritten_exactly(name, rng):
 
 def test_scale_is_recorded(rng):
     q, k, v = spellings.btnh(rng)
-    report = flashpass.explain(flashpass.optimize(spellings.einsum_btnh, kernel="reference"),
-                               q, k, v)
+    report = flashpass.explain(
+        flashpass.optimize(spellings.einsum_btnh, kernel="reference"), q, k, v
+    )
     assert report.rewrites[0].scale == pytest.approx(1 / np.sqrt(spellings.D))
 
 

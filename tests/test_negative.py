@@ -6,9 +6,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import spellings
 
 import flashpass
+
+import spellings
 
 
 def _report(fn, *args):
@@ -23,8 +24,7 @@ def _assert_not_rewritten(fn, args, reason_part=None):
         reasons = " | ".join(f.reason for f in report.fallbacks)
         assert reason_part in reasons, str(report)
     # and the function is untouched: same outputs
-    np.testing.assert_allclose(np.asarray(opt(*args)), np.asarray(fn(*args)), rtol=1e-5,
-                               atol=1e-6)
+    np.testing.assert_allclose(np.asarray(opt(*args)), np.asarray(fn(*args)), rtol=1e-5, atol=1e-6)
     return report
 
 
@@ -152,8 +152,9 @@ def test_permuted_key_batch_axes(rng):
     # this *is* attention (v laid out [H, B, S, D]); it must be rewritten correctly
     opt = flashpass.optimize(fn, kernel="reference")
     assert len(opt.explain(q, k, v).rewrites) == 1
-    np.testing.assert_allclose(np.asarray(opt(q, k, v)), np.asarray(fn(q, k, v)),
-                               rtol=2e-5, atol=2e-5)
+    np.testing.assert_allclose(
+        np.asarray(opt(q, k, v)), np.asarray(fn(q, k, v)), rtol=2e-5, atol=2e-5
+    )
 
 
 def test_unknown_op_between(rng):
@@ -182,8 +183,7 @@ def test_q_times_q(rng):
     q, _, v = spellings.bnth(rng)
     opt = flashpass.optimize(fn, kernel="reference")
     assert len(opt.explain(q, v).rewrites) == 1
-    np.testing.assert_allclose(np.asarray(opt(q, v)), np.asarray(fn(q, v)), rtol=2e-5,
-                               atol=2e-5)
+    np.testing.assert_allclose(np.asarray(opt(q, v)), np.asarray(fn(q, v)), rtol=2e-5, atol=2e-5)
     g1 = jax.grad(lambda q: fn(q, v).sum())(q)
     g2 = jax.grad(lambda q: opt(q, v).sum())(q)
     np.testing.assert_allclose(np.asarray(g2), np.asarray(g1), rtol=1e-4, atol=1e-4)
