@@ -226,9 +226,7 @@ def run_pass(closed, *, kernel=None, platform: str = "cpu", interpret: bool = Fa
         for site in sites:
             chosen, rejections = choose(site.spec, kernels, ctx)
             if chosen is None:
-                reason = "no kernel accepts this site: " + "; ".join(
-                    f"{name}: {rs[0]}" for name, rs in rejections.items()
-                )
+                reason = _rejection_summary(rejections)
                 report.fallbacks.append(
                     Fallback(
                         site.location, reason, where_is[scope.prefix], site.pattern, rejections
@@ -254,6 +252,15 @@ def run_pass(closed, *, kernel=None, platform: str = "cpu", interpret: bool = Fa
             continue
         report.rewrites.append(_rewrite_entry(p, where_is[p.site.scope_prefix]))
     return rewritten, report
+
+
+def _rejection_summary(rejections: dict) -> str:
+    """The fallback reason: the single kernel's first reason, or one per kernel."""
+    if len(rejections) == 1:
+        return next(iter(rejections.values()))[0]
+    return "no kernel accepts this site: " + "; ".join(
+        f"{name}: {reasons[0]}" for name, reasons in rejections.items()
+    )
 
 
 def _failure_for(plan: Plan, prefix: tuple) -> str | None:

@@ -121,7 +121,8 @@ def _table(rows) -> list[str]:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     out = []
     for j, row in enumerate(rows):
-        out.append("  " + "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)))
+        cells = (c.ljust(w) for c, w in zip(row, widths, strict=True))
+        out.append(("  " + "  ".join(cells)).rstrip())
         if j == 0:
             out.append("  " + "  ".join("-" * w for w in widths))
     return out

@@ -77,8 +77,21 @@ def golden_text(fn, *args, **kwargs) -> str:
         f"# rewrites: {len(report.rewrites)} "
         f"({', '.join(sorted(r.kernel for r in report.rewrites)) or 'none'})",
         f"# fallbacks: {len(report.fallbacks)}",
+        *(f"# site: {r.kernel} {_ops_summary(r.spec)}" for r in report.rewrites),
     ]
     return "\n".join(header) + "\n" + format_jaxpr(opt.rewritten_jaxpr(*args, **kwargs))
+
+
+def _ops_summary(spec: dict) -> str:
+    def fmt(value):
+        return f"{value:.6g}" if isinstance(value, float) else str(value)
+
+    ops = [
+        op["op"] + "(" + ",".join(f"{k}={fmt(v)}" for k, v in op.items() if k != "op") + ")"
+        for op in spec.get("score_ops", [])
+    ]
+    extras = [f"{e['dtype']}{e['shape']}" for e in spec.get("extras", [])]
+    return f"ops=[{' '.join(ops)}] extras=[{' '.join(extras)}]"
 
 
 def assert_golden(fn, *args, path, update: bool | None = None, **kwargs) -> None:
