@@ -24,12 +24,12 @@ from flashpass.kernels import AttentionSpec, Bias, Causal, ExtraSpec, Mask, Scal
 from flashpass.patterns import chain as chain_mod
 from flashpass.patterns.common import ESCAPE_HINT, Miss, where
 from flashpass.patterns.masks import and_factors, causal_offset, excluding
-from flashpass.patterns.products import output_product, score_product
+from flashpass.patterns.products import output_product, score_products
 from flashpass.patterns.softcap import fold_softcap
 from flashpass.patterns.softmax import match_softmax
 
 from .graph import Const, Scope
-from .site import AttentionSite, ExtraSource, Operand, collapse_batch, extra_shape4
+from .site import AttentionSite, ExtraSource, Layout, Operand
 
 
 def find_sites(scope: Scope) -> tuple[list[AttentionSite], list[Miss]]:
@@ -74,27 +74,36 @@ def match_site(scope: Scope, soft) -> AttentionSite | Miss:
     for step in chain.steps:
         if step.kind == "transpose":
             positions = [positions[p] for p in step.data["perm"]]
-    sp = score_product(scope, dot, positions[soft.axis])
-    if not sp:
-        return sp
+    readings = score_products(scope, dot, positions[soft.axis])
+    if not readings:
+        return readings
+    fallback = None
+    for sp in readings:
+        site = _build_site(scope, soft, chain, sp)
+        if site and not any(e.axes.get("G") is not None for e in site.extras):
+            return site
+        if fallback is None or (not fallback and site):
+            fallback = site
+    return fallback
 
+
+def _build_site(scope: Scope, soft, chain, sp) -> AttentionSite | Miss:
+    dot = chain.dot
     roles = list(sp.roles)
     nodes = {dot, *soft.nodes}
     ops: list = []
     extras: list = []
     tanh = object()
-    t_len = scope.shape(sp.q)[sp.q_perm[-2]]
-    s_len = scope.shape(sp.k)[sp.k_perm[-2]]
-    full = {**{("b", i): d for i, d in enumerate(sp.batch_shape)}, "T": t_len, "S": s_len}
-    canon = [("b", i) for i in range(sp.n_batch)] + ["T", "S"]
+    q_shape, k_shape = scope.shape(sp.q), scope.shape(sp.k)
+    sizes = {r: q_shape[a] for r, a in sp.q_axes.items() if r != "D"}
+    sizes["S"] = k_shape[sp.k_axes["S"]]
+    layout = Layout(sizes)
 
-    def add_extra(prof, transform, kind_dtype):
-        role_axes = {roles[t]: prof.axes[t] for t in range(len(roles))}
-        axes = tuple(role_axes[r] for r in canon)
-        base_shape = scope.shape(prof.base)
-        sizes = [1 if a is None else base_shape[a] for a in axes]
-        extras.append(ExtraSource(prof.base, axes, transform, kind_dtype))
-        return len(extras) - 1, extra_shape4(sizes, sp.batch_shape)
+    def add_extra(prof, transform, dtype):
+        axes = {roles[t]: prof.axes[t] for t in range(len(roles))}
+        extras.append(ExtraSource(prof.base, axes, transform, dtype))
+        shape4 = layout.extra_shape({r: a is not None for r, a in axes.items()})
+        return len(extras) - 1, shape4
 
     for step in chain.steps:
         nodes.add(step.node)
@@ -106,7 +115,7 @@ def match_site(scope: Scope, soft) -> AttentionSite | Miss:
             ops.append(tanh)
         elif step.kind == "bias":
             prof, sign = step.data["profile"], step.data["sign"]
-            causal = _folded_causal(scope, prof, roles, canon, full, additive=True, sign=sign)
+            causal = _folded_causal(scope, prof, roles, additive=True, sign=sign)
             if isinstance(causal, Causal):
                 ops.append(causal)
                 continue
@@ -118,9 +127,7 @@ def match_site(scope: Scope, soft) -> AttentionSite | Miss:
         elif step.kind == "mask":
             fill, keep_when = step.data["fill"], step.data["keep_when"]
             for factor in and_factors(scope, step.data["profile"]):
-                causal = _folded_causal(
-                    scope, factor, roles, canon, full, keep_when=keep_when, fill=fill
-                )
+                causal = _folded_causal(scope, factor, roles, keep_when=keep_when, fill=fill)
                 if causal == "all":
                     continue  # keeps every score: no-op
                 if isinstance(causal, Causal):
@@ -151,24 +158,23 @@ def match_site(scope: Scope, soft) -> AttentionSite | Miss:
     if problem is not None:
         return problem
 
-    # dtypes and the spec
     for name, atom in (("query", sp.q), ("key", sp.k), ("value", out.v)):
         if not jnp.issubdtype(scope.dtype(atom), jnp.floating):
             return Miss(f"{name} is {scope.dtype(atom)}, not floating point{where(dot)}", dot)
-    q = Operand(sp.q, sp.q_perm, scope.shape(sp.q), scope.dtype(sp.q))
-    k = Operand(sp.k, sp.k_perm, scope.shape(sp.k), scope.dtype(sp.k))
-    v = Operand(out.v, out.v_perm, scope.shape(out.v), scope.dtype(out.v))
-    if scope.shape(out.v)[out.v_perm[-2]] != s_len:
+    v_shape = scope.shape(out.v)
+    if v_shape[out.v_axes["S"]] != sizes["S"]:
         return Miss(f"value length differs from key length{where(root)}", root)
-    b, h = collapse_batch(sp.batch_shape)
+    q = Operand(sp.q, sp.q_axes, q_shape, scope.dtype(sp.q))
+    k = Operand(sp.k, sp.k_axes, k_shape, scope.dtype(sp.k))
+    v = Operand(out.v, out.v_axes, v_shape, scope.dtype(out.v))
     spec = AttentionSpec(
-        batch=b,
-        heads=h,
-        kv_heads=h,
-        q_len=t_len,
-        kv_len=s_len,
-        head_dim=scope.shape(sp.q)[sp.q_perm[-1]],
-        v_head_dim=scope.shape(out.v)[out.v_perm[-1]],
+        batch=layout.batch,
+        heads=layout.heads,
+        kv_heads=layout.kv_heads,
+        q_len=sizes["T"],
+        kv_len=sizes["S"],
+        head_dim=q_shape[sp.q_axes["D"]],
+        v_head_dim=v_shape[out.v_axes["Dv"]],
         q_dtype=q.dtype,
         k_dtype=k.dtype,
         v_dtype=v.dtype,
@@ -176,9 +182,11 @@ def match_site(scope: Scope, soft) -> AttentionSite | Miss:
         compute_dtype=soft.dtype,
         p_dtype=out.p_dtype,
         score_ops=tuple(ops),
-        extras=tuple(ExtraSpec(_extra_shape(o), e.dtype) for o, e in _ops_extras(ops, extras)),
+        extras=tuple(ExtraSpec(op.shape, e.dtype) for op, e in _ops_extras(ops, extras)),
     )
     pieces = [type(op).__name__.lower() for op in ops]
+    if layout.grouped:
+        pieces.insert(0, "grouped")
     return AttentionSite(
         scope_prefix=scope.prefix,
         nodes=frozenset(nodes),
@@ -187,7 +195,7 @@ def match_site(scope: Scope, soft) -> AttentionSite | Miss:
         k=k,
         v=v,
         extras=tuple(extras),
-        batch_shape=sp.batch_shape,
+        layout=layout,
         out_roles=tuple(out.roles),
         spec=spec,
         pattern="softmax(QKᵀ)V" + (f" [{', '.join(pieces)}]" if pieces else ""),
@@ -198,10 +206,6 @@ def match_site(scope: Scope, soft) -> AttentionSite | Miss:
 def _ops_extras(ops, extras):
     by_index = {op.index: op for op in ops if isinstance(op, Bias | Mask)}
     return [(by_index[i], e) for i, e in enumerate(extras)]
-
-
-def _extra_shape(op) -> tuple:
-    return tuple(op.shape)
 
 
 def _role_name(role) -> str:
@@ -237,9 +241,7 @@ def _check_closed(scope: Scope, dot, root, nodes: set) -> Miss | None:
     return None
 
 
-def _folded_causal(
-    scope, prof, roles, canon, full, *, keep_when=True, fill=None, additive=False, sign=1
-):
+def _folded_causal(scope, prof, roles, *, keep_when=True, fill=None, additive=False, sign=1):
     """Classify a constant mask/bias: a `Causal` op, "all" (keeps everything) or None."""
     base = scope.fold(prof.base)
     if base is None:
@@ -249,9 +251,6 @@ def _folded_causal(
         if additive or not np.all(np.asarray(base) == keep_when):
             return None
         return "all"
-    if any(role_axes.get(r) is not None and full[r] != 1 for r in canon[:-2]):
-        # Varies along a batch axis: only OK if it does not actually vary.
-        pass
     t_axis, s_axis = role_axes["T"], role_axes["S"]
     arr = np.asarray(base)
     others = [a for a in range(arr.ndim) if a not in (t_axis, s_axis)]

@@ -1,9 +1,19 @@
 """`AttentionSite`: one matched site, and the layout transforms around its kernel.
 
 A site knows which values of the original program are its q, k, v and side
-arrays, how each axis maps to a canonical role, and how to turn the kernel's
+arrays, which *role* each of their axes plays, and how to turn the kernel's
 ``[B, H, T, Dv]`` output back into the exact shape, layout and dtype of the
 value it replaces.  All transforms are transposes, reshapes and casts: exact.
+
+Roles: ``("b", i)`` for the score product's batch axes, ``"G"`` for a
+query-only group axis (grouped-query attention written as a 5-D einsum, as
+``jax.nn.dot_product_attention`` does), ``"T"``/``"S"`` for query/key
+positions and ``"D"``/``"Dv"`` for head dims.  The canonical kernel layout
+groups them as
+
+* ``B``  = the batch axes except the last,
+* ``Hkv`` = the last batch axis (key/value heads),
+* ``H``  = ``Hkv`` followed by ``G`` (so query head ``h`` reads kv head ``h // G``).
 """
 
 from __future__ import annotations
@@ -15,15 +25,77 @@ import jax.numpy as jnp
 
 from .graph import Node
 
-Q_ROLE, K_ROLE = "T", "S"
+
+def role_groups(n_batch: int, grouped: bool) -> tuple[list, list, list]:
+    """(B roles, H roles, Hkv roles) of the canonical layout."""
+    batch = [("b", i) for i in range(n_batch)]
+    g = ["G"] if grouped else []
+    if n_batch <= 1:
+        return batch, g, []
+    return batch[:-1], [batch[-1], *g], [batch[-1]]
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """Role sizes of a site and the canonical grouping derived from them."""
+
+    sizes: dict  # role -> size, for every batch role, "G" (if any), "T", "S"
+
+    @property
+    def n_batch(self) -> int:
+        return sum(1 for r in self.sizes if isinstance(r, tuple))
+
+    @property
+    def grouped(self) -> bool:
+        return "G" in self.sizes
+
+    @property
+    def groups(self):
+        return role_groups(self.n_batch, self.grouped)
+
+    def size_of(self, roles) -> int:
+        return math.prod(self.sizes[r] for r in roles)
+
+    @property
+    def batch(self) -> int:
+        return self.size_of(self.groups[0])
+
+    @property
+    def heads(self) -> int:
+        return self.size_of(self.groups[1])
+
+    @property
+    def kv_heads(self) -> int:
+        return self.size_of(self.groups[2])
+
+    def score_roles(self) -> list:
+        b, h, _ = self.groups
+        return [*b, *h, "T", "S"]
+
+    def extra_shape(self, present: dict) -> tuple[int, ...]:
+        """4-D canonical shape of an extra that has the roles in ``present``
+        (role -> bool: carried, i.e. not broadcast)."""
+        b, h, _ = self.groups
+        return (
+            _group_size(self, b, present),
+            _group_size(self, h, present),
+            self.sizes["T"] if present.get("T") else 1,
+            self.sizes["S"] if present.get("S") else 1,
+        )
+
+
+def _group_size(layout: Layout, roles, present: dict) -> int:
+    if not any(present.get(r) for r in roles):
+        return 1
+    return layout.size_of(roles)
 
 
 @dataclasses.dataclass(frozen=True)
 class Operand:
-    """A q/k/v operand and the permutation putting it in ``[b..., L, D]`` order."""
+    """A q/k/v operand: ``axes[role]`` is the operand axis holding that role."""
 
     atom: object
-    perm: tuple[int, ...]
+    axes: dict
     shape: tuple[int, ...]
     dtype: object
 
@@ -32,26 +104,16 @@ class Operand:
 class ExtraSource:
     """A bias or mask array as the original program has it.
 
-    ``role_axes[r]`` is the axis of the (un-broadcast) ``atom`` that holds role
-    ``r`` of the canonical score layout ``[b..., T, S]``, or None where it is
-    broadcast.  ``transform`` is applied first: "not" (a mask that keeps where
-    False) or "neg" (a subtracted bias).
+    ``axes[r]`` is the axis of the (un-broadcast) ``atom`` holding role ``r``
+    of the score layout, or None where it is broadcast.  ``transform`` is
+    applied first: "not" (a mask that keeps where False) or "neg" (a
+    subtracted bias).
     """
 
     atom: object
-    role_axes: tuple  # per canonical role, base axis or None
+    axes: dict
     transform: str | None
     dtype: object
-
-
-def collapse_batch(batch_shape: tuple[int, ...]) -> tuple[int, int]:
-    """Canonical (B, H) for the score product's batch axes."""
-    n = len(batch_shape)
-    if n == 0:
-        return 1, 1
-    if n == 1:
-        return batch_shape[0], 1
-    return math.prod(batch_shape[:-1]), batch_shape[-1]
 
 
 @dataclasses.dataclass(eq=False)
@@ -65,7 +127,7 @@ class AttentionSite:
     k: Operand
     v: Operand
     extras: tuple  # ExtraSource, in the order of the spec's extras
-    batch_shape: tuple[int, ...]
+    layout: Layout
     out_roles: tuple  # role of each axis of the root output
     spec: object  # kernels.AttentionSpec
     pattern: str
@@ -85,21 +147,14 @@ class AttentionSite:
 
     # ------------------------------------------------------------------ transforms
 
-    def canonical_roles(self) -> list:
-        return [("b", i) for i in range(len(self.batch_shape))] + [Q_ROLE, K_ROLE]
-
     def to_kernel(self, read):
         """Canonical (q, k, v, extras) from the original values (``read(atom)``)."""
-        q = self._qkv(read(self.q.atom), self.q)
-        k = self._qkv(read(self.k.atom), self.k)
-        v = self._qkv(read(self.v.atom), self.v)
+        b, h, hkv = self.layout.groups
+        q = _gather(read(self.q.atom), self.q.axes, [b, h, ["T"], ["D"]])
+        k = _gather(read(self.k.atom), self.k.axes, [b, hkv, ["S"], ["D"]])
+        v = _gather(read(self.v.atom), self.v.axes, [b, hkv, ["S"], ["Dv"]])
         extras = tuple(self._extra(read(e.atom), e) for e in self.extras)
         return q, k, v, extras
-
-    def _qkv(self, x, op: Operand):
-        x = jnp.transpose(jnp.asarray(x), op.perm)
-        b, h = collapse_batch(self.batch_shape)
-        return x.reshape(b, h, x.shape[-2], x.shape[-1])
 
     def _extra(self, x, src: ExtraSource):
         x = jnp.asarray(x)
@@ -107,51 +162,55 @@ class AttentionSite:
             x = jnp.logical_not(x)
         elif src.transform == "neg":
             x = -x
-        used = [a for a in src.role_axes if a is not None]
+        used = [a for a in src.axes.values() if a is not None]
         drop = tuple(a for a in range(x.ndim) if a not in used)
         x = jnp.squeeze(x, axis=drop) if drop else x
-        order = sorted(used)
-        x = jnp.transpose(x, [order.index(a) for a in used])
-        roles = self.canonical_roles()
-        full = (*self.batch_shape, self.spec.q_len, self.spec.kv_len)
-        shape = [x.shape[used.index(a)] if a is not None else 1 for a in src.role_axes]
-        x = x.reshape(shape)
-        return _collapse_extra(x, full, len(roles) - 2)
+        kept = sorted(used)
+        axes = {r: (None if a is None else kept.index(a)) for r, a in src.axes.items()}
+        b, h, _ = self.layout.groups
+        out = []
+        for group in (b, h, ["T"], ["S"]):
+            present = [r for r in group if axes.get(r) is not None]
+            if not present:
+                out.append(None)
+            elif len(present) < len(group):  # mixed broadcast: materialise this group only
+                out.append("broadcast")
+            else:
+                out.append(present)
+        # Broadcast partially-present groups, then transpose + reshape group by group.
+        order, shape, target = [], [], []
+        for group, state in zip((b, h, ["T"], ["S"]), out, strict=True):
+            if state is None:
+                target.append(1)
+                continue
+            for r in group:
+                if axes.get(r) is None:
+                    x = jnp.expand_dims(x, x.ndim)
+                    axes[r] = x.ndim - 1
+                order.append(axes[r])
+                shape.append(self.layout.sizes[r])
+            target.append(self.layout.size_of(group))
+        x = jnp.transpose(x, order)
+        x = jnp.broadcast_to(x, shape)
+        return x.reshape(target)
 
     def from_kernel(self, out):
         """The kernel's ``[B, H, T, Dv]`` output in the root's layout and dtype."""
-        roles = [*[("b", i) for i in range(len(self.batch_shape))], "T", "Dv"]
-        out = out.reshape(*self.batch_shape, out.shape[-2], out.shape[-1])
-        perm = [roles.index(r) for r in self.out_roles]
-        out = jnp.transpose(out, perm)
+        b, h, _ = self.layout.groups
+        roles = [*b, *h, "T", "Dv"]
+        sizes = [*(self.layout.sizes[r] for r in [*b, *h, "T"]), out.shape[-1]]
+        out = out.reshape(sizes)
+        out = jnp.transpose(out, [roles.index(r) for r in self.out_roles])
         return out.astype(self.root.eqn.outvars[0].aval.dtype)
 
 
-def _collapse_extra(x, full: tuple, n_batch: int):
-    """``[b..., T|1, S|1]`` (size-1 broadcast axes) to 4-D ``[B|1, H|1, T|1, S|1]``."""
-    tail = x.shape[n_batch:]
-    if n_batch == 0:
-        return x.reshape(1, 1, *tail)
-    if n_batch == 1:
-        return x.reshape(x.shape[0], 1, *tail)
-    lead = x.shape[: n_batch - 1]
-    if all(d == 1 for d in lead):
-        b = 1
-    else:
-        if any(d == 1 for d in lead):  # mixed broadcast: materialise the batch axes only
-            x = jnp.broadcast_to(x, (*full[: n_batch - 1], *x.shape[n_batch - 1 :]))
-        b = math.prod(full[: n_batch - 1])
-    return x.reshape(b, x.shape[n_batch - 1], *tail)
-
-
-def extra_shape4(role_sizes: list, batch_shape: tuple) -> tuple[int, ...]:
-    """Static version of `_collapse_extra`'s output shape."""
-    n_batch = len(batch_shape)
-    tail = tuple(role_sizes[n_batch:])
-    if n_batch == 0:
-        return (1, 1, *tail)
-    if n_batch == 1:
-        return (role_sizes[0], 1, *tail)
-    lead = role_sizes[: n_batch - 1]
-    b = 1 if all(d == 1 for d in lead) else math.prod(batch_shape[: n_batch - 1])
-    return (b, role_sizes[n_batch - 1], *tail)
+def _gather(x, axes: dict, groups: list):
+    """Transpose ``x`` so its role axes come in group order, then merge groups."""
+    x = jnp.asarray(x)
+    order = [axes[r] for g in groups for r in g]
+    x = jnp.transpose(x, order)
+    sizes, i = [], 0
+    for g in groups:
+        sizes.append(math.prod(x.shape[i : i + len(g)]))
+        i += len(g)
+    return x.reshape(sizes)

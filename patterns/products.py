@@ -31,18 +31,17 @@ class ScoreProduct:
     node: Node
     q: object
     k: object
-    q_perm: tuple[int, ...]  # q axes in canonical order [b..., T, D]
-    k_perm: tuple[int, ...]  # k axes in canonical order [b..., S, D]
+    q_axes: dict  # role -> q axis
+    k_axes: dict  # role -> k axis
     roles: list  # role of each output axis
     n_batch: int
-    batch_shape: tuple[int, ...]
 
 
 @dataclasses.dataclass
 class OutputProduct:
     node: Node
     v: object
-    v_perm: tuple[int, ...]  # v axes in canonical order [b..., S, Dv]
+    v_axes: dict  # role -> v axis
     roles: list  # role of each output axis
     p_dtype: object
     casts: set  # converts between the probabilities and the product
@@ -53,9 +52,15 @@ def _free_axes(rank: int, contract, batch) -> list[int]:
     return [a for a in range(rank) if a not in used]
 
 
-def score_product(scope: Scope, dot: Node, key_out_axis: int) -> ScoreProduct | Miss:
-    """Assign roles to the score ``dot_general`` given which output axis is the
-    softmax (key) axis."""
+def score_products(scope: Scope, dot: Node, key_out_axis: int) -> list[ScoreProduct] | Miss:
+    """Role assignments of the score ``dot_general`` given which output axis is
+    the softmax (key) axis.
+
+    A query operand with two free axes is grouped-query attention written as a
+    5-D einsum (``[B, T, Hkv, G, D]``): one free axis is the query position T,
+    the other the group G.  Both readings compute the same function; they are
+    returned larger-axis-as-T first and the caller picks the one its masks fit.
+    """
     (lc, rc), (lb, rb) = dot.params["dimension_numbers"]
     lhs, rhs = dot.ins
     lrank, rrank = len(scope.shape(lhs)), len(scope.shape(rhs))
@@ -79,26 +84,28 @@ def score_product(scope: Scope, dot: Node, key_out_axis: int) -> ScoreProduct | 
             f"expected one{where(dot)}",
             dot,
         )
-    if len(qfree) != 1:
+    if len(qfree) not in (1, 2):
         return Miss(
-            f"query operand of the score product has {len(qfree)} free axes "
-            f"(grouped-query layouts are not supported yet){where(dot)}",
+            f"query operand of the score product has {len(qfree)} free axes, "
+            f"expected one (or two for grouped-query attention){where(dot)}",
             dot,
         )
-    roles: list = [("b", i) for i in range(nb)]
-    free_roles = ["S", "T"] if k_is_lhs else ["T", "S"]
-    roles += free_roles
-    batch_shape = tuple(scope.shape(lhs)[a] for a in lb)
-    return ScoreProduct(
-        node=dot,
-        q=q,
-        k=k,
-        q_perm=(*qb, qfree[0], qc[0]),
-        k_perm=(*kb, kfree[0], kc[0]),
-        roles=roles,
-        n_batch=nb,
-        batch_shape=batch_shape,
-    )
+    q_shape = scope.shape(q)
+    if len(qfree) == 1:
+        labelings = [("T",)]
+    else:
+        big_first = sorted(range(2), key=lambda i: -q_shape[qfree[i]])
+        labelings = [tuple("T" if i == t else "G" for i in range(2)) for t in big_first]
+    out = []
+    for labels in labelings:
+        batch = {("b", i): a for i, a in enumerate(qb)}
+        q_axes = {**batch, **dict(zip(labels, qfree, strict=True)), "D": qc[0]}
+        k_axes = {**{("b", i): a for i, a in enumerate(kb)}, "S": kfree[0], "D": kc[0]}
+        q_roles = list(labels)
+        roles: list = [("b", i) for i in range(nb)]
+        roles += ["S", *q_roles] if k_is_lhs else [*q_roles, "S"]
+        out.append(ScoreProduct(dot, q, k, q_axes, k_axes, roles, nb))
+    return out
 
 
 def output_product(scope: Scope, p, p_roles: list) -> OutputProduct | Miss:
@@ -151,13 +158,15 @@ def output_product(scope: Scope, p, p_roles: list) -> OutputProduct | Miss:
         )
     pfree = _free_axes(prank, pc, pb)
     vfree = _free_axes(vrank, vc, vb)
-    if [p_roles[a] for a in pfree] != ["T"]:
+    want_free = sorted(r for r in p_roles if r in ("T", "G"))
+    if sorted(p_roles[a] for a in pfree) != want_free:
         return Miss(f"P·V keeps probability axes other than the query axis{where(node)}", node)
     if len(vfree) != 1:
         return Miss(f"value operand has {len(vfree)} free axes, expected one{where(node)}", node)
     # v's batch axis paired with p's batch axis of role ("b", i) is v's ("b", i).
-    v_batch = sorted(zip(batch_roles, vb, strict=True), key=lambda rv: rv[0][1])
-    v_perm = (*[a for _, a in v_batch], vc[0], vfree[0])
-    out_free = ["T", "Dv"] if pos == 0 else ["Dv", "T"]
+    v_axes = {role: a for role, a in zip(batch_roles, vb, strict=True)}
+    v_axes.update({"S": vc[0], "Dv": vfree[0]})
+    p_free_roles = [p_roles[a] for a in pfree]
+    out_free = [*p_free_roles, "Dv"] if pos == 0 else ["Dv", *p_free_roles]
     roles = [*batch_roles, *out_free]
-    return OutputProduct(node, v, v_perm, roles, scope.dtype(atom), casts)
+    return OutputProduct(node, v, v_axes, roles, scope.dtype(atom), casts)

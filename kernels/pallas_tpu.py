@@ -1,0 +1,454 @@
+"""Adapter for JAX's Pallas TPU flash-attention kernel.
+
+``jax.experimental.pallas.ops.tpu.flash_attention`` computes, per head::
+
+    s = (q @ k^T + ab) * sm_scale        # bias BEFORE the scale
+    s = s + where(causal & segment_mask, 0, -0.7 * f32_max)   # top-left causal
+    out = softmax(s) @ v                 # f32 statistics, p cast to v.dtype
+
+with ``q, k, v`` of one shape ``[B, H, T, D]`` (no GQA, ``Dv == D``), ``ab``
+exactly ``[B, H, T, S]``, ``S`` a multiple of the key block and a
+``custom_vjp`` that also returns ``d ab``.  This module maps an
+`AttentionSpec` onto that exactly:
+
+* Scale ops: ``sm_scale`` = their product ``C``.  A bias seen after scales
+  ``c`` is passed as ``bias / c``, so ``(qk + bias / c) * C`` equals the
+  spec's order (bit-exact when ``c`` is a power of two, else within an ulp).
+  Pre-scaling ``q`` instead would round ``q`` in its (bf16) dtype.
+* Mask ops, Causal with ``offset != 0`` and ``-inf``/huge biases are folded
+  into ``ab`` as ``-2**126 / max(C, 1)`` (`_masked_value`): finite, so the
+  kernel's online softmax never sees a block row that is all ``-inf``
+  (which would give NaN), and far below any real score, so excluded keys get
+  exactly zero weight.  ``Causal(offset=0)`` uses the kernel's own ``causal``.
+* GQA/MQA: K/V heads are repeated.  ``Dv != D`` and head dims > 128 that are
+  not multiples of 128: zero-padded (zeros add nothing to ``q . k`` and their
+  output columns are sliced off).
+* Sequence lengths are padded: queries to a multiple of 16 (one block) or,
+  above ``max_block`` (default 512), of 128; keys to a multiple of 128.
+  Padded keys are excluded through the kernel's segment ids
+  (``-0.7 * f32_max``, below the mask value); padded queries are sliced off.
+* ``ab`` is materialised as ``[B, H, T, S]`` (padded; float32 unless bfloat16
+  holds it exactly) whenever the spec has a Bias, a Mask or a causal offset.
+* The kernel is traced with x64 off (its index maps fail under x64) and, for
+  ``interpret=True``, in TPU interpret mode, in the forward and the backward
+  (`flashpass.compat.pallas_tpu_traced`), so callers need no context.
+* Gradients w.r.t. ``q``, ``k``, ``v`` and every Bias extra are exact
+  reverse-mode (the kernel returns ``d ab``).  There is no forward mode and no
+  second order (the kernel raises ``Higher-order AD not supported``).
+
+Differences from `reference_attention`, by design:
+
+* Rows whose keys are *all* excluded (by Mask ops, or an all ``-inf``
+  bias): the spec's result depends on the fill values (uniform over all keys
+  when the fills are equal, NaN for ``-inf``); this kernel returns the
+  uniform average of ``v`` over the real keys that the kernel's own causal
+  mask (offset 0) keeps, and the bias gradient of such rows is not zero.
+* Precision: the kernel always accumulates and normalises in float32; a spec
+  computing in bfloat16/float16 gets a more precise result, not the same
+  rounding.  q, k, v and p are cast to one kernel dtype (`_kernel_dtype`),
+  bfloat16 only where the spec itself keeps no more precision.
+* A Bias after a Mask/Causal is assumed not to lift an excluded score (fill
+  + bias) back into range, the same assumption `EXCLUDING_FILL` makes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+
+import jax.numpy as jnp
+import numpy as np
+
+from flashpass import compat
+
+from .base import (
+    EXCLUDING_FILL,
+    AttentionSpec,
+    Bias,
+    Causal,
+    CheckContext,
+    Kernel,
+    Mask,
+    Scale,
+    Softcap,
+)
+
+#: Key blocks must be multiples of this (the kernel's lane width / MIN_BLOCK_SIZE).
+_LANES = 128
+#: Query lengths are padded to a multiple of this.  Besides sublane tiling, an
+#: even block_q sidesteps an off-by-one in the kernel's causal block skipping,
+#: ``(r + 1) * block_q - 1 > c * block_k``: a block whose last row equals the
+#: first key is skipped (e.g. block_q == 1 with several key blocks loses row 0).
+_Q_MULTIPLE = 16
+#: Default largest block (VMEM-friendly on every TPU generation).  Query
+#: lengths up to the largest block are one block, padded to `_Q_MULTIPLE` only.
+DEFAULT_MAX_BLOCK = 512
+
+_BF16 = np.dtype(jnp.bfloat16)
+_F16 = np.dtype(np.float16)
+_F32 = np.dtype(np.float32)
+_INPUT_FLOATS = (_BF16, _F16, _F32)
+
+
+def _round_up(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+def _largest_block(length: int, max_block: int) -> int:
+    """Largest power-of-two multiple of 128, at most ``max_block``, dividing
+    ``length`` (a multiple of 128)."""
+    block = _LANES
+    while block * 2 <= max_block and length % (block * 2) == 0:
+        block *= 2
+    return block
+
+
+def _is_real(dtype: np.dtype) -> bool:
+    return dtype == np.bool_ or bool(
+        jnp.issubdtype(dtype, jnp.integer) or jnp.issubdtype(dtype, jnp.floating)
+    )
+
+
+def _is_power_of_two(x: float) -> bool:
+    return x > 0 and math.frexp(x)[0] == 0.5
+
+
+def _biases_with_scale_before(spec: AttentionSpec) -> list[tuple[Bias, float]]:
+    """Each Bias op with the product of the Scale ops before it."""
+    out, c_before = [], 1.0
+    for op in spec.score_ops:
+        if isinstance(op, Scale):
+            c_before *= op.value
+        elif isinstance(op, Bias):
+            out.append((op, c_before))
+    return out
+
+
+def _effective_fill(spec: AttentionSpec, position: int, fill: float) -> float:
+    """The score an excluded key has at the end of the score ops (later Scales
+    multiply it; a later Bias is assumed not to matter, see module doc)."""
+    for op in spec.score_ops[position + 1 :]:
+        if isinstance(op, Scale):
+            fill *= op.value
+    return fill
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    """Everything `apply` does to a spec, decided statically."""
+
+    kernel_dtype: np.dtype
+    ab_dtype: np.dtype | None  # None: no ``ab`` (no Bias/Mask/folded causal)
+    sm_scale: float
+    masked_value: float  # value of an excluded key in ``ab`` (before sm_scale)
+    causal: bool  # kernel's top-left causal mask
+    fold_offset: int | None  # causal offset folded into ``ab`` as a mask
+    q_len: int  # padded
+    kv_len: int  # padded
+    head_dim: int  # padded, shared by q, k and v
+    pad_keys: bool  # padded keys must be excluded (via segment ids)
+    block_q: int
+    block_k: int
+
+    def block_sizes(self):
+        fa = compat.tpu_flash_attention_module()
+        bq, bk = self.block_q, self.block_k
+        return fa.BlockSizes(
+            block_q=bq,
+            block_k_major=bk,
+            block_k=bk,
+            block_b=1,
+            block_q_major_dkv=bq,
+            block_k_major_dkv=bk,
+            block_k_dkv=bk,
+            block_q_dkv=bq,
+            block_k_major_dq=bk,
+            block_k_dq=bk,
+            block_q_dq=bq,
+        )
+
+
+def _kernel_dtype(spec: AttentionSpec) -> np.dtype:
+    """One dtype for q, k, v and the kernel output.
+
+    bfloat16 only when it loses nothing the spec keeps: the spec computes in
+    bfloat16 (its q/k/p/out are rounded to it anyway) or every operand and the
+    output are bfloat16.  Otherwise float32 (upcasts are exact; the kernel's
+    output dtype is q's, so a bf16 q would round a float32 result).  Mixed
+    q/v dtypes are avoided: the backward's ``do @ v^T`` would mix them.
+    """
+    if spec.compute_dtype == _BF16:
+        return _BF16
+    dtypes = (spec.q_dtype, spec.k_dtype, spec.v_dtype, spec.p_dtype, spec.out_dtype)
+    if all(d == _BF16 for d in dtypes):
+        return _BF16
+    return _F32
+
+
+def _masked_value(sm_scale: float) -> float:
+    # After the kernel multiplies by sm_scale this is -2**126 * min(sm_scale, 1):
+    # finite (even plus the kernel's own -0.7 * f32_max), yet below any real score.
+    return -(2.0**126) / max(sm_scale, 1.0)
+
+
+def _spec_reasons(spec: AttentionSpec) -> list[str]:
+    """Static reasons this adapter cannot run ``spec`` exactly (platform aside)."""
+    reasons: list[str] = []
+    for name in ("q_dtype", "k_dtype", "v_dtype"):
+        dtype = getattr(spec, name)
+        if dtype not in _INPUT_FLOATS:
+            reasons.append(
+                f"{name[0]} has dtype {dtype.name}; the TPU flash kernel takes "
+                "bfloat16, float16 or float32 (float64 would be silently downcast)"
+            )
+    for name in ("compute_dtype", "p_dtype", "out_dtype"):
+        dtype = getattr(spec, name)
+        if dtype not in _INPUT_FLOATS:
+            reasons.append(
+                f"{name} is {dtype.name}; the TPU flash kernel computes in float32 at "
+                "most (disable jax_enable_x64 for this attention or use another kernel)"
+            )
+    if min(spec.head_dim, spec.v_head_dim, spec.q_len, spec.kv_len, spec.batch) <= 0:
+        reasons.append("empty q/k/v (a zero-sized dimension) is not supported")
+    full = (spec.batch, spec.heads, spec.q_len, spec.kv_len)
+    for position, op in enumerate(spec.score_ops):
+        if isinstance(op, Softcap):
+            reasons.append(
+                f"logit soft-capping (Softcap cap={op.cap}) is not supported by the "
+                "TPU flash kernel; use the 'blockwise' kernel for this attention"
+            )
+        elif isinstance(op, Scale):
+            if not op.value > 0:
+                reasons.append(
+                    f"score scale {op.value} is not positive; the adapter folds masks "
+                    "into large negative biases, which a non-positive scale would flip"
+                )
+        elif isinstance(op, Bias | Mask):
+            kind = "bias" if isinstance(op, Bias) else "mask"
+            if not 0 <= op.index < len(spec.extras):
+                reasons.append(f"{kind} refers to extra #{op.index}, which the spec lacks")
+                continue
+            shape = tuple(spec.extras[op.index].shape)
+            if len(shape) != 4 or any(d not in (1, f) for d, f in zip(shape, full, strict=False)):
+                reasons.append(f"{kind} extra of shape {shape} is not broadcastable to {full}")
+            dtype = np.dtype(spec.extras[op.index].dtype)
+            if isinstance(op, Bias) and not _is_real(dtype):
+                reasons.append(f"bias extra of dtype {dtype.name} is not real-valued")
+            if isinstance(op, Mask):
+                fill = _effective_fill(spec, position, op.fill)
+                if not fill <= EXCLUDING_FILL:
+                    reasons.append(
+                        f"mask fill {op.fill} (score {fill} after later scales) does not "
+                        f"exclude keys (needs <= {EXCLUDING_FILL} or -inf): masked keys keep "
+                        "a non-zero weight that a bias cannot reproduce; use a fill such as "
+                        "-1e9 or -inf, or the 'blockwise' kernel"
+                    )
+        elif isinstance(op, Causal):
+            fill = _effective_fill(spec, position, op.fill)
+            if op.offset < 0:
+                reasons.append(
+                    f"causal offset {op.offset} < 0 leaves query rows with no key to attend to"
+                )
+            if not fill <= EXCLUDING_FILL:
+                reasons.append(
+                    f"causal fill {op.fill} (score {fill} after later scales) does not "
+                    f"exclude keys (needs <= {EXCLUDING_FILL} or -inf); the kernel's causal "
+                    "mask gives excluded keys zero weight"
+                )
+    return reasons
+
+
+def _plan(spec: AttentionSpec, max_block: int = DEFAULT_MAX_BLOCK) -> _Plan:
+    kernel_dtype = _kernel_dtype(spec)
+    sm_scale = spec.scale
+
+    offsets = [op.offset for op in spec.ops_of(Causal)]
+    offset = min(offsets) if offsets else None
+    if offset is not None and offset >= spec.kv_len - 1:
+        offset = None  # every key j <= S - 1 <= i + offset: no key is excluded
+    causal = offset == 0
+    fold_offset = offset if offset else None
+
+    # ab dtype: bfloat16 only when it holds the one bias exactly: the bias is
+    # bfloat16 as the spec adds it, and `bias / c` is exact (c a power of two).
+    ab_dtype = None
+    if spec.ops_of(Bias) or spec.ops_of(Mask) or fold_offset is not None:
+        ab_dtype = _F32
+        biases = _biases_with_scale_before(spec)
+        if kernel_dtype == _BF16 and len(biases) <= 1:
+            if all(
+                (spec.compute_dtype == _BF16 or np.dtype(op.dtype) == _BF16) and _is_power_of_two(c)
+                for op, c in biases
+            ):
+                ab_dtype = _BF16
+
+    if spec.q_len <= max_block:
+        q_len = _round_up(spec.q_len, _Q_MULTIPLE)
+        block_q = q_len
+    else:
+        q_len = _round_up(spec.q_len, _LANES)
+        block_q = _largest_block(q_len, max_block)
+    kv_len = _round_up(spec.kv_len, _LANES)
+
+    head_dim = max(spec.head_dim, spec.v_head_dim)
+    if head_dim > _LANES:
+        # The kernel tiles head dims above 128 in lanes of 128.
+        head_dim = _round_up(head_dim, _LANES)
+
+    # Top-left causal with T <= S already excludes every padded key (j >= S > i).
+    pad_keys = kv_len > spec.kv_len and not (causal and spec.q_len <= spec.kv_len)
+    return _Plan(
+        kernel_dtype=kernel_dtype,
+        ab_dtype=ab_dtype,
+        sm_scale=float(sm_scale),
+        masked_value=_masked_value(sm_scale),
+        causal=causal,
+        fold_offset=fold_offset,
+        q_len=q_len,
+        kv_len=kv_len,
+        head_dim=head_dim,
+        pad_keys=pad_keys,
+        block_q=block_q,
+        block_k=_largest_block(kv_len, max_block),
+    )
+
+
+def _build_ab(spec: AttentionSpec, plan: _Plan, extras: Sequence):
+    """The kernel's ``[B, H, T, S]`` bias (unpadded), or None."""
+    if plan.ab_dtype is None:
+        return None
+    ab = None
+    for op, c_before in _biases_with_scale_before(spec):
+        # The spec adds the bias rounded to compute_dtype, after the scales seen
+        # so far; the kernel adds it before scaling by all of them.
+        bias = extras[op.index].astype(spec.compute_dtype).astype(plan.ab_dtype)
+        if c_before != 1.0:
+            bias = bias / jnp.asarray(c_before, plan.ab_dtype)
+        ab = bias if ab is None else ab + bias
+    keep = None
+    for op in spec.ops_of(Mask):
+        mask = extras[op.index].astype(bool)
+        keep = mask if keep is None else keep & mask
+    if plan.fold_offset is not None:
+        rows = np.arange(spec.q_len)[:, None]
+        cols = np.arange(spec.kv_len)[None, :]
+        causal = jnp.asarray((cols <= rows + plan.fold_offset)[None, None])
+        keep = causal if keep is None else keep & causal
+    masked = jnp.asarray(plan.masked_value, plan.ab_dtype)
+    if ab is None:
+        ab = jnp.zeros((1, 1, 1, 1), plan.ab_dtype)
+    else:
+        # -inf or overflowed (bias / c) entries would make an all -inf block row,
+        # which the kernel's online softmax turns into NaN.
+        ab = jnp.maximum(ab, masked)
+    if keep is not None:
+        ab = jnp.where(keep, ab, masked)
+    return jnp.broadcast_to(ab, (spec.batch, spec.heads, spec.q_len, spec.kv_len))
+
+
+def _pad_to(x, axis: int, size: int):
+    if x.shape[axis] == size:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, size - x.shape[axis])
+    return jnp.pad(x, widths)
+
+
+class PallasTpuKernel(Kernel):
+    """JAX's Pallas TPU flash attention (``pallas.ops.tpu.flash_attention``).
+
+    Runs on TPU, or on CPU with ``interpret=True`` (slow; for tests).  Supports
+    Scale, Bias (with gradient), boolean Mask and Causal (any offset >= 0) ops,
+    GQA/MQA and any sequence length or head dims; rejects Softcap, float64,
+    non-positive scales and fills that do not exclude keys.  Reverse-mode AD
+    only.  No cost heuristics (``ctx.explicit`` is not consulted).  See the
+    module docstring for the exact mapping and the fully-masked-row difference.
+    """
+
+    name = "pallas_tpu"
+    platforms = ("tpu",)
+    interpret_platforms = ("cpu",)
+    supports_grad = True
+
+    def __init__(self, *, max_block: int = DEFAULT_MAX_BLOCK):
+        """``max_block``: the largest query/key block (a power-of-two multiple of 128)."""
+        if max_block < _LANES or max_block & (max_block - 1):
+            raise ValueError(f"max_block must be a power-of-two multiple of 128, got {max_block}")
+        self.max_block = max_block
+
+    def check(self, spec: AttentionSpec, ctx: CheckContext) -> list[str]:
+        """Reasons this kernel cannot run ``spec`` on ``ctx.platform`` (static)."""
+        return self.platform_reasons(ctx) + _spec_reasons(spec)
+
+    def apply(
+        self,
+        spec: AttentionSpec,
+        q,
+        k,
+        v,
+        extras: Sequence = (),
+        *,
+        interpret: bool = False,
+    ):
+        """Attention ``[B, H, T, Dv]`` in ``spec.out_dtype`` via the TPU kernel.
+
+        ``interpret=True`` runs the kernel (forward and backward) in Pallas TPU
+        interpret mode, e.g. on CPU.
+        """
+        reasons = _spec_reasons(spec)
+        if reasons:
+            raise ValueError(f"{self.name} cannot run this attention: " + "; ".join(reasons))
+        for name, x, shape in (
+            ("q", q, spec.q_shape),
+            ("k", k, spec.k_shape),
+            ("v", v, spec.v_shape),
+        ):
+            if tuple(x.shape) != shape:
+                raise ValueError(f"{name} has shape {tuple(x.shape)}, the spec says {shape}")
+        plan = _plan(spec, self.max_block)
+        fa = compat.tpu_flash_attention_module()
+
+        # The reference rounds q/k to compute_dtype before the product.
+        q = q.astype(spec.compute_dtype).astype(plan.kernel_dtype)
+        k = k.astype(spec.compute_dtype).astype(plan.kernel_dtype)
+        # The kernel computes p.astype(v.dtype) @ v: v (and so p) in the kernel dtype.
+        v = v.astype(plan.kernel_dtype)
+        # No GQA in the kernel: query head h reads kv head h // G.
+        if spec.groups > 1:
+            k = jnp.repeat(k, spec.groups, axis=1)
+            v = jnp.repeat(v, spec.groups, axis=1)
+        q = _pad_to(_pad_to(q, 3, plan.head_dim), 2, plan.q_len)
+        k = _pad_to(_pad_to(k, 3, plan.head_dim), 2, plan.kv_len)
+        v = _pad_to(_pad_to(v, 3, plan.head_dim), 2, plan.kv_len)
+        args = [q, k, v]
+        ab = _build_ab(spec, plan, extras)
+        if ab is not None:
+            # Padded query rows get 0 (finite), padded keys are excluded by segment ids.
+            args.append(_pad_to(_pad_to(ab, 2, plan.q_len), 3, plan.kv_len))
+
+        segment_ids = None
+        if plan.pad_keys:
+            # Keys whose segment id differs from the queries' get -0.7 * f32_max.
+            # numpy constants: the kernel closure must not capture tracers.
+            kv_ids = (np.arange(plan.kv_len) >= spec.kv_len).astype(np.int32)
+            segment_ids = fa.SegmentIds(
+                q=np.zeros((spec.batch, plan.q_len), np.int32),
+                kv=np.broadcast_to(kv_ids, (spec.batch, plan.kv_len)),
+            )
+        block_sizes = plan.block_sizes()
+
+        def kernel(q, k, v, ab=None):
+            return fa.flash_attention(
+                q,
+                k,
+                v,
+                ab,
+                segment_ids,
+                causal=plan.causal,
+                sm_scale=plan.sm_scale,
+                block_sizes=block_sizes,
+            )
+
+        out = compat.pallas_tpu_traced(kernel, interpret=interpret)(*args)
+        return out[:, :, : spec.q_len, : spec.v_head_dim].astype(spec.out_dtype)
