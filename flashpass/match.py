@@ -20,7 +20,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
-from flashpass.kernels import AttentionSpec, Bias, Causal, ExtraSpec, Mask, Scale
+from flashpass.kernels import AttentionSpec, Bias, Causal, ExtraSpec, Mask, Scale, Softcap
 from flashpass.patterns import chain as chain_mod
 from flashpass.patterns.common import ESCAPE_HINT, Miss, where
 from flashpass.patterns.masks import and_factors, causal_offset, excluding
@@ -93,6 +93,7 @@ def _build_site(scope: Scope, soft, chain, sp) -> AttentionSite | Miss:
     nodes = {dot, *soft.nodes}
     ops: list = []
     extras: list = []
+    demote: dict = {}  # id(Causal op) -> how to express it as a literal mask/bias instead
     tanh = object()
     q_shape, k_shape = scope.shape(sp.q), scope.shape(sp.k)
     sizes = {r: q_shape[a] for r, a in sp.q_axes.items() if r != "D"}
@@ -118,6 +119,7 @@ def _build_site(scope: Scope, soft, chain, sp) -> AttentionSite | Miss:
             causal = _folded_causal(scope, prof, roles, additive=True, sign=sign)
             if isinstance(causal, Causal):
                 ops.append(causal)
+                demote[id(causal)] = ("bias", prof, sign)
                 continue
             dtype = scope.dtype(prof.base)
             if not jnp.issubdtype(dtype, jnp.floating):
@@ -132,12 +134,27 @@ def _build_site(scope: Scope, soft, chain, sp) -> AttentionSite | Miss:
                     continue  # keeps every score: no-op
                 if isinstance(causal, Causal):
                     ops.append(causal)
+                    demote[id(causal)] = ("mask", factor, keep_when, fill)
                     continue
                 index, shape4 = add_extra(factor, None if keep_when else "not", np.bool_)
                 ops.append(Mask(index, shape4, fill))
     ops = fold_softcap(ops, tanh)
     if isinstance(ops, str):
         return Miss(ops + where(dot), dot)
+    # A causal op may be skipped by kernels only if its fill still excludes keys
+    # after the ops that follow it (a later scale or soft-cap can undo that).
+    for i, op in enumerate(ops):
+        if isinstance(op, Causal) and not excluding(_fill_after(op.fill, ops[i + 1 :])):
+            kind, prof, *rest = demote[id(op)]
+            if kind == "bias":
+                index, shape4 = add_extra(
+                    prof, "neg" if rest[0] < 0 else None, scope.dtype(prof.base)
+                )
+                ops[i] = Bias(index, shape4, scope.dtype(prof.base))
+            else:
+                keep_when, fill = rest
+                index, shape4 = add_extra(prof, None if keep_when else "not", np.bool_)
+                ops[i] = Mask(index, shape4, fill)
 
     if roles[soft.axis] != "S":
         return Miss(
@@ -206,6 +223,16 @@ def _build_site(scope: Scope, soft, chain, sp) -> AttentionSite | Miss:
 def _ops_extras(ops, extras):
     by_index = {op.index: op for op in ops if isinstance(op, Bias | Mask)}
     return [(by_index[i], e) for i, e in enumerate(extras)]
+
+
+def _fill_after(fill: float, later: list) -> float:
+    """The value a masked score has after the ops that follow its mask."""
+    for op in later:
+        if isinstance(op, Scale):
+            fill *= op.value
+        elif isinstance(op, Softcap):
+            fill = float(op.cap * np.tanh(fill / op.cap))
+    return fill
 
 
 def _role_name(role) -> str:

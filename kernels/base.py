@@ -20,6 +20,11 @@ it must implement is, in order::
 
 Each `ScoreOp` documents its exact semantics.  A kernel that cannot honour a
 spec says so in `Kernel.check`, in words a user can act on.
+
+Fully masked rows (every key removed by `Mask` ops) are part of the semantics:
+``reference`` and ``blockwise`` reproduce them exactly (uniform weights for a
+finite fill, NaN for ``-inf``, as the original code computes); other kernels
+document what they return for such rows in docs/kernels.md.
 """
 
 from __future__ import annotations
@@ -68,8 +73,9 @@ class Causal:
     """``s = where(j <= i + offset, s, fill)`` for query ``i`` and key ``j``.
 
     The matcher only emits this when every query row keeps at least one key
-    (``offset >= 0``) and ``fill <= EXCLUDING_FILL`` (or ``-inf``), so excluded
-    keys have exactly zero weight and a kernel may skip them.
+    (``offset >= 0``) and the fill is still ``<= EXCLUDING_FILL`` (or ``-inf``)
+    after every later score op, so excluded keys have exactly zero weight and a
+    kernel may skip them.
     """
 
     offset: int

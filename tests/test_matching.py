@@ -139,3 +139,18 @@ def test_two_sites_in_one_function(rng):
     opt = flashpass.optimize(two, kernel="reference")
     assert len(opt.explain(*args).rewrites) == 2
     _check_same_function(two, opt, args)
+
+
+def test_softcap_after_causal_mask_is_not_skippable(rng):
+    # where(causal, s, -inf) then soft-cap: masked scores become -cap, not excluded
+    def fn(q, k, v):
+        t = q.shape[2]
+        s = jnp.where(jnp.tril(jnp.ones((t, t), bool)), q @ k.swapaxes(-1, -2), -jnp.inf)
+        s = 3.0 * jnp.tanh(s / 3.0)
+        return jax.nn.softmax(s, -1) @ v
+
+    args = spellings.bnth(rng)
+    opt = flashpass.optimize(fn, kernel="reference")
+    spec = opt.explain(*args).rewrites[0].spec
+    assert [op["op"] for op in spec["score_ops"]] == ["mask", "softcap"]
+    _check_same_function(fn, opt, args)
