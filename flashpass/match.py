@@ -22,7 +22,7 @@ import numpy as np
 
 from flashpass.kernels import AttentionSpec, Bias, Causal, ExtraSpec, Mask, Scale, Softcap
 from flashpass.patterns import chain as chain_mod
-from flashpass.patterns.common import ESCAPE_HINT, Miss, where
+from flashpass.patterns.common import ESCAPE_HINT, Miss, profile, where
 from flashpass.patterns.masks import and_factors, causal_offset, excluding
 from flashpass.patterns.products import output_product, score_products
 from flashpass.patterns.softcap import fold_softcap
@@ -44,6 +44,8 @@ def find_sites(scope: Scope) -> tuple[list[AttentionSite], list[Miss]]:
         soft = match_softmax(scope, node)
         if not soft:
             if soft.relevant:
+                if soft.location is None:
+                    soft.node = node
                 misses.append(soft)
             continue
         try:
@@ -51,7 +53,7 @@ def find_sites(scope: Scope) -> tuple[list[AttentionSite], list[Miss]]:
         except Exception as err:  # a matcher bug must never break the user's program
             site = Miss(f"internal matcher error ({type(err).__name__}: {err}){where(node)}", node)
         if not site:
-            if site.node is None:
+            if site.location is None:
                 site.node = node
             misses.append(site)
             continue
@@ -93,6 +95,7 @@ def _build_site(scope: Scope, soft, chain, sp) -> AttentionSite | Miss:
     nodes = {dot, *soft.nodes}
     ops: list = []
     extras: list = []
+    q_scales: list = []  # traced scalars folded into q: (atom, invert)
     demote: dict = {}  # id(Causal op) -> how to express it as a literal mask/bias instead
     tanh = object()
     q_shape, k_shape = scope.shape(sp.q), scope.shape(sp.k)
@@ -112,6 +115,13 @@ def _build_site(scope: Scope, soft, chain, sp) -> AttentionSite | Miss:
             roles = [roles[p] for p in step.data["perm"]]
         elif step.kind == "scale":
             ops.append(Scale(step.data["value"]))
+        elif step.kind == "traced_scale":
+            if any(not isinstance(op, Scale) for op in ops):
+                return Miss(
+                    f"scores scaled by a traced value after a bias or mask{where(step.node)}",
+                    step.node,
+                )
+            q_scales.append((step.data["atom"], step.data["invert"]))
         elif step.kind == "tanh":
             ops.append(tanh)
         elif step.kind == "bias":
@@ -162,11 +172,22 @@ def _build_site(scope: Scope, soft, chain, sp) -> AttentionSite | Miss:
             f"{where(soft.exp)}",
             soft.exp,
         )
-    out = output_product(scope, soft.out, roles)
+    ignore = frozenset() if soft.deferred is None else {scope.producer(soft.deferred)}
+    out = output_product(scope, soft.out, roles, ignore)
     if not out:
         return out
     root = out.node
     nodes |= out.casts | {root}
+    if soft.deferred is not None:
+        found = _deferred_division(scope, root, soft.deferred, roles, out.roles)
+        if not found:
+            return found
+        root, division_nodes = found
+        nodes |= division_nodes
+    post = []
+    for prof, at_roles, invert in out.scales:
+        axes = {at_roles[t]: prof.axes[t] for t in range(len(at_roles))}
+        post.append((ExtraSource(prof.base, axes, None, scope.dtype(prof.base)), invert))
     if soft.shift is not None:
         cone = scope.forward_cone([dot.out])
         nodes |= scope.backward_cone([soft.shift]) & cone
@@ -214,6 +235,8 @@ def _build_site(scope: Scope, soft, chain, sp) -> AttentionSite | Miss:
         extras=tuple(extras),
         layout=layout,
         out_roles=tuple(out.roles),
+        q_scales=tuple(q_scales),
+        post_scales=tuple(post),
         spec=spec,
         pattern="softmax(QKᵀ)V" + (f" [{', '.join(pieces)}]" if pieces else ""),
         location=root.location or soft.exp.location,
@@ -223,6 +246,22 @@ def _build_site(scope: Scope, soft, chain, sp) -> AttentionSite | Miss:
 def _ops_extras(ops, extras):
     by_index = {op.index: op for op in ops if isinstance(op, Bias | Mask)}
     return [(by_index[i], e) for i, e in enumerate(extras)]
+
+
+def _deferred_division(scope: Scope, pv, total, score_roles: list, out_roles: list):
+    """``(P·V) / sum``: the division node and helpers, when normalisation is deferred."""
+    users = scope.consumers(pv.out)
+    if len(users) != 1 or users[0][0].prim != "div" or users[0][1] != 0:
+        return Miss(f"exp(scores) @ v is not divided by the sum of exp{where(pv)}", pv)
+    div = users[0][0]
+    prof = profile(scope, div.ins[1], scope.shape(div.out))
+    sum_roles = [r for r in score_roles if r != "S"]
+    expect = tuple(None if r == "Dv" else sum_roles.index(r) for r in out_roles)
+    if scope.resolve(prof.base) != scope.resolve(total) or prof.axes != expect:
+        return Miss(f"P·V is divided by something other than the softmax sum{where(div)}", div)
+    helpers = scope.backward_cone([div.ins[1]], stop={scope.producer(total)})
+    helpers.discard(scope.producer(total))
+    return div, {div, *helpers}
 
 
 def _fill_after(fill: float, later: list) -> float:

@@ -129,6 +129,8 @@ class AttentionSite:
     extras: tuple  # ExtraSource, in the order of the spec's extras
     layout: Layout
     out_roles: tuple  # role of each axis of the root output
+    q_scales: tuple  # (atom, invert): traced scalars folded into q
+    post_scales: tuple  # (ExtraSource, invert): multipliers of the output (head masks)
     spec: object  # kernels.AttentionSpec
     pattern: str
     location: str | None
@@ -151,6 +153,9 @@ class AttentionSite:
         """Canonical (q, k, v, extras) from the original values (``read(atom)``)."""
         b, h, hkv = self.layout.groups
         q = _gather(read(self.q.atom), self.q.axes, [b, h, ["T"], ["D"]])
+        for atom, invert in self.q_scales:
+            t = jnp.reshape(jnp.asarray(read(atom)), ()).astype(q.dtype)
+            q = q / t if invert else q * t
         k = _gather(read(self.k.atom), self.k.axes, [b, hkv, ["S"], ["D"]])
         v = _gather(read(self.v.atom), self.v.axes, [b, hkv, ["S"], ["Dv"]])
         extras = tuple(self._extra(read(e.atom), e) for e in self.extras)
@@ -194,8 +199,12 @@ class AttentionSite:
         x = jnp.broadcast_to(x, shape)
         return x.reshape(target)
 
-    def from_kernel(self, out):
+    def from_kernel(self, out, read=None):
         """The kernel's ``[B, H, T, Dv]`` output in the root's layout and dtype."""
+        for src, invert in self.post_scales:
+            m = self._extra(read(src.atom), src)
+            m = m.astype(jnp.promote_types(m.dtype, out.dtype))
+            out = out / m if invert else out * m
         b, h, _ = self.layout.groups
         roles = [*b, *h, "T", "Dv"]
         sizes = [*(self.layout.sizes[r] for r in [*b, *h, "T"]), out.shape[-1]]

@@ -20,7 +20,8 @@ import dataclasses
 
 from flashpass.graph import Node, Scope
 
-from .common import ESCAPE_HINT, Miss, where
+from .common import Miss, where
+from .probabilities import walk_probabilities
 
 Role = object
 _ROLE_NAMES = {"T": "query", "S": "key"}
@@ -44,7 +45,8 @@ class OutputProduct:
     v_axes: dict  # role -> v axis
     roles: list  # role of each output axis
     p_dtype: object
-    casts: set  # converts between the probabilities and the product
+    casts: set  # recognised equations between the probabilities and the product
+    scales: list  # output multipliers (Profile, roles, invert) from head masks
 
 
 def _free_axes(rank: int, contract, batch) -> list[int]:
@@ -108,26 +110,17 @@ def score_products(scope: Scope, dot: Node, key_out_axis: int) -> list[ScoreProd
     return out
 
 
-def output_product(scope: Scope, p, p_roles: list) -> OutputProduct | Miss:
-    """Find and check ``P·V`` fed by the probabilities ``p`` (whose axes have ``p_roles``)."""
-    casts: set = set()
-    atom = p
-    while True:
-        users = scope.consumers(atom)
-        if scope.is_output(atom) or len(users) != 1:
-            node = scope.producer(atom)
-            what = (
-                "returned by the function"
-                if scope.is_output(atom)
-                else f"used {len(users)} times, expected only by the P·V product"
-            )
-            return Miss(f"the attention probabilities{where(node)} are {what}{ESCAPE_HINT}", node)
-        node, pos = users[0]
-        if node.prim == "convert_element_type":
-            casts.add(node)
-            atom = node.out
-            continue
-        break
+def output_product(scope: Scope, p, p_roles: list, ignore=frozenset()) -> OutputProduct | Miss:
+    """Find and check ``P·V`` fed by the probabilities ``p`` (whose axes have ``p_roles``).
+
+    ``ignore`` lists consumers of ``p`` that belong to the site already (the
+    sum of a deferred normalisation).
+    """
+    path = walk_probabilities(scope, p, p_roles, ignore)
+    if not path:
+        return path
+    node, pos = path.consumer
+    atom, p_roles = path.atom, path.roles
     if node.prim != "dot_general":
         return Miss(
             f"the attention probabilities feed `{node.prim}`, not a P·V product{where(node)}",
@@ -169,4 +162,4 @@ def output_product(scope: Scope, p, p_roles: list) -> OutputProduct | Miss:
     p_free_roles = [p_roles[a] for a in pfree]
     out_free = [*p_free_roles, "Dv"] if pos == 0 else ["Dv", *p_free_roles]
     roles = [*batch_roles, *out_free]
-    return OutputProduct(node, v, v_axes, roles, scope.dtype(atom), casts)
+    return OutputProduct(node, v, v_axes, roles, scope.dtype(atom), path.nodes, path.scales)

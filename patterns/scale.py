@@ -3,6 +3,9 @@
 Covers ``1 / sqrt(d)`` written as a Python float, ``jnp.sqrt``, ``lax.rsqrt`` or
 ``d ** -0.5`` (all constant-folded), and Hugging Face's ``/ sqrt(head_dim)``.
 A query (or key) scaled before the product needs no rule: it is part of q.
+A traced scalar (a learned temperature, ``scale=`` passed as an array) is
+folded into q, exactly as ``(q * t) @ kᵀ == t * (q @ kᵀ)``; it must come
+before any bias or mask.
 """
 
 from __future__ import annotations
@@ -16,8 +19,8 @@ def _scale_reading(scope, node, chain, side, invert):
     if not prof.is_scalar:
         return None
     value = scalar_value(scope, prof.base)
-    if value is None:
-        return Miss(f"scores scaled by a traced (non-constant) value{where(node)}", node)
+    if value is None:  # a traced scalar: folded into q by the site
+        return Step(node, "traced_scale", chain, {"atom": prof.base, "invert": invert})
     if value == 0.0 or value != value:
         return Miss(f"scores scaled by {value}{where(node)}", node)
     return Step(node, "scale", chain, {"value": 1.0 / value if invert else value})

@@ -31,9 +31,10 @@ class Softmax:
     axis: int  # the normalised (key) axis, in the layout of ``s_in``
     s_in: object  # the softmax input (scores after all score ops)
     shift: object | None  # the ``c`` of ``exp(s - c)``, if any
-    out: object  # normalised probabilities
+    out: object  # normalised probabilities (unnormalised ``exp`` when deferred)
     nodes: set  # equations that belong to the softmax itself
     dtype: object  # dtype the softmax is computed in
+    deferred: object = None  # the sum to divide P·V by, when normalisation is deferred
 
 
 def match_softmax(scope: Scope, exp: Node) -> Softmax | Miss:
@@ -55,11 +56,17 @@ def match_softmax(scope: Scope, exp: Node) -> Softmax | Miss:
     axis = axes[0] % rank
     nodes.add(total)
 
+    deferred = None
     norm = _find_normalisation(scope, e, total, axis)
     if not norm:
-        return norm
-    norm_node, norm_nodes = norm
-    nodes |= norm_nodes
+        if not _feeds_a_product(scope, e):
+            return norm
+        # Deferred normalisation: (exp @ v) / sum, checked with the P·V product.
+        out, deferred = e, total.out
+    else:
+        norm_node, norm_nodes = norm
+        nodes |= norm_nodes
+        out = norm_node.out
 
     # The input: exp(s - c) with c constant along the axis, or exp(s).
     x = exp.ins[0]
@@ -73,13 +80,16 @@ def match_softmax(scope: Scope, exp: Node) -> Softmax | Miss:
             return Miss(f"exp(s - c) where c varies along the softmax axis {axis}{where(sub)}", sub)
         shift, s_in = c, sub.ins[0]
         nodes.add(sub)
-    return Softmax(exp, axis, s_in, shift, norm_node.out, nodes, scope.dtype(e))
+    return Softmax(exp, axis, s_in, shift, out, nodes, scope.dtype(e), deferred)
 
 
 def _find_normalisation(scope: Scope, e, total: Node, axis: int):
     """The equation computing ``e / sum`` (or ``e * (1/sum)``) and its helpers."""
     z = scope.resolve(total.out)
     shape = scope.shape(e)
+    log_form = _log_normalisation(scope, e, z, axis)
+    if log_form is not None:
+        return log_form
     for node, pos in scope.consumers(e):
         if node.prim == "div" and pos == 0:
             prof = profile(scope, node.ins[1], shape)
@@ -100,6 +110,44 @@ def _find_normalisation(scope: Scope, e, total: Node, axis: int):
                 peeled |= _peeled_nodes(scope, inner, inner_prof.base)
                 return node, {node, recip, *helpers, *peeled}
     return Miss(f"exp is summed over axis {axis} but not divided by that sum{where(total)}", total)
+
+
+def _log_normalisation(scope: Scope, e, z, axis: int):
+    """``exp(h - log(sum(exp(h))))``: ``jnp.exp(jax.nn.log_softmax(s))``."""
+    h = scope.producer(e).ins[0]
+    shape = scope.shape(e)
+    atom, helpers, saw_log = z, set(), False
+    while True:
+        users = scope.consumers(atom)
+        if len(users) != 1:
+            return None
+        node = users[0][0]
+        if node.prim in ("broadcast_in_dim", "reshape") or (node.prim == "log" and not saw_log):
+            saw_log = saw_log or node.prim == "log"
+            helpers.add(node)
+            atom = node.out
+            continue
+        break
+    if not saw_log or node.prim != "sub" or scope.resolve(node.ins[0]) != scope.resolve(h):
+        return None
+    if profile(scope, node.ins[1], shape).axes[axis] is not None:
+        return None
+    finals = [n for n, _ in scope.consumers(node.out) if n.prim == "exp"]
+    if len(finals) != 1:
+        return None
+    return finals[0], {node, finals[0], *helpers}
+
+
+def _feeds_a_product(scope: Scope, e) -> bool:
+    atom = e
+    while True:
+        users = [n for n, _ in scope.consumers(atom) if n.prim != "reduce_sum"]
+        if len(users) != 1:
+            return False
+        if users[0].prim == "convert_element_type":
+            atom = users[0].out
+            continue
+        return users[0].prim == "dot_general"
 
 
 def _is_reciprocal(scope: Scope, node: Node) -> bool:

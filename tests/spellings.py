@@ -199,6 +199,33 @@ def softcapped(q, k, v):
     return jnp.einsum("bhts,bhsd->bhtd", jax.nn.softmax(s, -1), v)
 
 
+def deferred_normalisation(q, k, v):
+    s = jnp.einsum("bhtd,bhsd->bhts", q, k) * 0.3
+    e = jnp.exp(s - lax.stop_gradient(s.max(-1, keepdims=True)))
+    return jnp.einsum("bhts,bhsd->bhtd", e, v) / e.sum(-1)[..., None]
+
+
+def exp_log_softmax(q, k, v):
+    s = jnp.einsum("bhtd,bhsd->bhts", q, k) * 0.3
+    return jnp.einsum("bhts,bhsd->bhtd", jnp.exp(jax.nn.log_softmax(s, -1)), v)
+
+
+def traced_scale(q, k, v, temperature):
+    s = jnp.einsum("bhtd,bhsd->bhts", q, k) / temperature
+    return jnp.einsum("bhts,bhsd->bhtd", jax.nn.softmax(s, -1), v)
+
+
+def head_mask(q, k, v, mask):
+    # Hugging Face `layer_head_mask`: probabilities scaled per head
+    p = jax.nn.softmax(jnp.einsum("bhtd,bhsd->bhts", q, k) * 0.3, -1)
+    p = p * mask[None, :, None, None]
+    return jnp.einsum("bhts,bhsd->bhtd", p, v)
+
+
+def gqa_dot_product_attention(q, k, v):
+    return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="xla")
+
+
 def _mask_args(rng, layout=btnh):
     q, k, v = layout(rng)
     lengths = np.array([S, S // 2])
@@ -216,7 +243,16 @@ def _flax_bias_args(rng):
     return q, k, v, _normal(rng, (1, H, T, S))
 
 
+def _gqa_args(rng):
+    return (_normal(rng, (B, T, 4, D)), _normal(rng, (B, S, 2, D)), _normal(rng, (B, S, 2, D)))
+
+
 POSITIVE = {
+    "deferred_normalisation": (deferred_normalisation, bnth),
+    "exp_log_softmax": (exp_log_softmax, bnth),
+    "traced_scale": (traced_scale, lambda r: (*bnth(r), jnp.float32(2.5))),
+    "head_mask": (head_mask, lambda r: (*bnth(r), _normal(r, (H,)))),
+    "gqa_dot_product_attention": (gqa_dot_product_attention, _gqa_args),
     "einsum_btnh": (einsum_btnh, btnh),
     "matmul_bnth": (matmul_bnth, bnth),
     "matmul_transpose_rsqrt": (matmul_transpose_rsqrt, bnth),
@@ -244,6 +280,7 @@ POSITIVE = {
 
 #: Spellings whose score ops must include a Causal op.
 CAUSAL = {
+    "gqa_dot_product_attention",
     "causal_tril_where",
     "causal_iota_finfo_min",
     "causal_additive",

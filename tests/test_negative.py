@@ -98,7 +98,7 @@ def test_softmax_feeding_a_classifier(rng):
 
     x = jnp.asarray(rng.standard_normal((4, 8)), jnp.float32)
     w = jnp.asarray(rng.standard_normal((8, 5)), jnp.float32)
-    _assert_not_rewritten(fn, (x, w), "not a P·V product")
+    _assert_not_rewritten(fn, (x, w), "varies along the key axis")
 
 
 def test_moe_router(rng):
@@ -166,12 +166,43 @@ def test_unknown_op_between(rng):
     _assert_not_rewritten(fn, spellings.bnth(rng), "`abs`")
 
 
-def test_traced_scale_is_reported(rng):
-    def fn(q, k, v, t):
-        return jax.nn.softmax((q @ k.swapaxes(-1, -2)) * t, -1) @ v
+def test_traced_scale_after_bias_is_reported(rng):
+    def fn(q, k, v, b, t):
+        return jax.nn.softmax((q @ k.swapaxes(-1, -2) + b) * t, -1) @ v
 
     q, k, v = spellings.bnth(rng)
-    _assert_not_rewritten(fn, (q, k, v, jnp.float32(0.3)), "traced")
+    args = (q, k, v, jnp.ones((1, 1, 1, q.shape[2])), jnp.float32(0.3))
+    _assert_not_rewritten(fn, args, "traced value after a bias")
+
+
+def test_dropout_is_reported_not_rewritten(rng):
+    def fn(q, k, v, key):
+        p = jax.nn.softmax(q @ k.swapaxes(-1, -2), -1)
+        keep = jax.random.bernoulli(key, 0.9, p.shape)
+        return jnp.where(keep, p / 0.9, 0.0) @ v
+
+    q, k, v = spellings.bnth(rng)
+    report = _report(fn, q, k, v, jax.random.key(0))
+    assert not report.rewrites
+    assert "dropout" in report.fallbacks[0].reason
+    assert "deterministic" in report.fallbacks[0].reason
+
+
+def test_probabilities_scaled_along_keys(rng):
+    def fn(q, k, v, w):
+        return (jax.nn.softmax(q @ k.swapaxes(-1, -2), -1) * w) @ v
+
+    q, k, v = spellings.bnth(rng)
+    _assert_not_rewritten(fn, (q, k, v, jnp.ones((k.shape[2],))), "varies along the key")
+
+
+def test_deferred_division_by_other_sum(rng):
+    def fn(q, k, v):
+        e = jnp.exp(q @ k.swapaxes(-1, -2))
+        o = e @ v
+        return o / e.sum(-1)[..., None] + 0 * e.sum()  # the exp also feeds another sum
+
+    _assert_not_rewritten(fn, spellings.bnth(rng))
 
 
 def test_q_times_q(rng):
