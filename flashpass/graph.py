@@ -53,6 +53,7 @@ class Node:
     outs: list  # Key | None (dropped outputs)
     order: int
     calls: tuple  # paths of the transparent call equations this node sits inside
+    call_eqns: tuple = ()  # those call equations (innermost last), for locations
 
     @property
     def prim(self) -> str:
@@ -68,7 +69,12 @@ class Node:
 
     @property
     def location(self) -> str | None:
-        return compat.user_location(self.eqn)
+        """User source line of this equation, else of the innermost call holding it."""
+        for eqn in (self.eqn, *reversed(self.call_eqns)):
+            loc = compat.user_location(eqn)
+            if loc is not None:
+                return loc
+        return None
 
     def __repr__(self) -> str:
         return f"<{self.prim} @ {self.path}>"
@@ -106,7 +112,7 @@ class Scope:
         self.invars = [self._key(prefix, v) for v in jaxpr.invars]
         for var, value in zip(jaxpr.constvars, closed.consts, strict=True):
             self._alias[(prefix, var)] = Const(value, var.aval)
-        self._walk(jaxpr, prefix, calls=())
+        self._walk(jaxpr, prefix, calls=(), call_eqns=())
         self.outputs = [self.resolve(self._atom(prefix, v)) for v in jaxpr.outvars]
         self._output_keys = {o for o in self.outputs if not isinstance(o, Const)}
 
@@ -122,17 +128,17 @@ class Scope:
             return Const(compat.literal_value(atom), atom.aval)
         return self._key(inst, atom)
 
-    def _walk(self, jaxpr, inst: Path, calls: tuple) -> None:
+    def _walk(self, jaxpr, inst: Path, calls: tuple, call_eqns: tuple) -> None:
         for i, eqn in enumerate(jaxpr.eqns):
             path = (*inst, i)
             ins = [self.resolve(self._atom(inst, a)) for a in eqn.invars]
             if eqn.primitive.name in TRANSPARENT_CALLS and "jaxpr" in eqn.params:
-                self._inline(eqn, path, ins, calls)
+                self._inline(eqn, path, ins, calls, call_eqns)
                 continue
             outs = [
                 None if isinstance(v, compat.DropVar) else self._key(inst, v) for v in eqn.outvars
             ]
-            node = Node(path, eqn, ins, outs, len(self.nodes), calls)
+            node = Node(path, eqn, ins, outs, len(self.nodes), calls, call_eqns)
             self.nodes.append(node)
             for pos, a in enumerate(ins):
                 if not isinstance(a, Const):
@@ -142,7 +148,7 @@ class Scope:
                     self._producer[o] = node
             self._collect_children(node)
 
-    def _inline(self, eqn, path: Path, ins: list, calls: tuple) -> None:
+    def _inline(self, eqn, path: Path, ins: list, calls: tuple, call_eqns: tuple) -> None:
         body = eqn.params["jaxpr"]
         inst = (*path, "jaxpr")
         for var, value in zip(body.jaxpr.constvars, body.consts, strict=True):
@@ -150,7 +156,7 @@ class Scope:
         for var, outer in zip(body.jaxpr.invars, ins, strict=True):
             self._avals.setdefault((inst, var), var.aval)
             self._alias[(inst, var)] = outer
-        self._walk(body.jaxpr, inst, (*calls, path))
+        self._walk(body.jaxpr, inst, (*calls, path), (*call_eqns, eqn))
         for outer, inner in zip(eqn.outvars, body.jaxpr.outvars, strict=True):
             if isinstance(outer, compat.DropVar):
                 continue

@@ -60,6 +60,8 @@ def match_softmax(scope: Scope, exp: Node) -> Softmax | Miss:
     norm = _find_normalisation(scope, e, total, axis)
     if not norm:
         if not _feeds_a_product(scope, e):
+            # logsumexp / log_softmax (cross-entropy losses) sum exps too: not attention
+            norm.relevant = False
             return norm
         # Deferred normalisation: (exp @ v) / sum, checked with the P·V product.
         out, deferred = e, total.out
