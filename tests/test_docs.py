@@ -37,8 +37,13 @@ def test_troubleshooting_lists_every_reason():
         words = fragment.split(": ")[0].split("; ")[0]
         if len(words) >= 6 and words not in flat:
             missing.append(f"{name}: {words!r}")
-    for literal in ("tanh on the scores is not a soft-cap", "short sequence", "interpret=True",
-                    "while tracing/lowering", "rewriting the enclosing body failed"):
+    for literal in (
+        "tanh on the scores is not a soft-cap",
+        "short sequence",
+        "interpret=True",
+        "while tracing/lowering",
+        "rewriting the enclosing body failed",
+    ):
         if literal not in flat:
             missing.append(literal)
     assert not missing, "docs/troubleshooting.md lacks:\n" + "\n".join(missing)
