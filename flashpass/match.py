@@ -23,7 +23,12 @@ import numpy as np
 from flashpass.kernels import AttentionSpec, Bias, Causal, ExtraSpec, Mask, Scale, Softcap
 from flashpass.patterns import chain as chain_mod
 from flashpass.patterns.common import ESCAPE_HINT, Miss, profile, where
-from flashpass.patterns.masks import and_factors, causal_offset, excluding
+from flashpass.patterns.masks import (
+    and_factors,
+    causal_offset,
+    excluding,
+    symbolic_causal_offset,
+)
 from flashpass.patterns.products import output_product, score_products
 from flashpass.patterns.softcap import fold_softcap
 from flashpass.patterns.softmax import match_softmax
@@ -309,6 +314,10 @@ def _check_closed(scope: Scope, dot, root, nodes: set) -> Miss | None:
 
 def _folded_causal(scope, prof, roles, *, keep_when=True, fill=None, additive=False, sign=1):
     """Classify a constant mask/bias: a `Causal` op, "all" (keeps everything) or None."""
+    if not additive and fill is not None and excluding(fill):
+        offset = symbolic_causal_offset(scope, prof, roles, keep_when)
+        if offset is not None:
+            return Causal(offset, fill)
     base = scope.fold(prof.base)
     if base is None:
         return None

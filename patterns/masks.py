@@ -86,3 +86,146 @@ def causal_offset(keep: np.ndarray) -> int | None:
 def excluding(fill: float) -> bool:
     """Whether masked keys get exactly zero weight (see kernels.EXCLUDING_FILL)."""
     return fill <= EXCLUDING_FILL
+
+
+# --------------------------------------------------------------------------- symbolic masks
+#
+# Folding a causal mask materialises T x S values, which is refused above
+# `graph.FOLD_LIMIT`.  Masks built from iotas (``jnp.tril``, ``arange``
+# comparisons, ``make_causal_mask``) are affine in the indices, so they are also
+# evaluated symbolically: an int value is ``sum(coef[a] * idx[a]) + const``, a
+# boolean a conjunction of half-spaces ``affine >= 0``.  Exact, any size.
+
+_CMP = {"ge": (1, 0), "gt": (1, -1), "le": (-1, 0), "lt": (-1, -1)}
+
+
+def _affine(scope, atom, depth=0):
+    """(coef tuple, const) of an int value affine in its indices, else None."""
+    from flashpass.graph import Const
+
+    if depth > 32:
+        return None
+    atom = scope.resolve(atom)
+    shape = scope.shape(atom)
+    if isinstance(atom, Const):
+        value = np.asarray(atom.value)
+        if value.size == 1 and np.issubdtype(value.dtype, np.integer):
+            return (0,) * len(shape), int(value.reshape(-1)[0])
+        return None
+    node = scope.producer(atom)
+    if node is None:
+        return None
+    prim = node.prim
+    if prim == "iota":
+        coef = [0] * len(shape)
+        coef[node.params["dimension"]] = 1
+        return tuple(coef), 0
+    if prim == "convert_element_type" and np.issubdtype(scope.dtype(atom), np.integer):
+        return _affine(scope, node.ins[0], depth + 1)
+    if prim == "broadcast_in_dim":
+        src = _affine(scope, node.ins[0], depth + 1)
+        if src is None:
+            return None
+        coef = [0] * len(shape)
+        src_shape = scope.shape(node.ins[0])
+        for k, d in enumerate(node.params["broadcast_dimensions"]):
+            coef[d] = src[0][k] if src_shape[k] == shape[d] else 0
+        return tuple(coef), src[1]
+    if prim in ("add", "sub", "mul"):
+        a, b = (_affine(scope, x, depth + 1) for x in node.ins)
+        if a is None or b is None:
+            return None
+        a, b = _broadcast_affine(a, len(shape)), _broadcast_affine(b, len(shape))
+        if prim == "add":
+            return tuple(x + y for x, y in zip(a[0], b[0], strict=True)), a[1] + b[1]
+        if prim == "sub":
+            return tuple(x - y for x, y in zip(a[0], b[0], strict=True)), a[1] - b[1]
+        if not any(b[0]):
+            return tuple(x * b[1] for x in a[0]), a[1] * b[1]
+        if not any(a[0]):
+            return tuple(x * a[1] for x in b[0]), b[1] * a[1]
+    return None
+
+
+def _broadcast_affine(value, rank):
+    coef, const = value
+    return (coef if len(coef) == rank else (0,) * rank), const
+
+
+def halfspaces(scope, atom, depth=0):
+    """Conjunction of ``(coef, const)`` half-spaces (keep iff coef·idx + const >= 0)
+    equal to the boolean ``atom``, [] for all-True, or None if not affine."""
+    if depth > 32:
+        return None
+    atom = scope.resolve(atom)
+    node = scope.producer(atom)
+    shape = scope.shape(atom)
+    value = scope.fold(atom) if node is None or not shape else None
+    if value is not None and np.asarray(value).size == 1:
+        return [] if bool(np.asarray(value).reshape(-1)[0]) else None
+    if node is None:
+        return None
+    prim = node.prim
+    if prim in _CMP:
+        a, b = (_affine(scope, x, depth + 1) for x in node.ins)
+        if a is None or b is None:
+            return None
+        a, b = _broadcast_affine(a, len(shape)), _broadcast_affine(b, len(shape))
+        sign, shift = _CMP[prim]
+        coef = tuple(sign * (x - y) for x, y in zip(a[0], b[0], strict=True))
+        return [(coef, sign * (a[1] - b[1]) + shift)]
+    if prim == "and":
+        parts = [halfspaces(scope, x, depth + 1) for x in node.ins]
+        if any(p is None for p in parts):
+            return None
+        return [h for p in parts for h in p]
+    if prim == "not":
+        inner = halfspaces(scope, node.ins[0], depth + 1)
+        if inner is None or len(inner) != 1:
+            return None
+        coef, const = inner[0]
+        return [(tuple(-c for c in coef), -const - 1)]
+    if prim == "broadcast_in_dim":
+        inner = halfspaces(scope, node.ins[0], depth + 1)
+        if inner is None:
+            return None
+        src_shape = scope.shape(node.ins[0])
+        out = []
+        for coef, const in inner:
+            new = [0] * len(shape)
+            for k, d in enumerate(node.params["broadcast_dimensions"]):
+                new[d] = coef[k] if src_shape[k] == shape[d] else 0
+            out.append((tuple(new), const))
+        return out
+    if prim == "select_n" and len(node.ins) == 3:
+        pred, false_case, true_case = node.ins
+        f = profile(scope, false_case, shape)
+        t = profile(scope, true_case, shape)
+        if f.is_scalar and t.is_scalar:
+            fv, tv = scalar_value(scope, f.base), scalar_value(scope, t.base)
+            if fv == 0.0 and tv == 1.0 and scope.dtype(atom) == np.bool_:
+                return halfspaces(scope, pred, depth + 1)
+    return None
+
+
+def symbolic_causal_offset(scope, prof, roles, keep_when: bool) -> int | None:
+    """`causal_offset` computed symbolically for a mask `Profile` (any size)."""
+    halves = halfspaces(scope, prof.base)
+    if halves is None or len(halves) != 1:
+        return None
+    coef, const = halves[0]
+    if not keep_when:
+        coef, const = tuple(-c for c in coef), -const - 1
+    base_to_role = {a: roles[t] for t, a in enumerate(prof.axes) if a is not None}
+    by_role = {}
+    for axis, c in enumerate(coef):
+        if c == 0:
+            continue
+        role = base_to_role.get(axis)
+        if role not in ("T", "S"):
+            return None
+        by_role[role] = c
+    # keep iff i - j + const >= 0, i.e. j <= i + const
+    if by_role != {"T": 1, "S": -1} or const < 0:
+        return None
+    return const

@@ -154,3 +154,36 @@ def test_softcap_after_causal_mask_is_not_skippable(rng):
     spec = opt.explain(*args).rewrites[0].spec
     assert [op["op"] for op in spec["score_ops"]] == ["mask", "softcap"]
     _check_same_function(fn, opt, args)
+
+
+def test_causal_mask_beyond_the_fold_limit(monkeypatch, rng):
+    # iota-built masks are classified symbolically, at any size
+    from flashpass import graph
+
+    monkeypatch.setattr(graph, "FOLD_LIMIT", 16)
+    for name in ("causal_tril_where", "causal_iota_finfo_min", "causal_bottom_right"):
+        fn, make = spellings.POSITIVE[name]
+        report = flashpass.optimize(fn, kernel="reference").explain(*make(rng))
+        assert report.rewrites[0].causal, (name, report.rewrites[0].spec)
+
+
+def test_symbolic_and_numeric_causal_agree():
+    import jax.numpy as jnp
+
+    from flashpass.graph import build_scopes
+    from flashpass.patterns.common import profile
+    from flashpass.patterns.masks import causal_offset, symbolic_causal_offset
+
+    def masks(t, s):
+        i = jnp.arange(t)[:, None]
+        j = jnp.arange(s)[None, :]
+        return [j <= i + 2, i >= j, j < i + 1, ~(j > i), (i - j) >= -3, j >= i, i > j + 1]
+
+    for t, s in ((5, 5), (4, 7)):
+        closed = jax.make_jaxpr(lambda: masks(t, s))()
+        scope = build_scopes(closed)[0]
+        for out in scope.outputs:
+            prof = profile(scope, out, (t, s))
+            sym = symbolic_causal_offset(scope, prof, ["T", "S"], True)
+            num = causal_offset(np.asarray(scope.fold(out)))
+            assert sym == num, (t, s, sym, num)
