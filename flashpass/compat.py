@@ -73,7 +73,9 @@ def jaxpr_as_fun(closed_jaxpr):
 
 def dce_closed_jaxpr(closed: ClosedJaxpr) -> ClosedJaxpr:
     """Remove dead equations, keeping every input and output (the signature)."""
-    jaxpr, _ = _pe.dce_jaxpr(closed.jaxpr, True, instantiate=True)
+    # JAX < 0.10 takes one bool per output (no bare ``True`` shorthand).
+    used = [True] * len(closed.jaxpr.outvars)
+    jaxpr, _ = _pe.dce_jaxpr(closed.jaxpr, used, instantiate=True)
     return ClosedJaxpr(jaxpr, closed.consts)
 
 
@@ -218,3 +220,160 @@ def parse_stablehlo(text: str):
 
     context = jax_mlir.make_ir_context()
     return ir.Module.parse(text, context=context)
+
+
+# --- kernel adapters (issue 4)
+
+
+@functools.cache
+def splash_attention_module():
+    """``jax.experimental.pallas.ops.tpu.splash_attention`` (imported lazily)."""
+    from jax.experimental.pallas.ops.tpu import splash_attention
+
+    return splash_attention
+
+
+def make_splash_kernel(mask, **kwargs):
+    """``splash_attention.make_splash_mha(mask, **kwargs)``, usable inside a trace.
+
+    ``mask`` is a static ``MultiHeadMask`` or a traced boolean ``[heads, T, S]``
+    array.  ``make_splash_mha`` turns every `MaskInfo` field, including the
+    Python flag ``is_dynamic_mask``, into an array; inside ``jit``/``vmap`` that
+    flag is a tracer and the kernel's ``if mask_info.is_dynamic_mask`` (it only
+    picks a ``named_scope``) fails.  The flag is restored to a Python bool.
+    """
+    sa = splash_attention_module()
+    kernel = sa.make_splash_mha(mask, **kwargs)
+    dynamic = not isinstance(mask, sa.MultiHeadMask)
+    for name in ("fwd_mask_info", "dq_mask_info", "dkv_mask_info"):
+        info = getattr(kernel, name)
+        if info is not None:
+            setattr(kernel, name, info._replace(is_dynamic_mask=dynamic))
+    return kernel
+
+
+@functools.cache
+def gpu_attention_module():
+    """``jax.experimental.pallas.ops.gpu.attention`` (the Triton flash attention)."""
+    from jax.experimental.pallas.ops.gpu import attention
+
+    return attention
+
+
+def traced_with(fn, make_context):
+    """Wrap ``fn`` (arrays in, arrays out) so that it, its forward and its
+    backward are traced inside ``make_context()``.
+
+    Settings such as ``jax.enable_x64`` or ``jax.default_matmul_precision`` are
+    read when a kernel is *traced*; a ``custom_vjp`` backward is traced later,
+    when the caller differentiates, outside any context the adapter entered, so
+    the context is entered in the primal, forward and backward rules (as
+    `pallas_tpu_traced` does).  Reverse-mode AD only.
+    """
+
+    @jax.custom_vjp
+    def call(*args):
+        with make_context():
+            return fn(*args)
+
+    def fwd(*args):
+        with make_context():
+            out, vjp = jax.vjp(fn, *args)
+        return out, vjp
+
+    def bwd(vjp, cotangent):
+        with make_context():
+            return vjp(cotangent)
+
+    call.defvjp(fwd, bwd)
+    return call
+
+
+def _cudnn_attention_module():
+    from jax._src.cudnn import fused_attention_stablehlo
+
+    return fused_attention_stablehlo
+
+
+_ASSUMED_CUDNN: list[int] = []
+
+
+def cudnn_version() -> int | None:
+    """The cuDNN version JAX's fused attention would use (e.g. ``90800``), or
+    None when this jaxlib has no CUDA support (a CPU-only install)."""
+    if _ASSUMED_CUDNN:
+        return _ASSUMED_CUDNN[-1]
+    try:
+        from jax._src.lib import cuda_versions
+    except ImportError:  # pragma: no cover - very old/new jaxlib layouts
+        return None
+    if cuda_versions is None:
+        return None
+    try:
+        return int(cuda_versions.cudnn_get_version())
+    except Exception:  # no usable cuDNN library
+        return None
+
+
+@contextlib.contextmanager
+def assume_cudnn(version: int = 90800):
+    """Trace and lower cuDNN attention on a host without CUDA (tests, previews).
+
+    JAX's ``dot_product_attention(implementation="cudnn")`` asks the CUDA
+    plugin for the cuDNN version while tracing and fails without one; inside
+    this context that question is answered with ``version`` (so are
+    `cudnn_version` and the checks that depend on it).  Nothing can *run*.
+    """
+    module = _cudnn_attention_module()
+    original = module.check_cudnn_version
+    module.check_cudnn_version = lambda: version
+    _ASSUMED_CUDNN.append(version)
+    try:
+        yield
+    finally:
+        _ASSUMED_CUDNN.pop()
+        module.check_cudnn_version = original
+
+
+def gpu_compute_capability() -> tuple[int, int] | None:
+    """Compute capability of the first local CUDA GPU, or None without one."""
+    try:
+        devices = jax.local_devices(backend="gpu")
+    except RuntimeError:
+        return None
+    for device in devices:
+        capability = getattr(device, "compute_capability", None)
+        if capability:
+            major, _, minor = str(capability).partition(".")
+            return int(major), int(minor or 0)
+    return None
+
+
+def lower_for_gpu(fn, *args) -> str:
+    """StableHLO text of ``fn(*args)`` lowered for CUDA, on any host (no GPU needed).
+
+    Pallas Triton kernels appear as ``__gpu$xla.gpu.triton`` custom calls and
+    cuDNN attention as ``__cudnn$fmha...`` ones.  Uses `jax.export` with its
+    custom-call stability check disabled (the module is inspected, never
+    serialised).  cuDNN attention additionally needs `assume_cudnn` on a host
+    without CUDA.
+    """
+    from jax import export
+
+    exported = export.export(
+        jax.jit(fn),
+        platforms=["cuda"],
+        disabled_checks=[export.DisabledSafetyCheck.custom_call("ALL")],
+    )(*args)
+    return exported.mlir_module()
+
+
+def tokamax_module():
+    """The ``tokamax`` package when it is installed, else None (never required)."""
+    import importlib.util
+
+    if importlib.util.find_spec("tokamax") is None:
+        return None
+    import tokamax
+
+    return tokamax

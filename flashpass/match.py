@@ -29,6 +29,7 @@ from flashpass.patterns.masks import (
     excluding,
     symbolic_causal_offset,
 )
+from flashpass.patterns.probabilities import KnownMask
 from flashpass.patterns.products import output_product, score_products
 from flashpass.patterns.softcap import fold_softcap
 from flashpass.patterns.softmax import match_softmax
@@ -149,7 +150,7 @@ def _build_site(scope: Scope, soft, chain, sp) -> AttentionSite | Miss:
                     continue  # keeps every score: no-op
                 if isinstance(causal, Causal):
                     ops.append(causal)
-                    demote[id(causal)] = ("mask", factor, keep_when, fill)
+                    demote[id(causal)] = ("mask", factor, keep_when, fill, tuple(roles))
                     continue
                 index, shape4 = add_extra(factor, None if keep_when else "not", np.bool_)
                 ops.append(Mask(index, shape4, fill))
@@ -167,7 +168,7 @@ def _build_site(scope: Scope, soft, chain, sp) -> AttentionSite | Miss:
                 )
                 ops[i] = Bias(index, shape4, scope.dtype(prof.base))
             else:
-                keep_when, fill = rest
+                keep_when, fill, _ = rest
                 index, shape4 = add_extra(prof, None if keep_when else "not", np.bool_)
                 ops[i] = Mask(index, shape4, fill)
 
@@ -178,7 +179,8 @@ def _build_site(scope: Scope, soft, chain, sp) -> AttentionSite | Miss:
             soft.exp,
         )
     ignore = frozenset() if soft.deferred is None else {scope.producer(soft.deferred)}
-    out = output_product(scope, soft.out, roles, ignore)
+    known = _known_masks(scope, ops, extras, demote)
+    out = output_product(scope, soft.out, roles, ignore, known)
     if not out:
         return out
     root = out.node
@@ -190,9 +192,19 @@ def _build_site(scope: Scope, soft, chain, sp) -> AttentionSite | Miss:
         root, division_nodes = found
         nodes |= division_nodes
     post = []
-    for prof, at_roles, invert in out.scales:
-        axes = {at_roles[t]: prof.axes[t] for t in range(len(at_roles))}
-        post.append((ExtraSource(prof.base, axes, None, scope.dtype(prof.base)), invert))
+    for kind, *data in out.post:
+        if kind == "scale":
+            base, axes, invert = data
+            source = ExtraSource(base, axes, None, scope.dtype(base))
+            post.append(("scale", source, invert))
+        else:  # "row_any": zero the rows a Mask op masks entirely
+            (index,) = data
+            mask = next(op for op in ops if isinstance(op, Mask) and op.index == index)
+            if not excluding(_fill_after(mask.fill, ops[ops.index(mask) + 1 :])):
+                return Miss(
+                    f"probabilities re-masked after a non-excluding mask{where(root)}", root
+                )
+            post.append(("row_any", index))
     if soft.shift is not None:
         cone = scope.forward_cone([dot.out])
         nodes |= scope.backward_cone([soft.shift]) & cone
@@ -241,7 +253,7 @@ def _build_site(scope: Scope, soft, chain, sp) -> AttentionSite | Miss:
         layout=layout,
         out_roles=tuple(out.roles),
         q_scales=tuple(q_scales),
-        post_scales=tuple(post),
+        post_ops=tuple(post),
         spec=spec,
         pattern="softmax(QKᵀ)V" + (f" [{', '.join(pieces)}]" if pieces else ""),
         location=root.location or soft.exp.location,
@@ -267,6 +279,22 @@ def _deferred_division(scope: Scope, pv, total, score_roles: list, out_roles: li
     helpers = scope.backward_cone([div.ins[1]], stop={scope.producer(total)})
     helpers.discard(scope.producer(total))
     return div, {div, *helpers}
+
+
+def _known_masks(scope: Scope, ops: list, extras: list, demote: dict) -> list:
+    """Masks applied to the scores, for recognising them again on the probabilities."""
+    known = []
+    for op in ops:
+        if isinstance(op, Mask):
+            src = extras[op.index]
+            axes = tuple(sorted(((r, a) for r, a in src.axes.items() if a is not None), key=str))
+            known.append(KnownMask(scope.resolve(src.atom), axes, src.transform != "not", op.index))
+        elif isinstance(op, Causal) and demote.get(id(op), ("bias",))[0] == "mask":
+            _, prof, keep_when, _, roles = demote[id(op)]
+            pairs = ((roles[t], a) for t, a in enumerate(prof.axes) if a is not None)
+            axes = tuple(sorted(pairs, key=str))
+            known.append(KnownMask(scope.resolve(prof.base), axes, keep_when, None))
+    return known
 
 
 def _fill_after(fill: float, later: list) -> float:

@@ -149,7 +149,7 @@ class _Evaluator:
         call = kernel_call(planned.kernel, site.spec, planned.interpret)
         with jax.named_scope(f"{KERNEL_PREFIX}{planned.kernel.name}"):
             out = call(q, k, v, *extras)
-        self.write((inst, eqn.outvars[0]), site.from_kernel(out, self.read_key))
+        self.write((inst, eqn.outvars[0]), site.from_kernel(out, self.read_key, extras))
 
     def _params(self, eqn, path):
         """``eqn.params`` with every body that holds sites rewritten."""

@@ -130,7 +130,7 @@ class AttentionSite:
     layout: Layout
     out_roles: tuple  # role of each axis of the root output
     q_scales: tuple  # (atom, invert): traced scalars folded into q
-    post_scales: tuple  # (ExtraSource, invert): multipliers of the output (head masks)
+    post_ops: tuple  # ("scale", ExtraSource, invert) | ("row_any", extra index)
     spec: object  # kernels.AttentionSpec
     pattern: str
     location: str | None
@@ -199,12 +199,21 @@ class AttentionSite:
         x = jnp.broadcast_to(x, shape)
         return x.reshape(target)
 
-    def from_kernel(self, out, read=None):
-        """The kernel's ``[B, H, T, Dv]`` output in the root's layout and dtype."""
-        for src, invert in self.post_scales:
-            m = self._extra(read(src.atom), src)
-            m = m.astype(jnp.promote_types(m.dtype, out.dtype))
-            out = out / m if invert else out * m
+    def from_kernel(self, out, read=None, extras=()):
+        """The kernel's ``[B, H, T, Dv]`` output in the root's layout and dtype.
+
+        ``post_ops`` apply what sat between the softmax and ``P·V`` and commutes
+        with it: multipliers constant along keys, and zeroing fully masked rows.
+        """
+        for kind, *data in self.post_ops:
+            if kind == "scale":
+                src, invert = data
+                m = self._extra(read(src.atom), src)
+                m = m.astype(jnp.promote_types(m.dtype, out.dtype))
+                out = out / m if invert else out * m
+            else:
+                kept = jnp.any(extras[data[0]], axis=-1, keepdims=True)
+                out = jnp.where(kept, out, jnp.zeros((), out.dtype))
         b, h, _ = self.layout.groups
         roles = [*b, *h, "T", "Dv"]
         sizes = [*(self.layout.sizes[r] for r in [*b, *h, "T"]), out.shape[-1]]

@@ -16,7 +16,7 @@ import dataclasses
 
 from flashpass.graph import Scope
 
-from .common import ESCAPE_HINT, Miss, profile, where
+from .common import ESCAPE_HINT, Miss, profile, scalar_value, where
 
 #: Primitives whose presence marks a value as random (dropout masks).
 RANDOM_PRIMS = frozenset(
@@ -37,14 +37,31 @@ class ProbabilityPath:
     atom: object  # the value that enters P·V
     roles: list  # its axis roles
     nodes: set  # recognised equations on the way
-    scales: list  # (Profile, roles at that point, invert): output multipliers
+    post: list  # output ops: ("scale", atom, {role: axis}, invert) | ("row_any", mask ref)
     consumer: tuple  # (node, operand position) of the P·V candidate
 
 
-def walk_probabilities(scope: Scope, p, roles: list, ignore=frozenset()) -> ProbabilityPath | Miss:
-    """Follow the probabilities ``p`` forward to the equation that consumes them."""
+@dataclasses.dataclass(frozen=True)
+class KnownMask:
+    """A mask already applied to the scores (so re-applying it to ``p`` is known)."""
+
+    base: object  # resolved atom of the mask
+    axes: tuple  # sorted (role, axis) pairs
+    keep_when: bool
+    ref: object  # None for a causal mask (every row keeps a key), else the Mask op index
+
+
+def walk_probabilities(
+    scope: Scope, p, roles: list, ignore=frozenset(), known_masks=()
+) -> ProbabilityPath | Miss:
+    """Follow the probabilities ``p`` forward to the equation that consumes them.
+
+    ``where(mask, p, 0)`` with a mask that already masked the scores (Keras'
+    masked softmax) changes only fully masked rows, to zero: a causal mask has
+    none (dropped), a mask array becomes "zero the rows with no kept key".
+    """
     nodes: set = set()
-    scales: list = []
+    post: list = []
     atom = p
     roles = list(roles)
     while True:
@@ -67,6 +84,21 @@ def walk_probabilities(scope: Scope, p, roles: list, ignore=frozenset()) -> Prob
             nodes.add(node)
             atom = node.out
             continue
+        if node.prim == "select_n" and not _is_random(scope, node.ins[0]):
+            remask = _remask(scope, node, pos, roles, known_masks)
+            if isinstance(remask, Miss):
+                return remask
+            if remask != "noop":
+                post.append(("row_any", remask))
+            nodes.add(node)
+            atom = node.out
+            continue
+        if node.prim == "dot_general" and _is_batch_scale(scope, node, pos, roles):
+            other, m_axes, roles = _batch_scale(scope, node, pos, roles)
+            post.append(("scale", other, m_axes, False))
+            nodes.add(node)
+            atom = node.out
+            continue
         if node.prim == "select_n" and _is_random(scope, node.ins[0]):
             return Miss(
                 f"dropout on the attention probabilities{where(node)}: not rewritten, a kernel "
@@ -85,12 +117,60 @@ def walk_probabilities(scope: Scope, p, roles: list, ignore=frozenset()) -> Prob
                     f"axis{where(node)}",
                     node,
                 )
-            scales.append((prof, list(roles), node.prim == "div"))
+            axes = {roles[t]: prof.axes[t] for t in range(len(roles))}
+            post.append(("scale", prof.base, axes, node.prim == "div"))
             nodes.add(node)
             atom = node.out
             continue
-        return ProbabilityPath(atom, roles, nodes, scales, (node, pos))
+        return ProbabilityPath(atom, roles, nodes, post, (node, pos))
 
 
 def _is_random(scope: Scope, atom) -> bool:
     return any(n.prim in RANDOM_PRIMS for n in scope.backward_cone([atom]))
+
+
+def _remask(scope: Scope, node, pos: int, roles: list, known_masks):
+    """ "noop", a Mask index for "zero fully masked rows", or a Miss."""
+    pred, *cases = node.ins
+    if len(cases) != 2 or pos == 0:
+        return Miss(f"`select_n` on the attention probabilities{where(node)}", node)
+    shape = scope.shape(node.out)
+    other = profile(scope, cases[2 - pos], shape)
+    if not other.is_scalar or scalar_value(scope, other.base) != 0.0:
+        return Miss(f"the probabilities are replaced by a non-zero value{where(node)}", node)
+    keep_when = pos == 2  # select_n picks cases[pred]; p is case pos-1
+    prof = profile(scope, pred, shape)
+    axes = tuple(sorted(((roles[t], a) for t, a in enumerate(prof.axes) if a is not None), key=str))
+    for known in known_masks:
+        if (
+            known.base == scope.resolve(prof.base)
+            and known.axes == axes
+            and known.keep_when == keep_when
+        ):
+            return "noop" if known.ref is None else known.ref
+    return Miss(
+        f"the probabilities are masked by a mask that did not mask the scores{where(node)}", node
+    )
+
+
+def _is_batch_scale(scope: Scope, node, pos: int, roles: list) -> bool:
+    """A ``dot_general`` contracting nothing whose other operand only has batch
+    axes paired with non-key axes of ``p`` (BERT's ``einsum("...hqk,h->...hqk")``)."""
+    (lc, rc), (lb, rb) = node.params["dimension_numbers"]
+    if lc or rc:
+        return False
+    pb, ob = (lb, rb) if pos == 0 else (rb, lb)
+    other = node.ins[1 - pos]
+    if len(ob) != len(scope.shape(other)):
+        return False
+    return all(roles[a] != "S" for a in pb)
+
+
+def _batch_scale(scope: Scope, node, pos: int, roles: list):
+    (_, _), (lb, rb) = node.params["dimension_numbers"]
+    pb, ob = (lb, rb) if pos == 0 else (rb, lb)
+    other = node.ins[1 - pos]
+    m_axes = {roles[a]: o for a, o in zip(pb, ob, strict=True)}
+    free = [a for a in range(len(roles)) if a not in pb]
+    new_roles = [roles[a] for a in pb] + [roles[a] for a in free]
+    return other, m_axes, new_roles

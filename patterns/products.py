@@ -46,7 +46,7 @@ class OutputProduct:
     roles: list  # role of each output axis
     p_dtype: object
     casts: set  # recognised equations between the probabilities and the product
-    scales: list  # output multipliers (Profile, roles, invert) from head masks
+    post: list  # output ops from head masks and re-masking (see probabilities.py)
 
 
 def _free_axes(rank: int, contract, batch) -> list[int]:
@@ -110,13 +110,15 @@ def score_products(scope: Scope, dot: Node, key_out_axis: int) -> list[ScoreProd
     return out
 
 
-def output_product(scope: Scope, p, p_roles: list, ignore=frozenset()) -> OutputProduct | Miss:
+def output_product(
+    scope: Scope, p, p_roles: list, ignore=frozenset(), known_masks=()
+) -> OutputProduct | Miss:
     """Find and check ``P·V`` fed by the probabilities ``p`` (whose axes have ``p_roles``).
 
     ``ignore`` lists consumers of ``p`` that belong to the site already (the
     sum of a deferred normalisation).
     """
-    path = walk_probabilities(scope, p, p_roles, ignore)
+    path = walk_probabilities(scope, p, p_roles, ignore, known_masks)
     if not path:
         return path
     node, pos = path.consumer
@@ -135,7 +137,7 @@ def output_product(scope: Scope, p, p_roles: list, ignore=frozenset()) -> Output
         return Miss(f"P·V multiplies the probabilities by themselves{where(node)}", node)
     prank, vrank = len(p_roles), len(scope.shape(v))
     if len(pc) != 1 or p_roles[pc[0]] != "S":
-        got = [_ROLE_NAMES.get(p_roles[a], "batch") for a in pc]
+        got = [_ROLE_NAMES.get(p_roles[a], "batch") for a in pc] or ["no"]
         return Miss(
             f"P·V contracts the {'/'.join(got)} axis of the probabilities, a different axis "
             f"than the softmax normalises (the key axis){where(node)}",
@@ -162,4 +164,4 @@ def output_product(scope: Scope, p, p_roles: list, ignore=frozenset()) -> Output
     p_free_roles = [p_roles[a] for a in pfree]
     out_free = [*p_free_roles, "Dv"] if pos == 0 else ["Dv", *p_free_roles]
     roles = [*batch_roles, *out_free]
-    return OutputProduct(node, v, v_axes, roles, scope.dtype(atom), path.nodes, path.scales)
+    return OutputProduct(node, v, v_axes, roles, scope.dtype(atom), path.nodes, path.post)

@@ -288,3 +288,42 @@ CAUSAL = {
     "mask_and_causal",
     "flax_style_prescaled",
 }
+
+
+def keras_remasked(q, k, v, mask):
+    # keras' masked Softmax: where(mask, softmax(where(mask, s, -1e9)), 0)
+    m = mask[:, None, None, :]
+    s = jnp.where(m, jnp.einsum("bqhd,bkhd->bhqk", q, k) * 0.3, -1e9)
+    p = jnp.where(m, jax.nn.softmax(s, axis=-1), 0.0)
+    return jnp.einsum("bhqk,bkhd->bqhd", p, v)
+
+
+def keras_remasked_causal(q, k, v):
+    t = q.shape[1]
+    m = jnp.tril(jnp.ones((t, t), bool))
+    s = jnp.where(m, jnp.einsum("bqhd,bkhd->bhqk", q, k), -1e9)
+    p = jnp.where(m, jax.nn.softmax(s, axis=-1), 0.0)
+    return jnp.einsum("bhqk,bkhd->bqhd", p, v)
+
+
+def bert_head_mask(q, k, v):
+    # transformers' BERT: einsum("...hqk,h->...hqk", weights, head_mask) with int ones
+    head_mask = jnp.ones((q.shape[1],), jnp.int32)
+    p = jax.nn.softmax(jnp.einsum("bhtd,bhsd->bhts", q, k) * 0.3, -1)
+    p = jnp.einsum("...hqk,h->...hqk", p, head_mask)
+    return jnp.einsum("bhts,bhsd->bhtd", p, v)
+
+
+def _padded_rows_args(rng):
+    q, k, v, mask = _mask_args(rng)
+    return q, k, v, mask.at[1].set(False)  # a fully masked batch row
+
+
+POSITIVE.update(
+    {
+        "keras_remasked": (keras_remasked, _padded_rows_args),
+        "keras_remasked_causal": (keras_remasked_causal, btnh),
+        "bert_head_mask": (bert_head_mask, bnth),
+    }
+)
+CAUSAL.add("keras_remasked_causal")

@@ -20,15 +20,6 @@ if keras.backend.backend() != "jax":  # pragma: no cover - conftest sets KERAS_B
 B, T, S, D_MODEL, HEADS = 2, 16, 24, 32, 4
 WHERE = "keras/src/"
 
-# The explicit path zeroes the probabilities of masked keys after the softmax
-# (keras Softmax layer: ``where(mask, softmax(where(mask, s, -1e9)), 0)``).
-POST_SOFTMAX_WHERE = pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="the attention probabilities feed `select_n`, not a P·V product "
-    "(keras Softmax zeroes masked probabilities after the softmax)",
-)
-
 
 def _normal(seed, shape):
     return jnp.asarray(np.random.default_rng(seed).standard_normal(shape), jnp.float32)
@@ -105,7 +96,6 @@ def test_mha_dropout_inference_self(check_model):
     _check(check_model, "MultiHeadAttention dropout=0.1, inference, self", dropout=0.1)
 
 
-@POST_SOFTMAX_WHERE
 def test_mha_dropout_inference_causal(check_model):
     _check(
         check_model,
@@ -115,7 +105,6 @@ def test_mha_dropout_inference_causal(check_model):
     )
 
 
-@POST_SOFTMAX_WHERE
 def test_mha_dropout_inference_padding(check_model):
     _check(
         check_model,

@@ -23,16 +23,6 @@ B, T, T_DEC, VOCAB = 2, 16, 8, 128
 STACK_TOL = 5e-5  # two layers deep (measured error: at most 3e-6)
 SMALL = dict(vocab_size=VOCAB, max_position_embeddings=64)
 
-# BERT multiplies the probabilities by a per-head mask (ones unless head_mask
-# is given) between the softmax and P·V.
-HEAD_MASK = pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="P·V contracts the  axis of the probabilities, a different axis than the "
-    "softmax normalises (the key axis): BERT's head-mask einsum('...hqk,h->...hqk') "
-    "sits between the softmax and P·V",
-)
-
 
 def _ids(seed=0, length=T):
     return jnp.asarray(np.random.default_rng(seed).integers(0, VOCAB, (B, length)), jnp.int32)
@@ -187,7 +177,6 @@ def test_llama_kv_cache_decode_step(check_model, random_params):
 # --------------------------------------------------------------------------- encoders
 
 
-@HEAD_MASK
 def test_bert_padding(check_model, random_params):
     config = tr.BertConfig(
         hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64, **SMALL
