@@ -24,6 +24,7 @@ from flashpass.kernels import AttentionSpec, Bias, Causal, ExtraSpec, Mask, Scal
 from flashpass.patterns import chain as chain_mod
 from flashpass.patterns.common import ESCAPE_HINT, Miss, profile, where
 from flashpass.patterns.masks import (
+    additive_select,
     and_factors,
     causal_offset,
     excluding,
@@ -130,6 +131,21 @@ def _build_site(scope: Scope, soft, chain, sp) -> AttentionSite | Miss:
             q_scales.append((step.data["atom"], step.data["invert"]))
         elif step.kind == "tanh":
             ops.append(tanh)
+        elif step.kind == "mask" or (step.kind == "bias" and _as_mask(scope, step, roles)):
+            if step.kind == "bias":
+                pred, keep_when, fill = _as_mask(scope, step, roles)
+            else:
+                pred, keep_when, fill = (step.data[k] for k in ("profile", "keep_when", "fill"))
+            for factor in and_factors(scope, pred):
+                causal = _folded_causal(scope, factor, roles, keep_when=keep_when, fill=fill)
+                if causal == "all":
+                    continue  # keeps every score: no-op
+                if isinstance(causal, Causal):
+                    ops.append(causal)
+                    demote[id(causal)] = ("mask", factor, keep_when, fill, tuple(roles))
+                    continue
+                index, shape4 = add_extra(factor, None if keep_when else "not", np.bool_)
+                ops.append(Mask(index, shape4, fill))
         elif step.kind == "bias":
             prof, sign = step.data["profile"], step.data["sign"]
             causal = _folded_causal(scope, prof, roles, additive=True, sign=sign)
@@ -142,18 +158,6 @@ def _build_site(scope: Scope, soft, chain, sp) -> AttentionSite | Miss:
                 return Miss(f"scores biased by a {dtype} tensor{where(step.node)}", step.node)
             index, shape4 = add_extra(prof, "neg" if sign < 0 else None, dtype)
             ops.append(Bias(index, shape4, dtype))
-        elif step.kind == "mask":
-            fill, keep_when = step.data["fill"], step.data["keep_when"]
-            for factor in and_factors(scope, step.data["profile"]):
-                causal = _folded_causal(scope, factor, roles, keep_when=keep_when, fill=fill)
-                if causal == "all":
-                    continue  # keeps every score: no-op
-                if isinstance(causal, Causal):
-                    ops.append(causal)
-                    demote[id(causal)] = ("mask", factor, keep_when, fill, tuple(roles))
-                    continue
-                index, shape4 = add_extra(factor, None if keep_when else "not", np.bool_)
-                ops.append(Mask(index, shape4, fill))
     ops = fold_softcap(ops, tanh)
     if isinstance(ops, str):
         return Miss(ops + where(dot), dot)
@@ -279,6 +283,28 @@ def _deferred_division(scope: Scope, pv, total, score_roles: list, out_roles: li
     helpers = scope.backward_cone([div.ins[1]], stop={scope.producer(total)})
     helpers.discard(scope.producer(total))
     return div, {div, *helpers}
+
+
+def _as_mask(scope: Scope, step, roles):
+    """A bias step that is a *constant* additive mask ``select(pred, 0, -huge)``
+    (Hugging Face's causal attention bias), as (pred Profile, keep_when, fill).
+
+    Only constant masks whose factors are causal: every row then keeps a key, so
+    ``s + fill`` and ``where(pred, s, fill)`` agree in value *and* gradient.  A
+    data-dependent (padding) bias stays a `Bias`: for a fully padded row the
+    original's gradient flows through ``s + fill``, which a mask would not do.
+    """
+    if step.data["sign"] < 0:
+        return None
+    found = additive_select(scope, step.data["profile"])
+    if found is None:
+        return None
+    pred, keep_when, fill = found
+    for factor in and_factors(scope, pred):
+        kind = _folded_causal(scope, factor, roles, keep_when=keep_when, fill=fill)
+        if kind != "all" and not isinstance(kind, Causal):
+            return None
+    return found
 
 
 def _known_masks(scope: Scope, ops: list, extras: list, demote: dict) -> list:

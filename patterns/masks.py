@@ -54,19 +54,67 @@ def _select(scope, node, out):
     return readings
 
 
+def compose(scope, prof, operand):
+    """Profile of ``operand`` (an input of ``prof.base``'s equation, same shape)
+    against ``prof``'s target."""
+    sub = profile(scope, operand, scope.shape(prof.base))
+    axes = tuple(None if a is None else sub.axes[a] for a in prof.axes)
+    return type(prof)(sub.base, axes, prof.target)
+
+
 def and_factors(scope, prof):
-    """Split a boolean ``a & b & ...`` profile into factor profiles."""
+    """Split a boolean ``a & b & ...`` profile into factor profiles.
+
+    ``float(a & b) > 0`` and ``x != 0`` of a converted boolean (Flax's
+    ``combine_masks`` + Hugging Face's ``mask > 0``) are looked through.
+    """
     node = scope.producer(prof.base)
-    if node is None or node.prim != "and" or scope.dtype(node.out) != np.bool_:
+    if node is None or scope.dtype(node.out) != np.bool_:
         return [prof]
+    if node.prim == "and":
+        return [
+            f for operand in node.ins for f in and_factors(scope, compose(scope, prof, operand))
+        ]
+    if node.prim in ("gt", "ne"):
+        x, zero = node.ins
+        inner = scope.producer(x)
+        zero_prof = profile(scope, zero, scope.shape(node.out))
+        if (
+            zero_prof.is_scalar
+            and scalar_value(scope, zero_prof.base) == 0.0
+            and inner is not None
+            and inner.prim == "convert_element_type"
+            and scope.dtype(inner.ins[0]) == np.bool_
+        ):
+            converted = compose(scope, prof, x)
+            return and_factors(scope, compose(scope, converted, inner.ins[0]))
+    return [prof]
+
+
+#: An additive mask ``select(keep, 0, fill)`` with a fill this large swallows any
+#: score (``s + fill == fill`` in float32 for ``|s| < 1e30``), so it is exactly
+#: ``where(keep, s, fill)``.
+SWALLOWING_FILL = -1e37
+
+
+def additive_select(scope, prof):
+    """``(keep Profile, keep_when, fill)`` if a bias is ``select(pred, 0, fill)``."""
+    node = scope.producer(prof.base)
+    if node is None or node.prim != "select_n" or len(node.ins) != 3:
+        return None
+    pred, case0, case1 = node.ins
+    if scope.dtype(pred) != np.bool_:
+        return None
     shape = scope.shape(node.out)
-    out = []
-    for operand in node.ins:
-        sub = profile(scope, operand, shape)
-        # Compose: target axis -> base axis of `and` -> operand base axis.
-        axes = tuple(None if a is None else sub.axes[a] for a in prof.axes)
-        out.extend(and_factors(scope, type(prof)(sub.base, axes, prof.target)))
-    return out
+    values = []
+    for case in (case0, case1):
+        cp = profile(scope, case, shape)
+        values.append(scalar_value(scope, cp.base) if cp.is_scalar else None)
+    if values[0] == 0.0 and values[1] is not None and values[1] <= SWALLOWING_FILL:
+        return compose(scope, prof, pred), False, values[1]
+    if values[1] == 0.0 and values[0] is not None and values[0] <= SWALLOWING_FILL:
+        return compose(scope, prof, pred), True, values[0]
+    return None
 
 
 def causal_offset(keep: np.ndarray) -> int | None:

@@ -327,3 +327,22 @@ POSITIVE.update(
     }
 )
 CAUSAL.add("keras_remasked_causal")
+
+
+def hf_attention_bias(q, k, v, attention_mask):
+    # transformers' Flax GPT-2/Llama: combine_masks(padding, causal) -> float,
+    # then an additive bias lax.select(mask > 0, 0, finfo.min)
+    t = q.shape[1]
+    causal = jnp.tril(jnp.ones((1, 1, t, t), bool))
+    padding = jnp.broadcast_to(attention_mask[:, None, None, :], (q.shape[0], 1, t, t))
+    combined = jnp.logical_and(padding, causal).astype(jnp.float32)
+    bias = lax.select(
+        combined > 0,
+        jnp.full(combined.shape, 0.0, jnp.float32),
+        jnp.full(combined.shape, jnp.finfo(jnp.float32).min, jnp.float32),
+    )
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(q.shape[-1]) + bias
+    return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1), v)
+
+
+POSITIVE["hf_attention_bias"] = (hf_attention_bias, _padded_rows_args)

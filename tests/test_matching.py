@@ -5,6 +5,8 @@ isolate the matcher's canonicalisation (layouts, roles, score ops) from any
 fast kernel's numerics.  Kernel numerics are tested in tests/kernels/.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -180,10 +182,37 @@ def test_symbolic_and_numeric_causal_agree():
         return [j <= i + 2, i >= j, j < i + 1, ~(j > i), (i - j) >= -3, j >= i, i > j + 1]
 
     for t, s in ((5, 5), (4, 7)):
-        closed = jax.make_jaxpr(lambda: masks(t, s))()
+        closed = jax.make_jaxpr(functools.partial(masks, t, s))()
         scope = build_scopes(closed)[0]
         for out in scope.outputs:
             prof = profile(scope, out, (t, s))
             sym = symbolic_causal_offset(scope, prof, ["T", "S"], True)
             num = causal_offset(np.asarray(scope.fold(out)))
             assert sym == num, (t, s, sym, num)
+
+
+def test_hf_additive_bias_stays_exact(rng):
+    # data-dependent padding inside the additive bias: kept as a Bias (exact gradients
+    # for fully padded rows), not turned into a mask
+    fn, make = spellings.POSITIVE["hf_attention_bias"]
+    spec = flashpass.optimize(fn, kernel="reference").explain(*make(rng)).rewrites[0].spec
+    assert [op["op"] for op in spec["score_ops"]] == ["scale", "bias"]
+
+
+def test_hf_constant_causal_bias_becomes_causal(rng):
+    def fn(q, k, v):
+        t = q.shape[1]
+        causal = jnp.tril(jnp.ones((1, 1, t, t), bool)).astype(jnp.float32)
+        bias = jax.lax.select(
+            causal > 0,
+            jnp.full(causal.shape, 0.0),
+            jnp.full(causal.shape, jnp.finfo(jnp.float32).min),
+        )
+        s = jnp.einsum("bqhd,bkhd->bhqk", q, k) + bias
+        return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1), v)
+
+    args = spellings.btnh(rng)
+    opt = flashpass.optimize(fn, kernel="reference")
+    spec = opt.explain(*args).rewrites[0].spec
+    assert [op["op"] for op in spec["score_ops"]] == ["causal"]
+    _check_same_function(fn, opt, args)
