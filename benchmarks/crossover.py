@@ -1,0 +1,98 @@
+"""Where does the blockwise kernel start beating the naive computation?
+
+Times, in one process and interleaved run by run (so machine noise hits both
+sides alike), the naive ``einsum -> softmax -> einsum`` attention against
+`BlockwiseKernel`, jitted, forward and forward+backward, causal and not, and
+prints the median times and the ratio naive / blockwise (> 1: blockwise wins).
+The result sets ``CPU_MIN_KV_LEN`` in ``kernels/blockwise.py``.
+
+    python benchmarks/crossover.py                # B=1, H=8, D=64, f32, S=128..4096
+    python benchmarks/crossover.py --sizes 512 1024 --reps 9
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+
+from flashpass.kernels.base import AttentionSpec, Causal, Scale
+from flashpass.kernels.blockwise import DEFAULT_BLOCK_K, DEFAULT_BLOCK_Q, BlockwiseKernel
+
+
+def naive(q, k, v, *, causal: bool):
+    s = jnp.einsum("bhtd,bhsd->bhts", q, k) * (q.shape[-1] ** -0.5)
+    if causal:
+        t, n = s.shape[-2:]
+        s = jnp.where(jnp.arange(n)[None, :] <= jnp.arange(t)[:, None], s, -1e9)
+    return jnp.einsum("bhts,bhsd->bhtd", jax.nn.softmax(s, axis=-1), v)
+
+
+def blockwise_fn(kernel, b, h, n, d, causal: bool):
+    ops = (Scale(d**-0.5),) + ((Causal(0, -1e9),) if causal else ())
+    f32 = jnp.float32
+    spec = AttentionSpec(b, h, h, n, n, d, d, f32, f32, f32, f32, f32, f32, score_ops=ops)
+    return lambda q, k, v: kernel.apply(spec, q, k, v)
+
+
+def fwd_bwd(f):
+    return jax.grad(lambda q, k, v: jnp.sum(f(q, k, v) ** 2), argnums=(0, 1, 2))
+
+
+def timed(fn, args) -> float:
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    return time.perf_counter() - t0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sizes", type=int, nargs="+", default=[128, 256, 512, 1024, 2048, 4096])
+    ap.add_argument("--reps", type=int, default=0, help="runs per point (default: by size)")
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--dim", type=int, default=64)
+    ap.add_argument("--block-q", type=int, default=DEFAULT_BLOCK_Q)
+    ap.add_argument("--block-k", type=int, default=DEFAULT_BLOCK_K)
+    args = ap.parse_args()
+
+    kernel = BlockwiseKernel(block_q=args.block_q, block_k=args.block_k)
+    b, h, d = 1, args.heads, args.dim
+    print(
+        f"backend={jax.default_backend()} B={b} H={h} D={d} f32 T=S "
+        f"block_q={args.block_q} block_k={args.block_k}"
+    )
+    print("times in ms (median); ratio = naive / blockwise, > 1 means blockwise is faster")
+    header = f"{'S':>5} {'mode':<15} {'naive':>9} {'blockwise':>9} {'ratio':>6}"
+    print(header)
+    print("-" * len(header))
+    started = time.perf_counter()
+    for n in args.sizes:
+        reps = args.reps or (7 if n <= 512 else 5 if n <= 2048 else 3)
+        key = jax.random.split(jax.random.PRNGKey(n), 3)
+        q, k, v = (jax.random.normal(kk, (b, h, n, d), jnp.float32) for kk in key)
+        for causal in (False, True):
+            ours = blockwise_fn(kernel, b, h, n, d, causal)
+            base = lambda q, k, v, causal=causal: naive(q, k, v, causal=causal)
+            for mode, wrap in (("fwd", lambda f: f), ("fwd+bwd", fwd_bwd)):
+                fns = [jax.jit(wrap(f)).lower(q, k, v).compile() for f in (base, ours)]
+                if n <= 1024:  # a warm-up run; long ones are their own warm-up
+                    for fn in fns:
+                        timed(fn, (q, k, v))
+                samples = ([], [])
+                for _ in range(reps):
+                    for fn, out in zip(fns, samples, strict=True):
+                        out.append(timed(fn, (q, k, v)))
+                t_naive, t_ours = (statistics.median(s) * 1e3 for s in samples)
+                label = f"{mode}{' causal' if causal else ''}"
+                print(
+                    f"{n:>5} {label:<15} {t_naive:>9.2f} {t_ours:>9.2f} {t_naive / t_ours:>6.2f}",
+                    flush=True,
+                )
+    print(f"total {time.perf_counter() - started:.0f} s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,668 @@
+"""Flash attention in plain JAX (``lax`` loops, no Pallas): runs on every platform.
+
+Forward: for each query block, an online softmax over key blocks (running max
+``m``, row sum ``den``, unnormalised output ``acc``).  Backward: the
+flash-attention-2 recurrence, recomputing each score tile from ``q``, ``k`` and
+the row statistics saved by the forward.  No ``T x S`` array is ever formed,
+only ``block_q x block_k`` tiles.  Under a causal mask, tiles entirely above
+the diagonal are never visited (per-tile trip counts from a static table).
+
+Score ops are applied per tile with `reference.apply_score_ops`, so this kernel
+and the reference implement the spec with literally the same code; the backward
+differentiates that same function per tile (``jax.vjp``), which gives the chain
+rule through Scale/Bias/Mask/Causal/Softcap for free and cannot drift from it.
+
+Layout: ``q`` is viewed as ``[B, Hkv, G, T, D]`` so grouped-query attention reads
+each key/value head once (never repeated); extras become 5-D
+``[b, hkv, g, t, s]`` with every axis either 1 (broadcast, never expanded) or
+full, and are sliced per tile only along their full axes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.custom_derivatives import SymbolicZero
+
+from .base import AttentionSpec, Bias, Causal, CheckContext, Kernel, Mask, Scale, Softcap
+from .reference import apply_score_ops
+
+#: Below this ``kv_len`` the original (naive) computation is faster on CPU, so
+#: the kernel declines unless named explicitly.  Measured with
+#:   python benchmarks/crossover.py
+#: (2-core Xeon shared with other jobs; B=1, H=8, D=64, f32, T=S, default tiles;
+#: median time naive / blockwise, > 1 means the kernel is faster):
+#:
+#:      S   fwd   fwd causal   fwd+bwd   fwd+bwd causal
+#:    128  0.22         0.71      1.35             1.19
+#:    256  0.66         0.93      1.39             1.14
+#:    512  1.11         0.61      1.17             0.91
+#:   1024  1.25         1.92      1.33             1.36
+#:   2048  1.63         2.82      1.72             2.53
+#:   4096  2.21         2.81      2.37             2.74
+#:
+#: Rows up to 512 swing by +-30% between runs (three runs: forward 0.2-1.1,
+#: forward+backward 0.9-1.7); from 1024 up every mode won in every run (once
+#: 0.95, 1024 fwd).  Below 1024 the forward (inference) loses: that is the cut.
+CPU_MIN_KV_LEN = 1024
+
+#: Default (maximum) tile sizes.  Large tiles amortise the per-iteration loop
+#: overhead of XLA's while loops; 512 x 512 f32 scores per head are 1 MiB.
+DEFAULT_BLOCK_Q = 512
+DEFAULT_BLOCK_K = 512
+
+_KNOWN_OPS = (Scale, Bias, Mask, Causal, Softcap)
+
+
+# --------------------------------------------------------------------------- static plan
+
+
+def _split(n: int, block: int) -> tuple[int, int]:
+    """(tile, count) covering ``n`` with tiles of at most ``block`` rows.
+
+    Tiles are balanced (``n=600, block=512`` gives 2 x 304, not 512 + 88 of
+    which most is padding) and kept a multiple of 8 when ``block`` is.
+    """
+    if n <= block:
+        return n, 1
+    count = -(-n // block)
+    tile = -(-n // count)
+    if block % 8 == 0:
+        tile = -(-tile // 8) * 8
+    return tile, -(-n // tile)
+
+
+def _final_fill(fill: float, post_ops) -> float:
+    """The score a causally excluded key ends with after the ops that follow Causal."""
+    with np.errstate(all="ignore"):
+        c = np.float64(fill)
+        for op in post_ops:
+            c = c * op.value if isinstance(op, Scale) else op.cap * np.tanh(c / op.cap)
+    return float(c)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    """Everything static about one kernel invocation (hashable: a custom_vjp static arg)."""
+
+    spec: AttentionSpec
+    # Leading Scale ops folded into q ((c*q) @ k^T instead of c * (q @ k^T)): one
+    # pass less over every score tile.  1.0 when nothing is folded.
+    q_scale: float
+    ops_edge: tuple  # score ops on tiles that straddle the diagonal or the padding
+    ops_plain: tuple  # score ops on the other tiles: no causal `where`
+    bq: int
+    bk: int
+    nq: int
+    nk: int
+    cdt: np.dtype  # compute dtype, at least float32
+    # Causal block skipping.  Per query block: key tiles [0, kfull) are entirely
+    # kept and unpadded, [kfull, kend) straddle the diagonal or the padding,
+    # [kend, nk) are skipped.  Per key block: query tiles [qstart, qfull) are
+    # edge tiles, [qfull, nq) plain ones.
+    kfull: tuple[int, ...]
+    kend: tuple[int, ...]
+    qstart: tuple[int, ...]
+    qfull: tuple[int, ...]
+    # Final score of a skipped key when it is finite (e.g. a fill of -1e9, or
+    # any fill followed by Softcap): skipped keys then still count, exactly,
+    # through a closed form (all of them share that one score).  None when
+    # skipped keys have score -inf (weight exactly 0) or nothing is skipped.
+    skipped_score: float | None
+
+    @property
+    def padded_k(self) -> bool:
+        return self.nk * self.bk > self.spec.kv_len
+
+    @property
+    def kend_key(self) -> tuple[int, ...]:
+        """First skipped key position per query block (``S`` when none is skipped)."""
+        return tuple(min(e * self.bk, self.spec.kv_len) for e in self.kend)
+
+    def tiles_computed(self) -> int:
+        """Number of (query tile, key tile) pairs the forward computes."""
+        return sum(self.kend)
+
+
+def make_plan(spec: AttentionSpec, block_q: int, block_k: int) -> _Plan:
+    """Tile sizes and the per-tile work lists for ``spec``."""
+    for op in spec.score_ops:
+        if not isinstance(op, _KNOWN_OPS):
+            raise TypeError(f"unknown score op {op!r}: the blockwise kernel does not implement it")
+    T, S = spec.q_len, spec.kv_len
+    bq, nq = _split(T, block_q)
+    bk, nk = _split(S, block_k)
+    padded = nk * bk > S
+    cdt = np.dtype(jnp.promote_types(spec.compute_dtype, jnp.float32))
+
+    # Skipping is exact only when every skipped key has the same final score,
+    # i.e. nothing after the (single) Causal op depends on the key position.
+    ops = spec.score_ops
+    causal_at = [i for i, op in enumerate(ops) if isinstance(op, Causal)]
+    causal = None
+    skipped_score = None
+    if len(causal_at) == 1:
+        post = ops[causal_at[0] + 1 :]
+        if all(isinstance(op, Scale | Softcap) for op in post):
+            c = _final_fill(ops[causal_at[0]].fill, post)
+            if math.isfinite(c) or c == -math.inf:
+                causal = ops[causal_at[0]]
+                skipped_score = c if math.isfinite(c) else None
+
+    last_plain = nk - 1 if padded else nk  # the padded tile always needs the `where`
+    kfull, kend = [], []
+    for iq in range(nq):
+        if causal is None:
+            kend.append(nk)
+            kfull.append(last_plain)
+            continue
+        first_row = iq * bq
+        last_row = min((iq + 1) * bq, T) - 1
+        keys = min(max(last_row + causal.offset + 1, 0), S)  # keys any real row keeps
+        end = -(-keys // bk)
+        full = min(max((first_row + causal.offset + 1) // bk, 0), end, last_plain)
+        kend.append(end)
+        kfull.append(full)
+    qstart = [next((iq for iq in range(nq) if kend[iq] > ik), nq) for ik in range(nk)]
+    qfull = [next((iq for iq in range(nq) if kfull[iq] > ik), nq) for ik in range(nk)]
+    if skipped_score is not None and all(e == nk for e in kend):
+        skipped_score = None
+
+    # Fold the leading Scales into q when that is exact (a power of two, and q
+    # has float32's exponent range so nothing turns subnormal) or merely moves
+    # one rounding (q already in the compute dtype).
+    lead = next((i for i, op in enumerate(ops) if not isinstance(op, Scale)), len(ops))
+    q_scale = float(np.prod([np.float32(op.value) for op in ops[:lead]], dtype=np.float32))
+    exact = (
+        math.frexp(abs(q_scale))[0] == 0.5
+        and jnp.finfo(spec.q_dtype).minexp <= jnp.finfo(np.float32).minexp
+    )
+    usable = lead and math.isfinite(q_scale) and q_scale != 0
+    if usable and (exact or np.dtype(spec.q_dtype) == cdt):
+        ops = ops[lead:]
+    else:
+        q_scale = 1.0
+    ops_plain = tuple(op for op in ops if op is not causal) if causal is not None else ops
+    return _Plan(
+        spec=spec,
+        q_scale=q_scale,
+        ops_edge=ops,
+        ops_plain=ops_plain,
+        bq=bq,
+        bk=bk,
+        nq=nq,
+        nk=nk,
+        cdt=cdt,
+        kfull=tuple(kfull),
+        kend=tuple(kend),
+        qstart=tuple(qstart),
+        qfull=tuple(qfull),
+        skipped_score=skipped_score,
+    )
+
+
+def _bound(table: tuple[int, ...], i):
+    """Loop bound ``table[i]``: a Python int when known statically."""
+    if isinstance(i, int):
+        return table[i]
+    if len(set(table)) == 1:
+        return table[0]
+    return jnp.asarray(np.asarray(table, np.int32))[i]
+
+
+def _loop(lo, hi, body, state):
+    """``lax.fori_loop`` that emits nothing for an empty static range and no
+    loop for a single static iteration (less to compile, no loop overhead)."""
+    if isinstance(lo, int) and isinstance(hi, int):
+        if hi <= lo:
+            return state
+        if hi == lo + 1:
+            return body(lo, state)
+    return lax.fori_loop(lo, hi, body, state)
+
+
+# --------------------------------------------------------------------------- layout helpers
+#
+# A query tile is processed as rows ``[B, Hkv, G*bq, .]`` (group folded into
+# the rows): plain 4-D dots and row reductions, which XLA's CPU backend runs
+# ~15% faster than the same work in 5-D.  Extras stay 5-D
+# ``[b, hkv|1, g|1, t, s]`` in memory and become rows per tile (`_rows`).
+
+
+def _extra5(spec: AttentionSpec, x, tp: int, sp: int):
+    """A 4-D extra as 5-D ``[b, hkv|1, g|1, t, s]``, padded along full T/S axes."""
+    eb, eh, et, es = x.shape
+    if eh == 1:
+        x = x.reshape(eb, 1, 1, et, es)
+    else:
+        x = x.reshape(eb, spec.kv_heads, spec.groups, et, es)
+    pad = [(0, 0)] * 3 + [(0, tp - et if et != 1 else 0), (0, sp - es if es != 1 else 0)]
+    if any(hi for _, hi in pad):
+        # Masks pad with True so padded query rows stay finite; padded keys are
+        # excluded separately and padded rows are sliced off, so values are moot.
+        fill = 0 if jnp.issubdtype(x.dtype, jnp.inexact) else 1
+        x = jnp.pad(x, pad, constant_values=np.array(fill, x.dtype))
+    return x
+
+
+def _slice_t(x, start, size):
+    return x if x.shape[-2] == 1 else lax.dynamic_slice_in_dim(x, start, size, axis=x.ndim - 2)
+
+
+def _slice_s(x, start, size):
+    return x if x.shape[-1] == 1 else lax.dynamic_slice_in_dim(x, start, size, axis=x.ndim - 1)
+
+
+def _rows(plan: _Plan, x):
+    """A 5-D extra tile as 4-D ``[b, hkv|1, rows|1, s]`` matching the score rows."""
+    b, h, g, t, s = x.shape
+    groups = plan.spec.groups
+    if g == 1 and (t == 1 or groups == 1):
+        return x.reshape(b, h, t, s)
+    # Per-group or per-row values: spell them out for the tile's G*bq rows.
+    return jnp.broadcast_to(x, (b, h, groups, plan.bq, s)).reshape(b, h, groups * plan.bq, s)
+
+
+def _q_tile(plan: _Plan, x, iq):
+    """Rows ``[B, Hkv, G*bq, ...]`` of query tile ``iq`` of a ``[B, Hkv, G, Tp, ...]`` array."""
+    t = lax.dynamic_slice_in_dim(x, iq * plan.bq, plan.bq, axis=3)
+    return t.reshape(t.shape[:2] + (t.shape[2] * plan.bq,) + t.shape[4:])
+
+
+def _put_q_tile(plan: _Plan, x, tile, iq):
+    """Inverse of `_q_tile`: write the rows of tile ``iq`` back into ``x``."""
+    tile = tile.reshape(x.shape[:3] + (plan.bq,) + x.shape[4:])
+    return lax.dynamic_update_slice_in_dim(x, tile, iq * plan.bq, axis=3)
+
+
+def _row_pos(plan: _Plan, iq):
+    """Query position of each of the G*bq rows of tile ``iq``."""
+    return jnp.tile(iq * plan.bq + jnp.arange(plan.bq), plan.spec.groups)
+
+
+def _dot_operands(plan: _Plan, a, b):
+    """Operands of a score product: kept narrow (e.g. bf16) when that is exact."""
+    if a.dtype == b.dtype and jnp.promote_types(a.dtype, plan.cdt) == plan.cdt:
+        return a, b
+    return a.astype(plan.cdt), b.astype(plan.cdt)
+
+
+def _score_fn(plan: _Plan, ex_tile, q_pos, k_pos, edge: bool):
+    """``f(s_raw, biases) -> s``: the spec's ops on one tile, as a function of
+    the raw scores and the (5-D, compute-dtype) bias tiles so the backward can
+    differentiate it.  Edge tiles also apply the causal op and key padding."""
+    spec = plan.spec
+    ops_spec = dataclasses.replace(spec, score_ops=plan.ops_edge if edge else plan.ops_plain)
+
+    def f(s, biases):
+        ex = [_rows(plan, biases.get(i, x)) for i, x in enumerate(ex_tile)]
+        s = apply_score_ops(ops_spec, s, ex, q_pos, k_pos)
+        if edge and plan.padded_k:
+            # Padded keys get -inf, below any user fill: they never carry weight.
+            s = jnp.where(k_pos < spec.kv_len, s, -jnp.inf)
+        return s
+
+    return f
+
+
+def _scaled_q(plan: _Plan, q):
+    if plan.q_scale == 1.0:
+        return q
+    return q * jnp.asarray(plan.q_scale, q.dtype)
+
+
+def _bias_indices(spec: AttentionSpec, extras) -> tuple[int, ...]:
+    idx = sorted({op.index for op in spec.score_ops if isinstance(op, Bias)})
+    return tuple(i for i in idx if jnp.issubdtype(extras[i].dtype, jnp.inexact))
+
+
+def _pad_axis(x, axis: int, size: int):
+    if x.shape[axis] == size:
+        return x
+    pad = [(0, 0)] * x.ndim
+    pad[axis] = (0, size - x.shape[axis])
+    return jnp.pad(x, pad)
+
+
+def _skipped_score(plan: _Plan, cdt):
+    """The skipped keys' common score, computed by the same ops as on real tiles."""
+    ops = plan.spec.score_ops
+    at = next(i for i, op in enumerate(ops) if isinstance(op, Causal))
+    spec = dataclasses.replace(plan.spec, score_ops=ops[at + 1 :])
+    fill = jnp.full((1, 1), ops[at].fill, cdt)
+    return apply_score_ops(spec, fill, [])[0, 0]
+
+
+# --------------------------------------------------------------------------- forward
+
+
+def _forward(plan: _Plan, q, k, v, extras):
+    """Returns ``out5 [B,Hkv,G,Tp,Dv]`` (out dtype) and the softmax statistics
+    ``m`` (row max) and ``den`` (row sum of exp(s - m)), each ``[B,Hkv,G,Tp]``."""
+    spec, cdt, bk = plan.spec, plan.cdt, plan.bk
+    B, Hkv, G, D, Dv = spec.batch, spec.kv_heads, spec.groups, spec.head_dim, spec.v_head_dim
+    rows = G * plan.bq
+    tp, sp = plan.nq * plan.bq, plan.nk * bk
+    q5 = _pad_axis(_scaled_q(plan, q).reshape(B, Hkv, G, spec.q_len, D), 3, tp)
+    kp = _pad_axis(k, 2, sp)
+    vp = _pad_axis(v, 2, sp)
+    ex5 = [_extra5(spec, x, tp, sp) for x in extras]
+    p_dtype = spec.p_dtype
+
+    if plan.skipped_score is not None:
+        # Suffix sums of V over real keys: row j is sum_{j' >= j} v[j'], row S is 0.
+        vs = v.astype(cdt)
+        suffix = jnp.cumsum(vs[:, :, ::-1], axis=2)[:, :, ::-1]
+        vsuffix = jnp.concatenate([suffix, jnp.zeros_like(vs[:, :, :1])], axis=2)
+        c = _skipped_score(plan, cdt)
+
+    def q_block(iq, carry):
+        out, ms, dens = carry
+        q_t = _q_tile(plan, q5, iq)
+        ex_q = [_slice_t(x, iq * plan.bq, plan.bq) for x in ex5]
+        q_pos = _row_pos(plan, iq)
+
+        def kv_body(edge):
+            def body(ik, state):
+                m, den, acc = state
+                k_t = lax.dynamic_slice_in_dim(kp, ik * bk, bk, axis=2)
+                v_t = lax.dynamic_slice_in_dim(vp, ik * bk, bk, axis=2)
+                k_pos = ik * bk + jnp.arange(bk)
+                ex_t = [_slice_s(x, ik * bk, bk) for x in ex_q]
+                a, b = _dot_operands(plan, q_t, k_t)
+                s = jnp.einsum("bhtd,bhsd->bhts", a, b, preferred_element_type=cdt)
+                s = _score_fn(plan, ex_t, q_pos, k_pos, edge)(s, {})
+                m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+                # A row with only -inf so far keeps m = -inf; shift by 0 instead
+                # so exp() gives 0, not nan.
+                m_safe = jnp.where(m_new == -jnp.inf, 0, m_new)
+                alpha = jnp.exp(m - m_safe)
+                p = jnp.exp(s - m_safe[..., None])
+                den = den * alpha + jnp.sum(p, axis=-1)
+                pv = jnp.einsum(
+                    "bhts,bhsd->bhtd", p.astype(p_dtype), v_t, preferred_element_type=cdt
+                )
+                return m_new, den, acc * alpha[..., None] + pv
+
+            return body
+
+        state = (
+            jnp.full((B, Hkv, rows), -jnp.inf, cdt),
+            jnp.zeros((B, Hkv, rows), cdt),
+            jnp.zeros((B, Hkv, rows, Dv), cdt),
+        )
+        kfull, kend = _bound(plan.kfull, iq), _bound(plan.kend, iq)
+        state = _loop(0, kfull, kv_body(False), state)
+        m, den, acc = _loop(kfull, kend, kv_body(True), state)
+        if plan.skipped_score is not None:
+            # The skipped keys all score c: fold them in as n copies of c with
+            # the suffix sum of their values (a no-op when exp(c - m) == 0).
+            first = _bound(plan.kend_key, iq)
+            n = jnp.asarray(spec.kv_len - first).astype(cdt)
+            m_new = jnp.where(n > 0, jnp.maximum(m, c), m)
+            m_safe = jnp.where(m_new == -jnp.inf, 0, m_new)
+            alpha = jnp.exp(m - m_safe)
+            beta = jnp.where(n > 0, jnp.exp(c - m_safe), 0)
+            vsum = lax.dynamic_slice_in_dim(vsuffix, first, 1, axis=2)
+            den = den * alpha + n * beta
+            beta_p = beta.astype(p_dtype).astype(cdt)  # as the reference rounds p
+            acc = acc * alpha[..., None] + beta_p[..., None] * vsum
+            m = m_new
+        out = _put_q_tile(plan, out, (acc / den[..., None]).astype(spec.out_dtype), iq)
+        return out, _put_q_tile(plan, ms, m, iq), _put_q_tile(plan, dens, den, iq)
+
+    stats = jnp.zeros((B, Hkv, G, tp), cdt)
+    init = (jnp.zeros((B, Hkv, G, tp, Dv), spec.out_dtype), stats, stats)
+    return _loop(0, plan.nq, q_block, init)
+
+
+# --------------------------------------------------------------------------- backward
+
+
+def _backward(plan: _Plan, q, k, v, extras, out, m, den, dout, wanted):
+    """Flash-attention-2 backward; returns cotangents of (q, k, v, extras).
+
+    ``wanted[i]`` says whether extras[i] needs its cotangent (None if not)."""
+    spec, cdt, bq, bk = plan.spec, plan.cdt, plan.bq, plan.bk
+    B, H, Hkv, G = spec.batch, spec.heads, spec.kv_heads, spec.groups
+    T, S, D, Dv = spec.q_len, spec.kv_len, spec.head_dim, spec.v_head_dim
+    tp, sp = plan.nq * bq, plan.nk * bk
+    q5 = _pad_axis(_scaled_q(plan, q).reshape(B, Hkv, G, T, D), 3, tp)
+    kp = _pad_axis(k, 2, sp)
+    vp = _pad_axis(v, 2, sp)
+    do5 = _pad_axis(dout.reshape(B, Hkv, G, T, Dv), 3, tp)
+    out5 = _pad_axis(out.reshape(B, Hkv, G, T, Dv), 3, tp)
+    ex5 = [_extra5(spec, x, tp, sp) for x in extras]
+    bias_idx = tuple(i for i in _bias_indices(spec, extras) if wanted[i])
+    p_dtype = spec.p_dtype
+
+    delta = jnp.sum(do5.astype(cdt) * out5.astype(cdt), axis=-1)
+    # p = exp(s - m) / den, recomputed as in the forward.  Not exp(s - lse): with
+    # a large finite fill (a fully masked row, m = -1e9) m + log(den) rounds to m
+    # in float32 and every weight of that row would come out wrong.
+    # Padded query rows get m=+inf and 1/den=0, hence p=0 exactly: whatever their
+    # scores, they never leak nan into dk/dv.
+    real = jnp.arange(tp) < T
+    m = jnp.where(real, m, jnp.inf)
+    inv_den = jnp.where(real, 1 / den, 0)
+
+    def k_block(ik, carry):
+        dq, dk, dv, dbias = carry
+        k_t = lax.dynamic_slice_in_dim(kp, ik * bk, bk, axis=2)
+        v_t = lax.dynamic_slice_in_dim(vp, ik * bk, bk, axis=2)
+        k_pos = ik * bk + jnp.arange(bk)
+        ex_k = [_slice_s(x, ik * bk, bk) for x in ex5]
+
+        def q_body(edge):
+            def body(iq, state):
+                dq, dk_t, dv_t, dbias = state
+                q_t = _q_tile(plan, q5, iq)
+                do_t = _q_tile(plan, do5, iq)
+                m_t, inv_den_t, delta_t = (_q_tile(plan, x, iq) for x in (m, inv_den, delta))
+                ex_t = [_slice_t(x, iq * bq, bq) for x in ex_k]
+                a, b = _dot_operands(plan, q_t, k_t)
+                s = jnp.einsum("bhtd,bhsd->bhts", a, b, preferred_element_type=cdt)
+                biases = {i: ex_t[i].astype(cdt) for i in bias_idx}
+                score_fn = _score_fn(plan, ex_t, _row_pos(plan, iq), k_pos, edge)
+                s, score_vjp = jax.vjp(score_fn, s, biases)
+                p = jnp.exp(s - m_t[..., None]) * inv_den_t[..., None]
+                dv_t = dv_t + jnp.einsum(
+                    "bhts,bhtd->bhsd", p.astype(p_dtype), do_t, preferred_element_type=cdt
+                )
+                dp = jnp.einsum("bhtd,bhsd->bhts", do_t, v_t, preferred_element_type=cdt)
+                ds, dbias_t = score_vjp(p * (dp - delta_t[..., None]))
+                dq_t = jnp.einsum("bhts,bhsd->bhtd", ds, b, preferred_element_type=cdt)
+                dq = _put_q_tile(plan, dq, _q_tile(plan, dq, iq) + dq_t, iq)
+                # Rows are (group, position): contracting them sums the group.
+                dk_t = dk_t + jnp.einsum("bhts,bhtd->bhsd", ds, a, preferred_element_type=cdt)
+                dbias = {
+                    i: _add_at(dbias[i], g, (3, 4), (iq * bq, ik * bk)) for i, g in dbias_t.items()
+                }
+                return dq, dk_t, dv_t, dbias
+
+            return body
+
+        state = (dq, jnp.zeros((B, Hkv, bk, D), cdt), jnp.zeros((B, Hkv, bk, Dv), cdt), dbias)
+        qstart, qfull = _bound(plan.qstart, ik), _bound(plan.qfull, ik)
+        state = _loop(qstart, qfull, q_body(True), state)
+        dq, dk_t, dv_t, dbias = _loop(qfull, plan.nq, q_body(False), state)
+        dk = lax.dynamic_update_slice_in_dim(dk, dk_t, ik * bk, axis=2)
+        dv = lax.dynamic_update_slice_in_dim(dv, dv_t, ik * bk, axis=2)
+        return dq, dk, dv, dbias
+
+    init = (
+        jnp.zeros((B, Hkv, G, tp, D), cdt),
+        jnp.zeros((B, Hkv, sp, D), cdt),
+        jnp.zeros((B, Hkv, sp, Dv), cdt),
+        {i: jnp.zeros(ex5[i].shape, cdt) for i in bias_idx},
+    )
+    dq, dk, dv, dbias = _loop(0, plan.nk, k_block, init)
+    dv = dv[:, :, :S]
+    if plan.skipped_score is not None:
+        dv = dv + _skipped_dv(plan, m, inv_den, do5)
+
+    dq = dq[:, :, :, :T].reshape(B, H, T, D)
+    if plan.q_scale != 1.0:
+        dq = dq * jnp.asarray(plan.q_scale, cdt)  # the chain rule through the fold
+    dq = dq.astype(q.dtype)
+    dextras = []
+    for i, x in enumerate(extras):
+        if i in dbias:
+            g = dbias[i][:, :, :, : x.shape[2], : x.shape[3]]
+            dextras.append(g.reshape(x.shape).astype(x.dtype))
+        elif not jnp.issubdtype(x.dtype, jnp.inexact):
+            dextras.append(np.zeros(x.shape, jax.dtypes.float0))  # masks
+        elif wanted[i]:
+            dextras.append(jnp.zeros(x.shape, x.dtype))  # a float used only as a mask
+        else:
+            dextras.append(None)  # not differentiated: a symbolic zero
+    return dq, dk[:, :, :S].astype(k.dtype), dv.astype(v.dtype), tuple(dextras)
+
+
+def _skipped_dv(plan: _Plan, m, inv_den, do5):
+    """dV from skipped keys: every skipped key j of query row i has weight
+    exp(c - m_i) / l_i, so dv[j] = sum over rows whose block skips j.  Query block
+    iq skips keys [kend_key[iq], S): scatter its weighted dO sum at that start
+    and take a prefix sum over keys."""
+    spec, cdt = plan.spec, plan.cdt
+    B, Hkv, G, _, Dv = do5.shape
+    c = _skipped_score(plan, cdt)
+    w = (jnp.exp(c - m) * inv_den).astype(spec.p_dtype).astype(cdt)  # [B,Hkv,G,Tp]
+    w = w.reshape(B, Hkv, G, plan.nq, plan.bq)
+    do = do5.astype(cdt).reshape(B, Hkv, G, plan.nq, plan.bq, Dv)
+    per_block = jnp.einsum("bhgqt,bhgqtd->bhqd", w, do)
+    starts = np.asarray(plan.kend_key)
+    z = jnp.zeros((B, Hkv, spec.kv_len + 1, Dv), cdt).at[:, :, starts].add(per_block)
+    return jnp.cumsum(z, axis=2)[:, :, : spec.kv_len]
+
+
+def _add_at(acc, tile, axes, starts):
+    """``acc[..., start:start+n, ...] += tile`` along ``axes`` whose ``acc`` size is not 1."""
+    index = [0] * acc.ndim
+    for axis, start in zip(axes, starts, strict=True):
+        if acc.shape[axis] != 1:
+            index[axis] = start
+    index = [jnp.asarray(i, jnp.int32) for i in index]
+    cur = lax.dynamic_slice(acc, index, tile.shape)
+    return lax.dynamic_update_slice(acc, cur + tile, index)
+
+
+# --------------------------------------------------------------------------- custom_vjp
+
+
+def _attention_impl(plan: _Plan, q, k, v, extras):
+    out5, m, den = _forward(plan, q, k, v, extras)
+    spec = plan.spec
+    out = out5[:, :, :, : spec.q_len].reshape(spec.out_shape)
+    return out, (m, den)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _attention(plan, q, k, v, extras):
+    return _attention_impl(plan, q, k, v, extras)[0]
+
+
+@jax.tree_util.register_static
+@dataclasses.dataclass(frozen=True)
+class _Wanted:
+    """Which extras need a cotangent (static, so it rides along the residuals)."""
+
+    extras: tuple[bool, ...]
+
+
+def _attention_fwd(plan, q, k, v, extras):
+    # symbolic_zeros: each array arrives as CustomVJPPrimal(value, perturbed),
+    # which tells us whether a bias gradient is wanted at all.  Without this the
+    # backward would accumulate, e.g., a [1, H, T, S] bias gradient nobody uses
+    # (XLA does not remove it from the loops).
+    wanted = _Wanted(tuple(x.perturbed for x in extras))
+    q, k, v = q.value, k.value, v.value
+    extras = tuple(x.value for x in extras)
+    out, (m, den) = _attention_impl(plan, q, k, v, extras)
+    # Residuals: inputs, output and two [B, H, T] statistics; never a T x S array.
+    return out, (q, k, v, extras, out, m, den, wanted)
+
+
+def _attention_bwd(plan, res, dout):
+    q, k, v, extras, out, m, den, wanted = res
+    if isinstance(dout, SymbolicZero):
+        return None, None, None, tuple(None for _ in extras)
+    return _backward(plan, q, k, v, extras, out, m, den, dout, wanted.extras)
+
+
+_attention.defvjp(_attention_fwd, _attention_bwd, symbolic_zeros=True)
+
+
+# --------------------------------------------------------------------------- kernel
+
+
+class BlockwiseKernel(Kernel):
+    """Flash attention written with ``lax`` loops: every platform, any spec.
+
+    ``block_q``/``block_k`` are maximum tile sizes; lengths that are not a
+    multiple are padded internally (padded keys get weight exactly 0, padded
+    query rows are dropped).  Tile sizes never change results beyond rounding.
+    """
+
+    name = "blockwise"
+    platforms = ("cpu", "gpu", "tpu")
+
+    def __init__(self, block_q: int = DEFAULT_BLOCK_Q, block_k: int = DEFAULT_BLOCK_K):
+        for label, value in (("block_q", block_q), ("block_k", block_k)):
+            if not isinstance(value, int | np.integer) or value < 1:
+                raise ValueError(f"{label} must be a positive int, got {value!r}")
+        self.block_q = int(block_q)
+        self.block_k = int(block_k)
+
+    def plan(self, spec: AttentionSpec) -> _Plan:
+        """The static tiling of ``spec`` (exposed for tests and diagnostics)."""
+        return make_plan(spec, self.block_q, self.block_k)
+
+    def check(self, spec: AttentionSpec, ctx: CheckContext) -> list[str]:
+        """Reasons not to run ``spec``: platform, and on CPU a too-short sequence."""
+        reasons = self.platform_reasons(ctx)
+        if not ctx.explicit and ctx.platform == "cpu" and spec.kv_len < CPU_MIN_KV_LEN:
+            reasons.append(
+                f"short sequence (kv_len={spec.kv_len} < {CPU_MIN_KV_LEN}): the original "
+                "computation is faster here; name kernel='blockwise' to force the rewrite"
+            )
+        return reasons
+
+    def apply(self, spec: AttentionSpec, q, k, v, extras=(), *, interpret: bool = False):
+        """Attention ``[B, H, T, Dv]`` in ``spec.out_dtype`` (``interpret`` is ignored)."""
+        extras = tuple(extras)
+        _validate(spec, q, k, v, extras)
+        plan = self.plan(spec)
+        return _attention(plan, q, k, v, extras)
+
+    def __repr__(self) -> str:
+        return f"<flashpass kernel 'blockwise' block_q={self.block_q} block_k={self.block_k}>"
+
+
+def _validate(spec: AttentionSpec, q, k, v, extras) -> None:
+    for label, x, want in (
+        ("q", q, spec.q_shape),
+        ("k", k, spec.k_shape),
+        ("v", v, spec.v_shape),
+    ):
+        if tuple(x.shape) != want:
+            raise ValueError(f"blockwise: {label} has shape {tuple(x.shape)}, spec says {want}")
+    used = [op.index for op in spec.score_ops if isinstance(op, Bias | Mask)]
+    if used and max(used) >= len(extras):
+        raise ValueError(
+            f"blockwise: score ops use extras[{max(used)}] but only {len(extras)} were given"
+        )
+    full = (spec.batch, spec.heads, spec.q_len, spec.kv_len)
+    for i, x in enumerate(extras):
+        shape = tuple(x.shape)
+        if len(shape) != 4 or any(d not in (1, f) for d, f in zip(shape, full, strict=True)):
+            raise ValueError(
+                f"blockwise: extras[{i}] has shape {shape}; each axis must be 1 or match "
+                f"[B, H, T, S] = {list(full)}"
+            )

@@ -1,0 +1,398 @@
+"""Conformance of the blockwise kernel to `reference_attention` (the spec's oracle).
+
+The oracle runs in float64; the kernel in float32 (or bf16 inputs).  Small
+shapes with 16-wide tiles so every case crosses several query and key tiles.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.extend.core import jaxprs_in_params
+
+from flashpass.kernels import (
+    AttentionSpec,
+    Bias,
+    Causal,
+    CheckContext,
+    ExtraSpec,
+    Mask,
+    Scale,
+    Softcap,
+    get_kernel,
+)
+from flashpass.kernels.blockwise import CPU_MIN_KV_LEN, BlockwiseKernel
+from flashpass.kernels.reference import reference_attention
+
+F32, BF16 = np.dtype("float32"), np.dtype(jnp.bfloat16)
+KERNEL = BlockwiseKernel(block_q=16, block_k=16)
+
+# Compile time dominates these tests; XLA's backend optimisation level only
+# changes code speed, not floating-point semantics, so drop it (~3x faster).
+jit = functools.partial(jax.jit, compiler_options={"xla_backend_optimization_level": 0})
+
+
+def make_spec(
+    b=2, h=4, hkv=None, t=48, s=48, d=16, dv=None, ops=(), extras=(), dtype=F32, p_dtype=None
+):
+    return AttentionSpec(
+        batch=b,
+        heads=h,
+        kv_heads=hkv or h,
+        q_len=t,
+        kv_len=s,
+        head_dim=d,
+        v_head_dim=dv or d,
+        q_dtype=dtype,
+        k_dtype=dtype,
+        v_dtype=dtype,
+        out_dtype=dtype,
+        compute_dtype=F32,
+        p_dtype=p_dtype or dtype,
+        score_ops=tuple(ops),
+        extras=tuple(ExtraSpec(tuple(x.shape), x.dtype) for x in extras),
+    )
+
+
+def make_qkv(spec, seed=0):
+    q = normal(spec.q_shape, seed).astype(spec.q_dtype)
+    k = normal(spec.k_shape, seed + 1).astype(spec.k_dtype)
+    v = normal(spec.v_shape, seed + 2).astype(spec.v_dtype)
+    return q, k, v
+
+
+def run_both(spec, q, k, v, extras=(), kernel=KERNEL, oracle=True):
+    """(kernel, oracle) results: output and grads w.r.t. q, k, v and float extras."""
+    float_idx = [i for i, x in enumerate(extras) if jnp.issubdtype(x.dtype, jnp.floating)]
+
+    def split(fn):
+        def f(q, k, v, floats):
+            ex = list(extras)
+            for i, x in zip(float_idx, floats, strict=True):
+                ex[i] = x
+            return fn(q, k, v, tuple(ex))
+
+        return f
+
+    floats = tuple(extras[i] for i in float_idx)
+    ct = normal(spec.out_shape, 99)
+
+    @jit
+    def ours(q, k, v, floats):
+        out, vjp = jax.vjp(split(lambda *a: kernel.apply(spec, *a)), q, k, v, floats)
+        return out, vjp(ct.astype(out.dtype))
+
+    got = jax.tree.map(np.asarray, ours(q, k, v, floats))
+    if not oracle:
+        return got, None
+    with jax.enable_x64(True):
+
+        @jit
+        def reference(q, k, v, floats):
+            fn = split(lambda *a: reference_attention(spec, *a, dtype=jnp.float64))
+            out, vjp = jax.vjp(fn, q, k, v, floats)
+            return out, vjp(ct.astype(out.dtype))
+
+        want = jax.tree.map(np.asarray, reference(q, k, v, floats))
+    return got, want
+
+
+def assert_close(got, want, tol):
+    """Elementwise |got - want| <= tol * (|want| + 2 * max(1, max|want|)): relative
+    to the tensor's scale, so gradients of large magnitude are judged fairly."""
+    got_l, want_l = jax.tree.leaves(got), jax.tree.leaves(want)
+    assert len(got_l) == len(want_l)
+    for i, (g, w) in enumerate(zip(got_l, want_l, strict=True)):
+        assert g.shape == w.shape, (i, g.shape, w.shape)
+        g64, w64 = np.asarray(g, np.float64), np.asarray(w, np.float64)
+        scale = max(1.0, np.max(np.abs(w64)))
+        np.testing.assert_allclose(g64, w64, rtol=tol, atol=2 * tol * scale, err_msg=f"leaf {i}")
+
+
+def bool_mask(shape, seed, p=0.7):
+    m = np.random.default_rng(seed).random(shape) < p
+    m[..., 0] = True  # every row keeps a key unless a test says otherwise
+    return jnp.asarray(m)
+
+
+def normal(shape, seed, scale=1.0):
+    # numpy, not jax.random: compiling a sampler per shape costs seconds.
+    rng = np.random.default_rng(seed)
+    return jnp.asarray(scale * rng.standard_normal(shape), F32)
+
+
+B, H, T, S, D = 2, 4, 48, 48, 16
+SC = Scale(D**-0.5)
+PAD = bool_mask((B, 1, 1, S), 1)
+TS_MASK = bool_mask((1, 1, T, S), 2)
+BIAS = normal((1, H, T, S), 3)
+KEY_BIAS = normal((B, 1, 1, S), 4)
+
+# name -> (spec kwargs, extras)
+CASES = {
+    "plain": (dict(), ()),
+    "scale": (dict(ops=[Scale(0.3)]), ()),  # not a power of two: folded into q in f32
+    "causal": (dict(ops=[SC, Causal(0, -1e9)]), ()),
+    "causal_short_q_neg_inf_fill": (dict(t=20, s=48, ops=[SC, Causal(28, -np.inf)]), ()),
+    "padding_mask": (dict(ops=[SC, Mask(0, PAD.shape, -1e9)]), (PAD,)),
+    "ts_mask_neg_inf": (dict(ops=[SC, Mask(0, TS_MASK.shape, -np.inf)]), (TS_MASK,)),
+    "bias": (dict(ops=[SC, Bias(0, BIAS.shape, BIAS.dtype)]), (BIAS,)),
+    "key_bias": (dict(ops=[SC, Bias(0, KEY_BIAS.shape, F32)]), (KEY_BIAS,)),
+    "softcap": (dict(ops=[Softcap(2.0)]), ()),
+    "scale_bias_mask": (
+        dict(ops=[SC, Bias(0, BIAS.shape, F32), Mask(1, TS_MASK.shape, -1e9)]),
+        (BIAS, TS_MASK),
+    ),
+    "mask_bias_scale": (
+        dict(ops=[Mask(1, PAD.shape, -1e4), Bias(0, BIAS.shape, F32), SC]),
+        (BIAS, PAD),
+    ),
+    "bias_scale_mask_causal_softcap": (
+        dict(
+            ops=[
+                Bias(0, KEY_BIAS.shape, F32),
+                SC,
+                Mask(1, PAD.shape, -1e9),
+                Causal(0, -1e9),
+                Softcap(5.0),
+            ]
+        ),
+        (KEY_BIAS, PAD),
+    ),
+    # Bias after Causal: skipped keys would not share one score, so no skipping.
+    "causal_then_bias": (
+        dict(ops=[SC, Causal(0, -1e9), Bias(0, BIAS.shape, F32)]),
+        (BIAS,),
+    ),
+    "gqa": (dict(h=4, hkv=2, ops=[SC, Causal(0, -1e9)]), ()),
+    "mqa": (dict(h=4, hkv=1, ops=[SC, Bias(0, BIAS.shape, F32)]), (BIAS,)),
+    "cross_v_head_dim": (dict(t=24, s=40, dv=8, ops=[SC]), ()),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_matches_reference_f32(name):
+    kwargs, extras = CASES[name]
+    spec = make_spec(extras=extras, **kwargs)
+    q, k, v = make_qkv(spec)
+    got, want = run_both(spec, q, k, v, extras)
+    assert got[0].dtype == spec.out_dtype
+    assert_close(got, want, 1e-5)
+
+
+def test_odd_lengths_pad_internally():
+    mask = bool_mask((1, 1, 37, 53), 5)
+    bias = normal((1, H, 37, 53), 6)
+    ops = [SC, Bias(1, bias.shape, F32), Mask(0, mask.shape, -1e9), Causal(16, -1e9)]
+    spec = make_spec(t=37, s=53, ops=ops, extras=(mask, bias))
+    plan = KERNEL.plan(spec)
+    assert (plan.bq * plan.nq, plan.bk * plan.nk) == (48, 64)  # 16 does not divide 37 or 53
+    q, k, v = make_qkv(spec)
+    got, want = run_both(spec, q, k, v, (mask, bias))
+    assert_close(got, want, 1e-5)
+
+
+def test_fully_masked_row_finite_fill_is_uniform():
+    """A user Mask keeps literal where(mask, s, fill) semantics: a row masked
+    everywhere attends uniformly to the real keys; padded keys never count."""
+    mask = np.array(bool_mask((1, 1, 37, 53), 7))
+    mask[..., 3, :] = False
+    mask = jnp.asarray(mask)
+    spec = make_spec(t=37, s=53, ops=[SC, Mask(0, mask.shape, -1e9)], extras=(mask,))
+    q, k, v = make_qkv(spec)
+    got, want = run_both(spec, q, k, v, (mask,))
+    assert_close(got, want, 1e-5)
+    np.testing.assert_allclose(got[0][:, :, 3], np.asarray(v.mean(axis=2)), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("causal_fill", [-1e9, -1000.0])
+def test_fully_masked_row_with_causal_skipping(causal_fill):
+    """Skipped blocks still count when the masked row's scores all sit at or
+    below the causal fill (the literal semantics spread weight over them)."""
+    mask = np.ones((1, 1, T, S), bool)
+    mask[..., 5, :] = False
+    mask[..., 30, :] = False
+    mask = jnp.asarray(mask)
+    ops = [SC, Mask(0, mask.shape, -1e9), Causal(0, causal_fill)]
+    spec = make_spec(ops=ops, extras=(mask,))
+    assert KERNEL.plan(spec).tiles_computed() < KERNEL.plan(spec).nq * KERNEL.plan(spec).nk
+    q, k, v = make_qkv(spec)
+    got, want = run_both(spec, q, k, v, (mask,))
+    assert_close(got, want, 1e-5)
+
+
+def test_softcap_after_causal_counts_skipped_keys():
+    # softcap(-inf) = -cap: excluded keys keep a real weight, skipped or not.
+    spec = make_spec(ops=[Causal(0, -np.inf), Softcap(1.0)])
+    assert KERNEL.plan(spec).skipped_score == pytest.approx(-1.0)
+    q, k, v = make_qkv(spec)
+    got, want = run_both(spec, q, k, v)
+    assert_close(got, want, 1e-5)
+
+
+@pytest.mark.parametrize("p_dtype, scale", [(F32, 0.25), (BF16, 0.3)])
+def test_bf16_inputs_f32_compute(p_dtype, scale):
+    bias = normal((1, H, T, S), 8).astype(BF16)
+    ops = [Scale(scale), Bias(0, bias.shape, BF16), Mask(1, PAD.shape, -1e9), Causal(0, -1e9)]
+    spec = make_spec(ops=ops, extras=(bias, PAD), dtype=BF16, p_dtype=p_dtype)
+    q, k, v = make_qkv(spec)
+    got, want = run_both(spec, q, k, v, (bias, PAD))
+    assert [g.dtype for g in jax.tree.leaves(got)] == [BF16] * 5
+    assert_close(got, want, 2e-2)
+
+
+def test_scale_is_folded_into_q_only_when_harmless():
+    fold = lambda dtype, c: KERNEL.plan(make_spec(ops=[Scale(c)], dtype=dtype)).q_scale
+    assert fold(F32, 0.3) == pytest.approx(0.3)  # moves one f32 rounding
+    assert fold(BF16, 0.25) == 0.25  # exact in any dtype
+    assert fold(BF16, 0.3) == 1.0  # would round q to bf16: not folded
+    assert KERNEL.plan(make_spec(ops=[Causal(0, -1e9), SC])).q_scale == 1.0  # not leading
+
+
+def test_block_size_does_not_change_numerics():
+    ops = [SC, Bias(0, BIAS.shape, F32), Causal(0, -1e9)]
+    spec = make_spec(ops=ops, extras=(BIAS,))
+    q, k, v = make_qkv(spec)
+    small, _ = run_both(spec, q, k, v, (BIAS,), kernel=BlockwiseKernel(8, 24), oracle=False)
+    whole, _ = run_both(spec, q, k, v, (BIAS,), kernel=BlockwiseKernel(), oracle=False)
+    assert_close(small, whole, 1e-5)
+
+
+def test_jit_and_vmap():
+    spec = make_spec(b=1, ops=[SC, Mask(0, (1, 1, 1, S), -1e9), Causal(0, -1e9)])
+    n = 3
+    q = normal((n, *spec.q_shape), 10)
+    k = normal((n, *spec.k_shape), 11)
+    v = normal((n, *spec.v_shape), 12)
+    mask = bool_mask((n, 1, 1, 1, S), 13)
+
+    def loss(fn, q, k, v, m):
+        return jnp.sum(jnp.sin(fn(spec, q, k, v, (m,))))
+
+    ours = jit(jax.vmap(jax.value_and_grad(lambda *a: loss(KERNEL.apply, *a), (0, 1, 2))))
+    ref = jit(jax.vmap(jax.value_and_grad(lambda *a: loss(reference_attention, *a), (0, 1, 2))))
+    assert_close(ours(q, k, v, mask), ref(q, k, v, mask), 1e-5)
+
+
+def test_grad_without_bias_cotangent():
+    """A bias nobody differentiates gets no gradient work (a symbolic zero)."""
+    spec = make_spec(ops=[SC, Bias(0, BIAS.shape, F32), Causal(0, -1e9)], extras=(BIAS,))
+    q, k, v = make_qkv(spec)
+
+    def dq(fn, **kw):
+        return jit(jax.grad(lambda q: jnp.sum(jnp.sin(fn(spec, q, k, v, (BIAS,), **kw)))))(q)
+
+    got = dq(KERNEL.apply)
+    with jax.enable_x64(True):
+        want = dq(reference_attention, dtype=jnp.float64)
+    assert_close(got, want, 1e-5)
+
+
+def test_bool_mask_gets_float0_cotangent():
+    spec = make_spec(ops=[Mask(0, PAD.shape, -1e9)], extras=(PAD,))
+    q, k, v = make_qkv(spec)
+    vjp = jax.vjp(lambda m: KERNEL.apply(spec, q, k, v, (m,)), PAD)[1]
+    (dmask,) = vjp(jnp.ones(spec.out_shape, F32))
+    assert dmask.dtype == jax.dtypes.float0 and dmask.shape == PAD.shape
+
+
+# --------------------------------------------------------------------------- structure
+
+
+def _all_avals(jaxpr):
+    for var in jaxpr.invars + jaxpr.constvars:
+        yield var.aval
+    for eqn in jaxpr.eqns:
+        for var in eqn.outvars:
+            yield var.aval
+        for sub in jaxprs_in_params(eqn.params):
+            yield from _all_avals(getattr(sub, "jaxpr", sub))
+
+
+def test_no_full_score_matrix_materialised():
+    n = 512
+    spec = make_spec(b=1, h=2, t=n, s=n, ops=[SC, Causal(0, -1e9)])
+    kernel = BlockwiseKernel(128, 128)
+    q, k, v = make_qkv(spec)
+    fwd = lambda q, k, v: kernel.apply(spec, q, k, v)
+    grad = jax.grad(lambda q, k, v: jnp.sum(fwd(q, k, v)), argnums=(0, 1, 2))
+    for fn in (fwd, grad):
+        shapes = [a.shape for a in _all_avals(jax.make_jaxpr(fn)(q, k, v).jaxpr)]
+        assert shapes, "walked nothing"
+        assert not [s for s in shapes if tuple(s[-2:]) == (n, n)]
+        assert any(tuple(s[-2:]) == (128, 128) for s in shapes)  # the tiles are there
+
+
+def test_causal_skips_blocks_above_the_diagonal():
+    """NaN planted where only skipped tiles would read it stays out of the result."""
+    spec = make_spec(b=1, h=2, t=64, s=64, ops=[SC, Causal(0, -np.inf)])
+    plan = KERNEL.plan(spec)
+    assert plan.tiles_computed() == 10 and plan.nq * plan.nk == 16  # 4 + 3 + 2 + 1
+    q, k, v = make_qkv(spec)
+
+    @jit
+    def run(q, k, v, v_nan, ct_nan):
+        # Forward with nan values on key tiles 1..3: query tile 0 only reads key
+        # tile 0, while a kernel visiting tiles 1..3 would multiply their zero
+        # weights by nan.
+        out = KERNEL.apply(spec, q, k, v_nan)
+        # Backward with a nan cotangent on query tile 0: it must not reach key
+        # tiles 1..3, which that query tile never attends to.
+        _, vjp = jax.vjp(lambda q, k, v: KERNEL.apply(spec, q, k, v), q, k, v)
+        return out, vjp(ct_nan)
+
+    v_nan = v.at[:, :, 16:].set(jnp.nan)
+    ct_nan = jnp.ones(spec.out_shape, F32).at[:, :, :16].set(jnp.nan)
+    out, (_, dk, dv) = jax.tree.map(np.asarray, run(q, k, v, v_nan, ct_nan))
+    assert np.isfinite(out[:, :, :16]).all() and np.isnan(out[:, :, 16:]).all()
+    assert np.isfinite(dk[:, :, 16:]).all() and np.isfinite(dv[:, :, 16:]).all()
+    assert np.isnan(dk[:, :, :16]).all()  # the nan did flow where it should
+
+
+# --------------------------------------------------------------------------- check / errors
+
+
+def test_check_short_sequence_on_cpu_only_when_not_explicit():
+    kernel = get_kernel("blockwise")
+    assert isinstance(kernel, BlockwiseKernel)
+    short = make_spec(t=256, s=256)
+    reasons = kernel.check(short, CheckContext(platform="cpu"))
+    assert len(reasons) == 1 and reasons[0].startswith("short sequence (")
+    assert f"< {CPU_MIN_KV_LEN}" in reasons[0]
+    assert kernel.check(short, CheckContext(platform="cpu", explicit=True)) == []
+    assert kernel.check(short, CheckContext(platform="gpu")) == []
+    long = make_spec(t=256, s=CPU_MIN_KV_LEN)
+    assert kernel.check(long, CheckContext(platform="cpu")) == []
+
+
+def test_check_platform_reason():
+    reasons = KERNEL.check(make_spec(), CheckContext(platform="metal", explicit=True))
+    assert len(reasons) == 1 and "metal" in reasons[0]
+
+
+def test_unknown_score_op_raises_type_error():
+    @dataclasses.dataclass(frozen=True)
+    class Alibi:
+        slope: float
+
+    spec = make_spec(ops=[Alibi(0.5)])
+    with pytest.raises(TypeError, match="unknown score op"):
+        KERNEL.apply(spec, *make_qkv(spec))
+
+
+def test_bad_inputs_fail_clearly():
+    spec = make_spec(ops=[Mask(0, PAD.shape, -1e9)], extras=(PAD,))
+    q, k, v = make_qkv(spec)
+    with pytest.raises(ValueError, match="q has shape"):
+        KERNEL.apply(spec, q[:, :, :5], k, v, (PAD,))
+    with pytest.raises(ValueError, match="extras"):
+        KERNEL.apply(spec, q, k, v, ())
+    with pytest.raises(ValueError, match=r"extras\[0\] has shape"):
+        KERNEL.apply(spec, q, k, v, (jnp.ones((B, 2, 1, S), bool),))
+    with pytest.raises(ValueError, match="block_q"):
+        BlockwiseKernel(block_q=0)
