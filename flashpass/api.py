@@ -150,13 +150,13 @@ class Optimized:
     def _lookup(self, args, kwargs):
         dyn_args, dyn_kwargs, static_key, rebuild = self._split(args, kwargs)
         leaves, in_tree = jax.tree_util.tree_flatten((dyn_args, dyn_kwargs))
-        structs = [_struct(x, in_tree, i) for i, x in enumerate(leaves)]
-        key = (in_tree, tuple((s.shape, s.dtype, s.weak_type) for s in structs), static_key)
+        key = (in_tree, tuple(map(_leaf_key, leaves)), static_key)
         with self._lock:
             entry = self._cache.get(key)
             if entry is not None:
                 self._cache.move_to_end(key)
                 return entry, leaves
+        structs = [_struct(x, in_tree, i) for i, x in enumerate(leaves)]
         entry = self._build(structs, in_tree, rebuild)
         with self._lock:
             if not _holds_tracers(entry.rewritten.consts):
@@ -314,6 +314,18 @@ def _log(report: Report, name: str) -> None:
         )
     for f in report.fallbacks:
         logger.info("%s: kept attention at %s as written: %s", name, f.location, f.reason)
+
+
+def _leaf_key(x):
+    """Cheap cache-key part of one argument leaf (the hot path of a cached call)."""
+    if isinstance(x, jax.Array):  # concrete arrays and tracers
+        aval = x.aval if isinstance(x, jax.core.Tracer) else None
+        if aval is not None:
+            return (aval.shape, aval.dtype, aval.weak_type)
+        return (x.shape, x.dtype, getattr(x, "weak_type", False))
+    if isinstance(x, np.ndarray | np.generic):
+        return (np.shape(x), np.dtype(x.dtype), False)
+    return (type(x), getattr(x, "shape", None), getattr(x, "dtype", None))
 
 
 def _struct(x, in_tree, index) -> jax.ShapeDtypeStruct:

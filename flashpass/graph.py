@@ -215,25 +215,31 @@ class Scope:
         atom = self.resolve(atom)
         return not isinstance(atom, Const) and atom in self._output_keys
 
-    def forward_cone(self, start: Iterable) -> set[Node]:
-        """All nodes that (transitively) consume any of the ``start`` keys."""
+    def forward_cone(self, start: Iterable, until: int | None = None) -> set[Node]:
+        """All nodes that (transitively) consume any of the ``start`` keys
+        (only nodes up to order ``until``, when given)."""
         seen: set[Node] = set()
         stack = [self.resolve(s) for s in start]
         while stack:
             key = stack.pop()
             for node, _ in self.consumers(key):
+                if until is not None and node.order > until:
+                    continue
                 if node not in seen:
                     seen.add(node)
                     stack.extend(o for o in node.outs if o is not None)
         return seen
 
-    def backward_cone(self, start: Iterable, stop: set[Node] | None = None) -> set[Node]:
-        """All nodes that (transitively) produce any of the ``start`` atoms."""
+    def backward_cone(
+        self, start: Iterable, stop: set[Node] | None = None, since: int | None = None
+    ) -> set[Node]:
+        """All nodes that (transitively) produce any of the ``start`` atoms (only
+        nodes from order ``since`` on, when given)."""
         seen: set[Node] = set()
         stack = [self.resolve(s) for s in start]
         while stack:
             node = self.producer(stack.pop())
-            if node is None or node in seen:
+            if node is None or node in seen or (since is not None and node.order < since):
                 continue
             seen.add(node)
             if stop is not None and node in stop:

@@ -210,8 +210,8 @@ def _build_site(scope: Scope, soft, chain, sp) -> AttentionSite | Miss:
                 )
             post.append(("row_any", index))
     if soft.shift is not None:
-        cone = scope.forward_cone([dot.out])
-        nodes |= scope.backward_cone([soft.shift]) & cone
+        cone = scope.forward_cone([dot.out], until=root.order)
+        nodes |= scope.backward_cone([soft.shift], since=dot.order) & cone
 
     problem = _check_closed(scope, dot, root, nodes)
     if problem is not None:
@@ -339,7 +339,9 @@ def _role_name(role) -> str:
 
 def _check_closed(scope: Scope, dot, root, nodes: set) -> Miss | None:
     """Nothing unrecognised in between, and no intermediate escapes the site."""
-    between = scope.forward_cone([dot.out]) & scope.backward_cone([root.out])
+    between = scope.forward_cone([dot.out], until=root.order) & scope.backward_cone(
+        [root.out], since=dot.order
+    )
     unknown = sorted(between - nodes, key=lambda n: n.order)
     if unknown:
         n = unknown[0]

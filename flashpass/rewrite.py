@@ -20,6 +20,7 @@ yields the rewritten ``ClosedJaxpr``.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 
@@ -61,8 +62,13 @@ class Plan:
         return any(sp[:n] == prefix for sp in self.site_prefixes)
 
 
+@functools.lru_cache(maxsize=256)
 def kernel_call(kernel, spec, interpret: bool):
-    """A jitted, named call of ``kernel`` for ``spec``: ``flashpass_<name>``."""
+    """A jitted, named call of ``kernel`` for ``spec``: ``flashpass_<name>``.
+
+    Cached, so identical sites (every layer of a model) share one ``jit`` and
+    its trace cache: the kernel is traced once, not once per layer.
+    """
 
     def call(q, k, v, *extras):
         return kernel.apply(spec, q, k, v, extras, interpret=interpret)

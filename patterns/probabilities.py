@@ -126,7 +126,23 @@ def walk_probabilities(
 
 
 def _is_random(scope: Scope, atom) -> bool:
-    return any(n.prim in RANDOM_PRIMS for n in scope.backward_cone([atom]))
+    """Whether ``atom`` depends on a random-number primitive (memoised per scope)."""
+    memo = scope.__dict__.setdefault("_random_memo", {})
+    stack, order = [scope.resolve(atom)], []
+    while stack:  # iterative DFS; results are filled in post-order below
+        key = stack.pop()
+        node = scope.producer(key)
+        if node is None or node in memo:
+            continue
+        memo[node] = None  # in progress
+        order.append(node)
+        stack.extend(a for a in node.ins if scope.producer(a) is not None)
+    for node in reversed(order):
+        memo[node] = node.prim in RANDOM_PRIMS or any(
+            memo.get(scope.producer(a)) for a in node.ins if scope.producer(a) is not None
+        )
+    node = scope.producer(atom)
+    return bool(node is not None and memo.get(node))
 
 
 def _remask(scope: Scope, node, pos: int, roles: list, known_masks):
