@@ -46,14 +46,19 @@ __all__ = [
 #: kernel whose JAX module is missing only fails when it is asked for.
 _BUILTIN = {
     "blockwise": "blockwise:BlockwiseKernel",
+    "cudnn": "cudnn:CudnnKernel",
+    "pallas_gpu": "pallas_gpu:PallasGpuKernel",
     "pallas_tpu": "pallas_tpu:PallasTpuKernel",
     "reference": "reference:ReferenceKernel",
+    "splash": "splash:SplashKernel",
+    # Optional: needs the `tokamax` package (never a dependency); not in a default order.
+    "tokamax": "tokamax:TokamaxKernel",
 }
 
-#: Kernels tried, in order, when the user names none.
+#: Kernels tried, in order, when the user names none (see docs/kernels.md).
 DEFAULT_ORDER: dict[str, tuple[str, ...]] = {
-    "tpu": ("pallas_tpu", "blockwise"),
-    "gpu": ("blockwise",),
+    "tpu": ("splash", "pallas_tpu", "blockwise"),
+    "gpu": ("cudnn", "pallas_gpu", "blockwise"),
     "cpu": ("blockwise",),
 }
 

@@ -38,11 +38,12 @@ exactly ``[B, H, T, S]``, ``S`` a multiple of the key block and a
 
 Differences from `reference_attention`, by design:
 
-* Rows whose keys are *all* excluded (by Mask ops, or an all ``-inf``
-  bias): the spec's result depends on the fill values (uniform over all keys
-  when the fills are equal, NaN for ``-inf``); this kernel returns the
-  uniform average of ``v`` over the real keys that the kernel's own causal
-  mask (offset 0) keeps, and the bias gradient of such rows is not zero.
+* Rows in which the Mask ops (with the causal mask) keep no key: the mean of
+  ``v`` over all keys, with that mean's gradients (`_util.fill_empty_rows`):
+  the reference's result when the excluded keys share one finite fill (NaN
+  for ``-inf``).  Rows excluded only through ``-inf`` bias entries: the
+  uniform average over the keys the kernel's own causal mask keeps (the
+  reference: NaN), and their gradients are not the reference's.
 * Precision: the kernel always accumulates and normalises in float32; a spec
   computing in bfloat16/float16 gets a more precise result, not the same
   rounding.  q, k, v and p are cast to one kernel dtype (`_kernel_dtype`),
@@ -62,6 +63,7 @@ import numpy as np
 
 from flashpass import compat
 
+from . import _util
 from .base import (
     EXCLUDING_FILL,
     AttentionSpec,
@@ -409,6 +411,7 @@ class PallasTpuKernel(Kernel):
         plan = _plan(spec, self.max_block)
         fa = compat.tpu_flash_attention_module()
 
+        v_in = v
         # The reference rounds q/k to compute_dtype before the product.
         q = q.astype(spec.compute_dtype).astype(plan.kernel_dtype)
         k = k.astype(spec.compute_dtype).astype(plan.kernel_dtype)
@@ -451,4 +454,14 @@ class PallasTpuKernel(Kernel):
             )
 
         out = compat.pallas_tpu_traced(kernel, interpret=interpret)(*args)
-        return out[:, :, : spec.q_len, : spec.v_head_dim].astype(spec.out_dtype)
+        out = out[:, :, : spec.q_len, : spec.v_head_dim].astype(spec.out_dtype)
+        # Rows the masks leave empty: the kernel averages v but differentiates as if
+        # unmasked (its -2**126 bias absorbs q.k only in the forward).
+        offsets = [op.offset for op in spec.ops_of(Causal)]
+        _, empty = _util.combined_keep(
+            spec,
+            [op.index for op in spec.ops_of(Mask)],
+            extras,
+            offset=min(offsets) if offsets else None,
+        )
+        return _util.fill_empty_rows(spec, out, v_in, empty)

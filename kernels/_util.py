@@ -1,0 +1,291 @@
+"""Static spec analysis shared by the adapters of library attention kernels.
+
+Library kernels (splash, cuDNN, the Pallas GPU kernel, tokamax) compute::
+
+    logits = C * (q @ k^T) + sum_i m_i * bias_i      (C: one scale)
+    logits = cap * tanh(logits / cap)                (optional soft-cap)
+    logits = where(keep, logits, very negative)      (masks, causal)
+    out    = softmax(logits) @ v
+
+`linear_form` rewrites a spec's ordered score ops into that form when it can,
+exactly, and says in words why not when it cannot.  Moving a Scale that
+follows a Softcap in front of it is exact algebra:
+``c * cap * tanh(x / cap) == (c * cap) * tanh(c * x / (c * cap))``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax.numpy as jnp
+import numpy as np
+
+from .base import EXCLUDING_FILL, AttentionSpec, Bias, Causal, Mask, Scale, Softcap
+
+BF16 = np.dtype(jnp.bfloat16)
+F16 = np.dtype(np.float16)
+F32 = np.dtype(np.float32)
+
+
+def round_up(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+def next_pow2(x: int) -> int:
+    return 1 << max(0, (int(x) - 1).bit_length())
+
+
+def final_fill(spec: AttentionSpec, position: int, fill: float) -> float:
+    """The score an excluded key ends with after the ops that follow position
+    ``position`` (later Scales multiply it, a later Softcap squashes it; a later
+    Bias is assumed not to lift it back, the assumption `EXCLUDING_FILL` makes)."""
+    with np.errstate(all="ignore"):
+        value = np.float64(fill)
+        for op in spec.score_ops[position + 1 :]:
+            if isinstance(op, Scale):
+                value = value * op.value
+            elif isinstance(op, Softcap):
+                value = op.cap * np.tanh(value / op.cap)
+    return float(value)
+
+
+def excludes(value: float) -> bool:
+    return value == -math.inf or value <= EXCLUDING_FILL
+
+
+@dataclasses.dataclass(frozen=True)
+class LinearForm:
+    """A spec as ``where(keep, softcap(scale * qk + sum(m * bias)), -big)``."""
+
+    scale: float
+    #: (extra index, multiplier): bias ``i`` enters the logits as ``m * extras[i]``.
+    biases: tuple[tuple[int, float], ...]
+    softcap: float | None
+    #: extra indices of the boolean keep-masks.
+    masks: tuple[int, ...]
+    #: causal offset (keys ``j <= i + offset`` kept); None when no key is excluded.
+    causal_offset: int | None
+    #: why the spec does not have this form (empty: it does).
+    reasons: tuple[str, ...]
+
+
+def linear_form(spec: AttentionSpec) -> LinearForm:
+    """Rewrite ``spec.score_ops`` as a `LinearForm` (see module doc)."""
+    reasons: list[str] = []
+    scale = 1.0
+    biases: list[list] = []
+    cap = None
+    post = 1.0  # product of the Scales after the Softcap
+    masks: list[int] = []
+    offsets: list[int] = []
+    for position, op in enumerate(spec.score_ops):
+        if isinstance(op, Scale):
+            if cap is None:
+                scale *= op.value
+                for b in biases:
+                    b[1] *= op.value
+            else:
+                post *= op.value
+        elif isinstance(op, Bias):
+            if cap is not None:
+                reasons.append(
+                    "a bias added after the logit soft-cap is not supported (the kernel caps "
+                    "the biased logits); add the bias before the soft-cap"
+                )
+            biases.append([op.index, 1.0])
+        elif isinstance(op, Softcap):
+            if cap is not None:
+                reasons.append("two logit soft-caps in a row are not supported")
+            elif not op.cap > 0:
+                reasons.append(f"soft-cap {op.cap} is not positive")
+            cap = op.cap
+        elif isinstance(op, Mask | Causal):
+            kind = "mask" if isinstance(op, Mask) else "causal mask"
+            value = final_fill(spec, position, op.fill)
+            if not excludes(value):
+                reasons.append(
+                    f"{kind} fill {op.fill} ends as score {value:.6g} after the ops that "
+                    f"follow it, which does not exclude keys (needs <= {EXCLUDING_FILL} or "
+                    "-inf; a soft-cap after the mask turns any fill into about -cap): masked "
+                    "keys would keep a non-zero weight; use a fill such as -1e9 or -inf "
+                    "applied after the soft-cap, or the 'blockwise' kernel"
+                )
+            if isinstance(op, Mask):
+                masks.append(op.index)
+            elif op.offset < 0:
+                reasons.append(
+                    f"causal offset {op.offset} < 0 leaves query rows with no key to attend to"
+                )
+            else:
+                offsets.append(op.offset)
+        else:
+            reasons.append(f"unknown score op {type(op).__name__}")
+    if cap is not None and post != 1.0:
+        # c * cap * tanh(x / cap) == (c * cap) * tanh(c * x / (c * cap))
+        scale *= post
+        for b in biases:
+            b[1] *= post
+        cap *= post
+        if not cap > 0:
+            reasons.append("a non-positive scale after the logit soft-cap is not supported")
+    offset = min(offsets) if offsets else None
+    if offset is not None and offset >= spec.kv_len - 1:
+        offset = None  # every key j <= S - 1 <= i + offset: nothing is excluded
+    return LinearForm(
+        scale=float(scale),
+        biases=tuple((i, float(m)) for i, m in biases),
+        softcap=None if cap is None else float(cap),
+        masks=tuple(masks),
+        causal_offset=offset,
+        reasons=tuple(reasons),
+    )
+
+
+def extra_reasons(spec: AttentionSpec) -> list[str]:
+    """Bias/Mask ops whose extras are missing, not 4-D broadcastable or not real."""
+    reasons: list[str] = []
+    full = (spec.batch, spec.heads, spec.q_len, spec.kv_len)
+    for op in spec.score_ops:
+        if not isinstance(op, Bias | Mask):
+            continue
+        kind = "bias" if isinstance(op, Bias) else "mask"
+        if not 0 <= op.index < len(spec.extras):
+            reasons.append(f"{kind} refers to extra #{op.index}, which the spec lacks")
+            continue
+        extra = spec.extras[op.index]
+        shape = tuple(extra.shape)
+        if len(shape) != 4 or any(d not in (1, f) for d, f in zip(shape, full, strict=False)):
+            reasons.append(f"{kind} extra of shape {shape} is not broadcastable to {full}")
+        dtype = np.dtype(extra.dtype)
+        real = dtype == np.bool_ or bool(
+            jnp.issubdtype(dtype, jnp.integer) or jnp.issubdtype(dtype, jnp.floating)
+        )
+        if not real:
+            reasons.append(f"{kind} extra of dtype {dtype.name} is not real-valued")
+    return reasons
+
+
+def empty_reasons(spec: AttentionSpec) -> list[str]:
+    if min(spec.batch, spec.heads, spec.q_len, spec.kv_len, spec.head_dim, spec.v_head_dim) <= 0:
+        return ["empty q/k/v (a zero-sized dimension) is not supported"]
+    return []
+
+
+def is_key_mask(spec: AttentionSpec, index: int) -> bool:
+    """Whether extra ``index`` only varies over keys (and batch/heads): ``[b, h, 1, S]``."""
+    shape = tuple(spec.extras[index].shape)
+    return len(shape) == 4 and shape[2] == 1
+
+
+def kernel_dtype(spec: AttentionSpec, narrow: tuple = (BF16,)) -> np.dtype:
+    """One dtype for q, k, v: a narrow one (from ``narrow``) only where the spec
+    keeps no more precision, else float32.
+
+    Narrow when the spec computes in it (its q/k/p/out are rounded to it anyway)
+    or when q, k, v, p and the output all are it.  Upcasts are exact.
+    """
+    if spec.compute_dtype in narrow:
+        return spec.compute_dtype
+    dtypes = {spec.q_dtype, spec.k_dtype, spec.v_dtype, spec.p_dtype, spec.out_dtype}
+    if len(dtypes) == 1 and spec.q_dtype in narrow:
+        return spec.q_dtype
+    return F32
+
+
+def float_dtype_reasons(spec: AttentionSpec, kernel: str, allowed=(BF16, F16, F32)) -> list[str]:
+    """q/k/v and compute/p/out dtypes the kernel cannot honour (float64, ints)."""
+    reasons = []
+    names = ", ".join(np.dtype(d).name for d in allowed)
+    for name in ("q_dtype", "k_dtype", "v_dtype"):
+        dtype = getattr(spec, name)
+        if dtype not in allowed:
+            reasons.append(
+                f"{name[0]} has dtype {dtype.name}; {kernel} takes {names} "
+                "(float64 would be silently downcast)"
+            )
+    for name in ("compute_dtype", "p_dtype", "out_dtype"):
+        dtype = getattr(spec, name)
+        if dtype not in (BF16, F16, F32):
+            reasons.append(
+                f"{name} is {dtype.name}; {kernel} computes in float32 at most "
+                "(disable jax_enable_x64 for this attention or use another kernel)"
+            )
+    return reasons
+
+
+def pad_axis(x, axis: int, size: int, *, front: int = 0, value=0):
+    """Pad ``x`` along ``axis`` to ``size`` (``front`` entries before, the rest after)."""
+    back = size - x.shape[axis] - front
+    if front == 0 and back == 0:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (front, back)
+    return jnp.pad(x, widths, constant_values=value)
+
+
+def causal_keep(spec: AttentionSpec, offset: int) -> np.ndarray:
+    """``[1, 1, T, S]`` numpy keep-mask of ``Causal(offset)``."""
+    rows = np.arange(spec.q_len)[:, None]
+    cols = np.arange(spec.kv_len)[None, :]
+    return (cols <= rows + offset)[None, None]
+
+
+def combined_keep(spec: AttentionSpec, masks, extras, *, offset: int | None = None):
+    """``(keep, empty)`` for the keep-masks ``extras[i]``, ``i`` in ``masks``.
+
+    ``keep``: their AND (broadcast shapes kept), or None without masks.
+    ``empty``: ``[b, h, T, 1]``, the rows in which the masks and the causal
+    mask (``offset``, if any) keep no key, or None.  A kernel whose online
+    softmax would turn such a row into NaN (skipped blocks: ``l == 0``) must
+    compute ``keep | empty`` instead; `fill_empty_rows` replaces their output.
+    """
+    keep = None
+    for index in masks:
+        mask = extras[index].astype(bool)
+        keep = mask if keep is None else keep & mask
+    if keep is None:
+        return None, None
+    if offset is None:
+        empty = ~jnp.any(keep, axis=-1, keepdims=True)
+    elif keep.shape[2] == 1:
+        # Key masks: row i is empty when the first kept key comes after i + offset.
+        first = jnp.where(jnp.any(keep, axis=-1), jnp.argmax(keep, axis=-1), spec.kv_len)
+        rows = np.arange(spec.q_len)[:, None]
+        empty = first[..., None] > rows + offset  # [b, h, 1, 1] vs [T, 1]: [b, h, T, 1]
+    else:
+        seen = jnp.cumsum(jnp.broadcast_to(keep, (*keep.shape[:2], spec.q_len, spec.kv_len)), -1)
+        last = np.minimum(np.arange(spec.q_len) + offset, spec.kv_len - 1)
+        seen = jnp.take_along_axis(seen, jnp.asarray(last)[None, None, :, None], axis=-1)
+        empty = seen == 0
+    return keep, empty
+
+
+def fill_empty_rows(spec: AttentionSpec, out, v, empty):
+    """Replace the output rows in ``empty`` by the mean of ``v`` over all keys.
+
+    That is the reference's result for a row whose every key is excluded with
+    one common finite fill (all its scores equal, so the softmax is uniform),
+    e.g. ``where(mask, s, -1e9)`` on a fully padded example; gradients are
+    that mean's (zero for ``q`` and ``k``).  ``out``: ``[B, H, T, Dv]``.
+    """
+    if empty is None:
+        return out
+    mean = jnp.mean(v.astype(jnp.float32), axis=2, keepdims=True)  # [B, Hkv, 1, Dv]
+    if spec.groups > 1:
+        mean = jnp.repeat(mean, spec.groups, axis=1)
+    return jnp.where(empty, mean.astype(out.dtype), out)
+
+
+def bias_sum(spec: AttentionSpec, form: LinearForm, extras, dtype):
+    """``sum_i m_i * bias_i`` in ``dtype`` (broadcast shapes kept), or None.
+
+    Each bias is rounded to the spec's compute dtype first, as the spec adds it.
+    """
+    total = None
+    for index, multiplier in form.biases:
+        bias = extras[index].astype(spec.compute_dtype).astype(dtype)
+        if multiplier != 1.0:
+            bias = bias * jnp.asarray(multiplier, dtype)
+        total = bias if total is None else total + bias
+    return total

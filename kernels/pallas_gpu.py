@@ -1,0 +1,281 @@
+"""Adapter for JAX's Pallas GPU flash attention (``pallas.ops.gpu.attention``, Triton).
+
+``attention.mha`` computes, per batch element and head (layout ``[B, T, H, D]``)::
+
+    s = (q @ k^T) * sm_scale                               # f32 accumulation
+    s = where(causal & (seg[i] == seg[j]), s, -0.7 * f32_max)  # top-left causal
+    out = softmax(s) @ v                                   # p cast to v.dtype
+
+with ``q``, ``k``, ``v`` of one head dim and head count (no GQA, ``Dv == D``),
+one segment-id array shared by queries and keys, no bias, and a
+``custom_vjp`` whose fused Triton backward needs as many query blocks as key
+blocks.  This module maps an `AttentionSpec` onto it exactly:
+
+* One length for queries and keys: ``L``, a power of two up to the block size
+  (128) and a multiple of it beyond; both are zero-padded to it.
+* ``Causal(offset)``, any offset >= 0: query ``i`` is placed at row
+  ``i + offset`` (``offset`` zero rows in front), so the kernel's top-left
+  mask keeps exactly the keys ``j <= i + offset``.
+* Excluding keys (padding to ``L``; boolean masks that only vary over keys,
+  ``[B|1, H|1, 1, S]``): when every real query row precedes the first padded
+  key, padded keys get segment id 1 and everything else 0.  Otherwise an extra
+  head-dim column carries the mask: ``2**14`` in every query row, ``0`` for a
+  kept key, ``-2**14`` for a masked and ``-2**15`` for a padded one, so an
+  excluded key's logit is ``-2**28 * sm_scale`` (float32 accumulation, exactly
+  zero weight) and a kept key's is unchanged.
+* GQA/MQA: K/V heads are repeated.  ``Dv != D``: both zero-padded to the larger
+  (and to at least 16, the Triton ``dot`` minimum); extra columns are sliced off.
+* Float32 kernels are traced under ``jax.default_matmul_precision("highest")``
+  (IEEE float32 ``dot`` instead of TF32) and every kernel with x64 off, in the
+  forward and the backward (`flashpass.compat.traced_with`).
+* ``interpret=True`` runs the kernel in Pallas interpret mode (any platform).
+
+Not supported (rejected by `check`): Bias ops, Softcap, masks that vary over
+queries, non-positive scales, float64.
+
+Rows in which every key is excluded: the mean of ``v`` over all keys (the
+reference's result when the excluded keys share one finite fill).
+
+The Mosaic GPU kernel of this JAX (``attention_mgpu``, Hopper) is not used: it
+has no softmax scale, masks or sequence padding, keeps float16 scratch, has no
+causal backward, and cannot be traced without a CUDA installation.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from flashpass import compat
+
+from . import _util
+from .base import AttentionSpec, CheckContext, Kernel
+
+#: Head-dim column values that exclude keys (see module doc).
+_COLUMN_Q = 2.0**14
+_COLUMN_MASKED = -(2.0**14)
+_COLUMN_PADDED = -(2.0**15)
+#: Triton's ``dot`` needs every dimension to be at least 16.
+_MIN_DIM = 16
+#: Above this ratio of padded to real work, the default order skips the kernel.
+_MAX_WASTE = 4.0
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    form: _util.LinearForm
+    kernel_dtype: np.dtype
+    front: int  # zero query rows in front (the causal offset)
+    length: int  # common padded length of queries and keys
+    head_dim: int  # common padded head dim (incl. the mask column)
+    segments: bool  # padded keys excluded by segment ids
+    column: bool  # keys excluded by the extra head-dim column
+    block_q: int
+    block_k: int
+    block_bwd: int
+
+
+def _reasons(spec: AttentionSpec) -> list[str]:
+    reasons = _util.empty_reasons(spec)
+    reasons += _util.float_dtype_reasons(spec, "the Pallas GPU attention kernel")
+    reasons += _util.extra_reasons(spec)
+    if reasons:
+        return reasons
+    form = _util.linear_form(spec)
+    reasons += form.reasons
+    if form.biases:
+        reasons.append(
+            "the Pallas GPU attention kernel takes no bias (additive mask or position "
+            "bias); use the 'cudnn' kernel, which adds biases, or 'blockwise'"
+        )
+    if form.softcap is not None:
+        reasons.append(
+            "logit soft-capping is not supported by the Pallas GPU attention kernel; "
+            "use the 'blockwise' kernel"
+        )
+    for index in form.masks:
+        if not _util.is_key_mask(spec, index):
+            shape = tuple(spec.extras[index].shape)
+            reasons.append(
+                f"boolean mask of shape {shape} varies over queries; the Pallas GPU kernel "
+                "only takes key (padding) masks [B, 1, 1, S]: use 'cudnn' or 'blockwise'"
+            )
+    if not form.scale > 0:
+        reasons.append(
+            f"score scale {form.scale} is not positive; the adapter excludes keys through "
+            "large negative logits, which a non-positive scale would flip"
+        )
+    return reasons
+
+
+def _plan(spec: AttentionSpec, block_q: int, block_k: int, block_bwd: int) -> _Plan:
+    form = _util.linear_form(spec)
+    front = form.causal_offset or 0
+    n = max(front + spec.q_len, spec.kv_len)
+    block = max(block_q, block_k, block_bwd)  # every block divides the common length
+    if n <= block:
+        length = max(_MIN_DIM, _util.next_pow2(n))
+    else:
+        length = _util.round_up(n, block)
+    pad_keys = length > spec.kv_len
+    # Segment ids are shared by queries and keys: usable only when no real query
+    # row sits at a padded key's position.
+    segments = pad_keys and not form.masks and front + spec.q_len <= spec.kv_len
+    column = bool(form.masks) or (pad_keys and not segments)
+    head_dim = max(spec.head_dim, spec.v_head_dim) + (1 if column else 0)
+    return _Plan(
+        form=form,
+        kernel_dtype=_util.kernel_dtype(spec, narrow=(_util.BF16, _util.F16)),
+        front=front,
+        length=length,
+        head_dim=max(head_dim, _MIN_DIM),
+        segments=segments,
+        column=column,
+        block_q=min(block_q, length),
+        block_k=min(block_k, length),
+        block_bwd=min(block_bwd, length),
+    )
+
+
+def _waste(spec: AttentionSpec, plan: _Plan) -> float:
+    """Padded work over real work (``q_len * kv_len`` score entries)."""
+    return plan.length**2 / (spec.q_len * spec.kv_len)
+
+
+def _trace_context(kernel_dtype):
+    @contextlib.contextmanager
+    def context():
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(jax.enable_x64(False))
+            if kernel_dtype == _util.F32:
+                # DEFAULT precision makes Triton use TF32 for float32 dots.
+                stack.enter_context(jax.default_matmul_precision("highest"))
+            yield
+
+    return context
+
+
+class PallasGpuKernel(Kernel):
+    """JAX's Pallas Triton flash attention (``pallas.ops.gpu.attention.mha``).
+
+    Runs on GPU, or anywhere with ``interpret=True`` (slow; for tests).
+    Supports Scale, Causal (any offset >= 0) and key (padding) masks, GQA/MQA
+    (K/V repeated), any sequence length and head dims, float32/bfloat16/float16,
+    reverse-mode AD.  Rejects Bias, Softcap and masks that vary over queries.
+    Unless named explicitly, it also declines sites where padding queries and
+    keys to one length would more than quadruple the work (e.g. decoding).
+    """
+
+    name = "pallas_gpu"
+    platforms = ("gpu",)
+    interpret_platforms = ("cpu",)
+    supports_grad = True
+
+    def __init__(self, *, block_q: int = 128, block_k: int = 128, block_bwd: int = 32):
+        """Block sizes (powers of two >= 16): forward query/key blocks and the
+        backward's blocks (JAX's defaults)."""
+        for name, value in (("block_q", block_q), ("block_k", block_k), ("block_bwd", block_bwd)):
+            if value < _MIN_DIM or value & (value - 1):
+                raise ValueError(f"{name} must be a power of two >= 16, got {value}")
+        self.block_q, self.block_k, self.block_bwd = block_q, block_k, block_bwd
+
+    def _plan(self, spec: AttentionSpec) -> _Plan:
+        return _plan(spec, self.block_q, self.block_k, self.block_bwd)
+
+    def check(self, spec: AttentionSpec, ctx: CheckContext) -> list[str]:
+        reasons = self.platform_reasons(ctx) + _reasons(spec)
+        if not reasons and not ctx.explicit:
+            waste = _waste(spec, self._plan(spec))
+            if waste > _MAX_WASTE:
+                reasons.append(
+                    f"padding queries and keys to one length ({self._plan(spec).length}, for "
+                    f"q_len={spec.q_len}, kv_len={spec.kv_len}) would do {waste:.1f}x the "
+                    "work; name kernel='pallas_gpu' to use it anyway"
+                )
+        return reasons
+
+    def apply(
+        self,
+        spec: AttentionSpec,
+        q,
+        k,
+        v,
+        extras: Sequence = (),
+        *,
+        interpret: bool = False,
+    ):
+        reasons = _reasons(spec)
+        if reasons:
+            raise ValueError(f"{self.name} cannot run this attention: " + "; ".join(reasons))
+        plan = self._plan(spec)
+        form = plan.form
+        kdt = plan.kernel_dtype
+        T, S, L = spec.q_len, spec.kv_len, plan.length
+        v_in = v
+
+        q = q.astype(spec.compute_dtype).astype(kdt)
+        k = k.astype(spec.compute_dtype).astype(kdt)
+        v = v.astype(kdt)
+        if spec.groups > 1:  # no GQA in the kernel
+            k = jnp.repeat(k, spec.groups, axis=1)
+            v = jnp.repeat(v, spec.groups, axis=1)
+        width = max(spec.head_dim, spec.v_head_dim)
+        q = _util.pad_axis(_util.pad_axis(q, 3, width), 2, L, front=plan.front)
+        k = _util.pad_axis(_util.pad_axis(k, 3, width), 2, L)
+        v = _util.pad_axis(_util.pad_axis(v, 3, plan.head_dim), 2, L)
+
+        keep, empty = _util.combined_keep(spec, form.masks, extras, offset=form.causal_offset)
+        if plan.column:
+            B, H = spec.batch, spec.heads
+            if keep is None:  # only padded keys to exclude
+                real = jnp.zeros((1, 1, S), kdt)
+            else:  # [b, h, 1, S] key mask
+                real = jnp.where(keep[:, :, 0, :], 0.0, _COLUMN_MASKED).astype(kdt)
+            k_col = jnp.broadcast_to(real, (B, H, S))
+            k_col = _util.pad_axis(k_col, 2, L, value=_COLUMN_PADDED)[..., None]
+            q = jnp.concatenate([q, jnp.full((B, H, L, 1), _COLUMN_Q, kdt)], axis=3)
+            k = jnp.concatenate([k, k_col], axis=3)
+        q = _util.pad_axis(q, 3, plan.head_dim)
+        k = _util.pad_axis(k, 3, plan.head_dim)
+
+        args = [q, k, v]
+        if plan.segments:
+            ids = (np.arange(L) >= S).astype(np.int32)
+            args.append(jnp.asarray(np.broadcast_to(ids, (spec.batch, L))))
+
+        ga = compat.gpu_attention_module()
+        block_sizes = ga.BlockSizes(
+            block_q=plan.block_q,
+            block_k=plan.block_k,
+            block_q_dkv=plan.block_bwd,
+            block_kv_dkv=plan.block_bwd,
+            block_q_dq=plan.block_bwd,
+            block_kv_dq=plan.block_bwd,
+        )
+        causal = form.causal_offset is not None
+        scale = form.scale
+
+        def kernel(q, k, v, segment_ids=None):
+            def btnh(x):
+                return jnp.swapaxes(x, 1, 2)
+
+            out = compat.gpu_attention_module().mha(
+                btnh(q),
+                btnh(k),
+                btnh(v),
+                segment_ids,
+                sm_scale=scale,
+                causal=causal,
+                block_sizes=block_sizes,
+                interpret=interpret,
+            )
+            return btnh(out)
+
+        out = compat.traced_with(kernel, _trace_context(kdt))(*args)
+        out = out[:, :, plan.front : plan.front + T, : spec.v_head_dim].astype(spec.out_dtype)
+        return _util.fill_empty_rows(spec, out, v_in, empty)

@@ -1,0 +1,281 @@
+"""Adapter for JAX's splash attention (``pallas.ops.tpu.splash_attention``).
+
+Splash attention computes, per example and query head ``h`` (``Hkv`` divides
+``H``; head ``h`` reads key/value head ``h // (H / Hkv)``, so GQA and MQA run
+without repeating K/V)::
+
+    s = q @ k^T                                   # no scale: q is pre-scaled
+    s = cap * tanh(s / cap)                       # attn_logits_soft_cap
+    s = where(mask & (q_seg == kv_seg), s, -0.7 * f32_max)
+    out = softmax(s) @ v                          # f32 statistics, p cast to v.dtype
+
+with ``mask`` a static mask (causal with an offset, skipping fully masked
+blocks) or a dynamic boolean ``[heads, T, S]`` array, and a ``custom_vjp``
+for ``q``, ``k``, ``v``.  This module maps an `AttentionSpec` onto it exactly:
+
+* Score ops are put in the kernel's order by `_util.linear_form`: one scale
+  ``C`` (Scales after a Softcap move in front of it, scaling the cap), an
+  optional soft-cap, then masks whose fills exclude keys.  ``q`` is multiplied
+  by ``C`` in float32 before the cast to the kernel dtype: exact when ``C`` is
+  a power of two, else within one rounding of that dtype.
+* ``Causal(offset)``: the static ``CausalMask(offset=offset)`` (any offset >= 0).
+* Masks that only vary over keys and batch (``[B|1, 1, 1, S]``, padding):
+  key segment ids (``0`` kept, ``1`` excluded; queries ``0``).  Any other
+  mask: the kernel's dynamic mask, ANDed with the causal mask.
+* Sequence padding: queries to a multiple of 16 (one block up to
+  ``max_block``) or of 128, keys to a multiple of 128; padded keys get segment
+  id 1 (or are false in the dynamic mask), padded queries are sliced off.
+* Head dims above 128 are zero-padded to a multiple of 128; ``Dv != D`` is native.
+* Batch: ``jax.vmap`` over the per-example kernel.
+* Traced with x64 off in the forward and the backward
+  (`flashpass.compat.pallas_tpu_traced`); ``interpret=True`` is passed to the
+  kernel (the context-wide TPU interpret mode rejects the grid axis ``vmap`` adds).
+
+Not supported (rejected by `check` with a reason): Bias ops (the kernel adds
+no bias; ``pallas_tpu`` does), fills that do not exclude keys (including masks
+before a soft-cap, which turns any fill into about ``-cap``), float64.
+
+Differences from `reference_attention`, by design:
+
+* Rows where the masks keep no key: the uniform average of ``v`` over the
+  keys the causal mask keeps (the reference: over all keys for equal finite
+  fills, NaN for ``-inf``).
+* Precision: float32 statistics always; q/k/v/p in one kernel dtype
+  (`_util.kernel_dtype`), bfloat16 only where the spec keeps no more.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from flashpass import compat
+
+from . import _util
+from .base import AttentionSpec, CheckContext, Kernel
+
+_LANES = 128
+_Q_MULTIPLE = 16
+DEFAULT_MAX_BLOCK = 512
+
+
+def _largest_block(length: int, max_block: int) -> int:
+    block = _LANES
+    while block * 2 <= max_block and length % (block * 2) == 0:
+        block *= 2
+    return block
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    form: _util.LinearForm
+    kernel_dtype: np.dtype
+    q_len: int
+    kv_len: int
+    head_dim: int
+    v_head_dim: int
+    block_q: int
+    block_kv: int
+    key_masks: tuple[int, ...]  # masks expressed as kv segment ids
+    dynamic_masks: tuple[int, ...]  # masks expressed as the dynamic mask
+    segment_ids: bool  # key segment ids are passed (key masks or key padding)
+
+
+def _reasons(spec: AttentionSpec) -> list[str]:
+    reasons = _util.empty_reasons(spec)
+    reasons += _util.float_dtype_reasons(spec, "splash attention")
+    reasons += _util.extra_reasons(spec)
+    if reasons:
+        return reasons
+    form = _util.linear_form(spec)
+    reasons += form.reasons
+    if form.biases:
+        reasons.append(
+            "splash attention takes no bias (additive mask or position bias); use the "
+            "'pallas_tpu' kernel, which adds biases, or 'blockwise'"
+        )
+    return reasons
+
+
+def _plan(spec: AttentionSpec, max_block: int) -> _Plan:
+    form = _util.linear_form(spec)
+    key_masks, dynamic_masks = [], []
+    for index in form.masks:
+        shape = tuple(spec.extras[index].shape)
+        (key_masks if shape[1] == 1 and shape[2] == 1 else dynamic_masks).append(index)
+    if dynamic_masks:  # one mechanism: all masks go into the dynamic mask
+        dynamic_masks, key_masks = list(form.masks), []
+    kv_len = _util.round_up(spec.kv_len, _LANES)
+    # Segment ids (key masks, key padding) need query blocks of 128 in the dK/dV kernel.
+    segments = bool(key_masks) or (kv_len > spec.kv_len and not dynamic_masks)
+    q_multiple = _LANES if segments else _Q_MULTIPLE
+    if spec.q_len <= max_block:
+        q_len = _util.round_up(spec.q_len, q_multiple)
+        block_q = q_len
+    else:
+        q_len = _util.round_up(spec.q_len, _LANES)
+        block_q = _largest_block(q_len, max_block)
+
+    def head(d: int) -> int:
+        return _util.round_up(d, _LANES) if d > _LANES else d
+
+    return _Plan(
+        form=form,
+        kernel_dtype=_util.kernel_dtype(spec, narrow=(_util.BF16,)),
+        q_len=q_len,
+        kv_len=kv_len,
+        head_dim=head(spec.head_dim),
+        v_head_dim=head(spec.v_head_dim),
+        block_q=block_q,
+        block_kv=_largest_block(kv_len, max_block),
+        key_masks=tuple(key_masks),
+        dynamic_masks=tuple(dynamic_masks),
+        segment_ids=segments,
+    )
+
+
+def _block_sizes(plan: _Plan):
+    sa = compat.splash_attention_module()
+    bq, bkv = plan.block_q, plan.block_kv
+    return sa.BlockSizes(
+        block_q=bq,
+        block_kv=bkv,
+        block_kv_compute=bkv,
+        block_q_dkv=bq,
+        block_kv_dkv=bkv,
+        block_kv_dkv_compute=bkv,
+        block_q_dq=bq,
+        block_kv_dq=bkv,
+    )
+
+
+class SplashKernel(Kernel):
+    """JAX's splash attention (``pallas.ops.tpu.splash_attention``).
+
+    Runs on TPU, or on CPU with ``interpret=True`` (slow; for tests).  Supports
+    Scale, Softcap, boolean Mask and Causal (any offset >= 0) ops, GQA/MQA
+    natively, any sequence length and head dims; rejects Bias ops.  Reverse-mode
+    AD only.  See the module docstring for the exact mapping.
+    """
+
+    name = "splash"
+    platforms = ("tpu",)
+    interpret_platforms = ("cpu",)
+    supports_grad = True
+
+    def __init__(self, *, max_block: int = DEFAULT_MAX_BLOCK):
+        """``max_block``: the largest query/key block (a power-of-two multiple of 128)."""
+        if max_block < _LANES or max_block & (max_block - 1):
+            raise ValueError(f"max_block must be a power-of-two multiple of 128, got {max_block}")
+        self.max_block = max_block
+
+    def check(self, spec: AttentionSpec, ctx: CheckContext) -> list[str]:
+        return self.platform_reasons(ctx) + _reasons(spec)
+
+    def apply(
+        self,
+        spec: AttentionSpec,
+        q,
+        k,
+        v,
+        extras: Sequence = (),
+        *,
+        interpret: bool = False,
+    ):
+        reasons = _reasons(spec)
+        if reasons:
+            raise ValueError(f"{self.name} cannot run this attention: " + "; ".join(reasons))
+        plan = _plan(spec, self.max_block)
+        form = plan.form
+        kdt = plan.kernel_dtype
+        T, S = spec.q_len, spec.kv_len
+
+        # The spec rounds q/k to compute_dtype before the product; the scale is
+        # folded into q in float32 (the kernel has no scale).
+        v_in = v
+        q = q.astype(spec.compute_dtype).astype(jnp.float32) * jnp.float32(form.scale)
+        q = q.astype(kdt)
+        k = k.astype(spec.compute_dtype).astype(kdt)
+        v = v.astype(kdt)
+        q = _util.pad_axis(_util.pad_axis(q, 3, plan.head_dim), 2, plan.q_len)
+        k = _util.pad_axis(_util.pad_axis(k, 3, plan.head_dim), 2, plan.kv_len)
+        v = _util.pad_axis(_util.pad_axis(v, 3, plan.v_head_dim), 2, plan.kv_len)
+
+        # Key segment ids [b, S'] (b in {1, B}): 1 excludes a key.  Rows left with
+        # no key are finite (every score is the mask value) and replaced below.
+        kv_ids = None
+        empty = None
+        if plan.key_masks:
+            keep, empty = _util.combined_keep(
+                spec, plan.key_masks, extras, offset=form.causal_offset
+            )  # keep: [b, 1, 1, S]
+            keep = _util.pad_axis(keep[:, 0, 0, :], 1, plan.kv_len, value=False)
+            kv_ids = jnp.where(keep, 0, 1).astype(jnp.int32)
+        elif plan.segment_ids:
+            kv_ids = jnp.asarray((np.arange(plan.kv_len) >= S).astype(np.int32)[None])
+
+        # Dynamic keep-mask [b, h, T', S'] (b in {1, B}, h in {1, H}), causal included.
+        dynamic = None
+        if plan.dynamic_masks:
+            keep, empty = _util.combined_keep(
+                spec, plan.dynamic_masks, extras, offset=form.causal_offset
+            )
+            if form.causal_offset is not None:
+                keep = keep & jnp.asarray(_util.causal_keep(spec, form.causal_offset))
+            # An empty row would skip every block (l == 0: NaN, also in the backward).
+            keep = keep | empty
+            b, h = keep.shape[0], keep.shape[1]
+            keep = jnp.broadcast_to(keep, (b, h, T, S))
+            # Padded query rows keep the real keys; padded keys are never kept.
+            keep = _util.pad_axis(keep, 2, plan.q_len, value=True)
+            dynamic = _util.pad_axis(keep, 3, plan.kv_len, value=False)
+
+        block_sizes = _block_sizes(plan)
+        q_len, kv_len = plan.q_len, plan.kv_len
+        offset = form.causal_offset
+        cap = form.softcap
+        has_ids, has_dynamic = kv_ids is not None, dynamic is not None
+
+        def one(q, k, v, ids, mask):
+            """Splash attention of one example: [H, T, D] x [Hkv, S, D]."""
+            sa = compat.splash_attention_module()
+            if mask is None:
+                if offset is None:
+                    static = sa.FullMask((q_len, kv_len))
+                else:
+                    static = sa.CausalMask((q_len, kv_len), offset=offset)
+                mask = sa.MultiHeadMask([static])
+            segment_ids = None
+            if ids is not None:
+                segment_ids = sa.SegmentIds(q=jnp.zeros((q_len,), jnp.int32), kv=ids)
+            splash = compat.make_splash_kernel(
+                mask,
+                block_sizes=block_sizes,
+                head_shards=1,
+                q_seq_shards=1,
+                attn_logits_soft_cap=cap,
+                interpret=interpret,
+            )
+            return splash(q, k, v, segment_ids)
+
+        def kernel(q, k, v, *rest):
+            rest = list(rest)
+            ids = rest.pop(0) if has_ids else None
+            mask = rest.pop(0) if has_dynamic else None
+            axes = [None if x is None or x.shape[0] == 1 else 0 for x in (ids, mask)]
+            ids, mask = (
+                x if x is None or axis == 0 else x[0]
+                for x, axis in zip((ids, mask), axes, strict=True)
+            )
+            return jax.vmap(one, in_axes=(0, 0, 0, *axes))(q, k, v, ids, mask)
+
+        args = [q, k, v] + [x for x in (kv_ids, dynamic) if x is not None]
+        # interpret=True goes to the kernel itself: the context-wide TPU interpret
+        # mode does not support the grid axis that vmap adds.
+        out = compat.pallas_tpu_traced(kernel, interpret=False)(*args)
+        out = out[:, :, :T, : spec.v_head_dim].astype(spec.out_dtype)
+        return _util.fill_empty_rows(spec, out, v_in, empty)

@@ -1,0 +1,124 @@
+"""Optional adapter for ``tokamax.dot_product_attention`` (never a dependency).
+
+`tokamax <https://github.com/openxla/tokamax>`_ picks among its own GPU
+attention kernels (Mosaic GPU on Hopper/Blackwell, Triton) and computes::
+
+    logits = scale * (q @ k^T) + bias
+    logits = cap * tanh(logits / cap)              # logits_soft_cap
+    logits = where(mask & causal, logits, -big)    # is_causal: top-left
+    out    = softmax(logits) @ v
+
+with ``q: [B, T, H, D]``, ``k: [B, S, Hkv, D]``, ``v: [B, S, Hkv, Dv]`` (GQA,
+MQA and ``Dv != D`` native) and broadcastable bias/mask.  The mapping uses
+`_util.linear_form` (as the cuDNN adapter does) and passes masks unmaterialised.
+
+The adapter is always registered; its `check` rejects every site, with a
+reason, when ``tokamax`` is not importable.  It is in no default order: name
+it (``kernel="tokamax"`` or ``kernel=["tokamax", "cudnn", ...]``).  float32
+attention is rejected (tokamax's public API uses the default matmul precision,
+TF32 on recent GPUs).  Unverified here: no GPU and no tokamax in CI.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax.numpy as jnp
+
+from flashpass import compat
+
+from . import _util
+from .base import AttentionSpec, CheckContext, Kernel
+
+#: tokamax implementations tried in order (its own fallback raises
+#: NotImplementedError while tracing, which flashpass's probe turns into a reason).
+DEFAULT_IMPLEMENTATIONS = ("mosaic", "triton")
+
+
+def _reasons(spec: AttentionSpec) -> list[str]:
+    reasons = _util.empty_reasons(spec)
+    reasons += _util.float_dtype_reasons(spec, "tokamax attention")
+    reasons += _util.extra_reasons(spec)
+    if reasons:
+        return reasons
+    if _util.kernel_dtype(spec, narrow=(_util.BF16, _util.F16)) == _util.F32:
+        reasons.append(
+            "this attention keeps float32 precision; tokamax's kernels use the default "
+            "(TF32) matmul precision for float32: use 'pallas_gpu' or 'blockwise'"
+        )
+    reasons += _util.linear_form(spec).reasons
+    return reasons
+
+
+class TokamaxKernel(Kernel):
+    """``tokamax.dot_product_attention`` (optional package).
+
+    GPU only.  Supports Scale, Bias, Softcap (after scale and bias), boolean
+    Mask and Causal (any offset >= 0) ops, GQA/MQA, ``Dv != D``, bfloat16 and
+    float16.  Which tokamax kernel runs, and its limits, is tokamax's choice.
+    """
+
+    name = "tokamax"
+    platforms = ("gpu",)
+    interpret_platforms = ()
+    supports_grad = True
+
+    def __init__(self, *, implementation=DEFAULT_IMPLEMENTATIONS):
+        """``implementation``: passed to ``tokamax.dot_product_attention``."""
+        self.implementation = implementation
+
+    def check(self, spec: AttentionSpec, ctx: CheckContext) -> list[str]:
+        reasons = self.platform_reasons(ctx)
+        if reasons:
+            return reasons
+        if compat.tokamax_module() is None:
+            return ["the optional 'tokamax' package is not installed (pip install tokamax)"]
+        return _reasons(spec)
+
+    def apply(
+        self,
+        spec: AttentionSpec,
+        q,
+        k,
+        v,
+        extras: Sequence = (),
+        *,
+        interpret: bool = False,
+    ):
+        reasons = _reasons(spec)
+        tokamax = compat.tokamax_module()
+        if tokamax is None:
+            reasons.append("the optional 'tokamax' package is not installed")
+        if reasons:
+            raise ValueError(f"{self.name} cannot run this attention: " + "; ".join(reasons))
+        form = _util.linear_form(spec)
+        kdt = _util.kernel_dtype(spec, narrow=(_util.BF16, _util.F16))
+        T, S = spec.q_len, spec.kv_len
+        v_in = v
+
+        def btnh(x):
+            return jnp.swapaxes(x, 1, 2)
+
+        q = btnh(q.astype(spec.compute_dtype).astype(kdt))
+        k = btnh(k.astype(spec.compute_dtype).astype(kdt))
+        v = btnh(v.astype(kdt))
+        bias = _util.bias_sum(spec, form, extras, jnp.float32)
+        keep, empty = _util.combined_keep(spec, form.masks, extras, offset=form.causal_offset)
+        offset = form.causal_offset
+        is_causal = offset == 0 and T == S
+        if offset is not None and not is_causal:
+            causal = jnp.asarray(_util.causal_keep(spec, offset))
+            keep = causal if keep is None else keep & causal
+        out = tokamax.dot_product_attention(
+            q,
+            k,
+            v,
+            bias=bias,
+            mask=keep,
+            scale=form.scale,
+            is_causal=is_causal,
+            logits_soft_cap=form.softcap,
+            implementation=self.implementation,
+        )
+        out = btnh(out)[:, :, :, : spec.v_head_dim].astype(spec.out_dtype)
+        return _util.fill_empty_rows(spec, out, v_in, empty)

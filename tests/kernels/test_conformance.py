@@ -1,0 +1,282 @@
+"""One conformance suite for every kernel adapter.
+
+Every adapter meets every case (causal, boolean mask, bias, padding, GQA, MQA,
+cross-attention, odd lengths, soft-cap) in float32 and bfloat16.  For each
+(adapter, case, dtype), either
+
+* the adapter's `check` accepts it and its forward output and its gradients
+  (w.r.t. q, k, v and every float extra, one compile) match the float64
+  `reference_attention`, or
+* the combination is in `UNSUPPORTED`, the adapter's declared table below, and
+  `check` rejects it with a non-empty reason containing the table's word.
+
+A combination that starts or stops being supported without the table changing
+fails (`test_check_matches_declared_table`), so support cannot regress silently.
+
+Pallas adapters run in interpret mode on CPU.  ``cudnn`` runs only on a GPU
+(skipped here); its checks run under `compat.assume_cudnn`, and ``cudnn_xla``
+(the same adapter calling ``jax.nn.dot_product_attention``'s XLA implementation,
+one contract) checks its transforms numerically on any host.  ``tokamax`` is
+skipped unless the package is installed.
+
+Cost: numerics compile one program per (adapter, case, dtype), 1-5 s each in
+interpret mode.  The default run (`DEFAULT_NUMERICS`) covers every feature of
+the new adapters (splash, pallas_gpu, cudnn_xla) at least once; ``blockwise``
+and ``pallas_tpu``, which have their own numerics suites, run the padding case
+(fully masked rows); everything else is ``slow``
+(``pytest -m slow tests/kernels/test_conformance.py``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Callable
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from kernel_testing import (
+    BF16,
+    F32,
+    bias_op,
+    has_gpu,
+    mask_op,
+    normal,
+    run_and_compare,
+    spec_of,
+)
+
+from flashpass import compat
+from flashpass.kernels import Causal, CheckContext, Kernel, Scale, Softcap
+from flashpass.kernels.blockwise import BlockwiseKernel
+from flashpass.kernels.cudnn import CudnnKernel
+from flashpass.kernels.pallas_gpu import PallasGpuKernel
+from flashpass.kernels.pallas_tpu import PallasTpuKernel
+from flashpass.kernels.splash import SplashKernel
+from flashpass.kernels.tokamax import TokamaxKernel
+
+# --------------------------------------------------------------------------- cases
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    build: Callable  # dtype -> (spec, extras)
+
+
+def _keep(shape, seed, p=0.7):
+    keep = np.random.default_rng(seed).random(shape) < p
+    keep[..., 0] = True  # every row keeps a key (fully masked rows: the padding case)
+    return jnp.asarray(keep)
+
+
+def _causal(dtype):
+    return spec_of(t=24, dtype=dtype, ops=[Scale(0.25), Causal(0, -1e9)]), []
+
+
+def _bool_mask(dtype):
+    m, me = mask_op(0, (2, 1, 20, 28))
+    spec = spec_of(t=20, s=28, dtype=dtype, ops=[Scale(0.25), m], extras=[me])
+    return spec, [_keep(me.shape, 1)]
+
+
+def _bias(dtype):
+    b, be = bias_op(0, (1, 2, 20, 20), dtype)
+    spec = spec_of(t=20, dtype=dtype, ops=[Scale(0.25), b], extras=[be])
+    return spec, [2 * normal(be.shape, 2, dtype)]
+
+
+def _padding(dtype):
+    """Key padding: example 0 keeps its first 9 keys, example 1 none (a fully
+    padded example: the reference averages v over all keys, fill -1e9)."""
+    m, me = mask_op(0, (2, 1, 1, 24))
+    keep = np.zeros(me.shape, bool)
+    keep[0, ..., :9] = True
+    spec = spec_of(t=16, s=24, dtype=dtype, ops=[Scale(0.25), m], extras=[me])
+    return spec, [jnp.asarray(keep)]
+
+
+def _gqa(dtype):
+    return spec_of(h=4, hkv=2, t=24, dtype=dtype, ops=[Scale(0.25), Causal(0, -1e9)]), []
+
+
+def _mqa(dtype):
+    return spec_of(h=4, hkv=1, t=20, dtype=dtype, ops=[Scale(0.25)]), []
+
+
+def _cross(dtype):
+    return spec_of(t=12, s=40, dtype=dtype, ops=[Scale(0.25)]), []
+
+
+def _odd(dtype):
+    """Odd lengths and head dims, Dv != D, bottom-right causal (offset S - T)."""
+    spec = spec_of(t=19, s=37, d=20, dv=12, dtype=dtype, ops=[Scale(0.3), Causal(18, -1e9)])
+    return spec, []
+
+
+def _softcap(dtype):
+    return spec_of(t=24, dtype=dtype, ops=[Scale(0.25), Softcap(5.0), Causal(0, -1e9)]), []
+
+
+CASES = {
+    "causal": _causal,
+    "bool_mask": _bool_mask,
+    "bias": _bias,
+    "padding": _padding,
+    "gqa": _gqa,
+    "mqa": _mqa,
+    "cross": _cross,
+    "odd": _odd,
+    "softcap": _softcap,
+}
+DTYPES = {"f32": F32, "bf16": BF16}
+TOL = {"f32": 2e-5, "bf16": 3e-2}
+
+# --------------------------------------------------------------------------- adapters
+
+
+@dataclasses.dataclass(frozen=True)
+class Adapter:
+    make: Callable[[], Kernel]
+    ctx: CheckContext  # where the suite checks (and runs) it
+    interpret: bool = False
+    runs_here: Callable[[], bool] = lambda: True
+    skip_reason: str = ""
+    check_context: Callable = contextlib.nullcontext  # entered around check()
+
+
+HERE = CheckContext(platform="cpu", explicit=True)
+INTERPRET = CheckContext(platform="cpu", interpret=True, explicit=True)
+GPU = CheckContext(platform="gpu", explicit=True)
+
+ADAPTERS = {
+    # 16-wide tiles: every case crosses several query and key tiles.
+    "blockwise": Adapter(lambda: BlockwiseKernel(block_q=16, block_k=16), HERE),
+    "pallas_tpu": Adapter(lambda: PallasTpuKernel(max_block=128), INTERPRET, interpret=True),
+    "splash": Adapter(lambda: SplashKernel(max_block=128), INTERPRET, interpret=True),
+    # 16-wide blocks: several forward and backward blocks per case.
+    "pallas_gpu": Adapter(
+        lambda: PallasGpuKernel(block_q=16, block_k=16, block_bwd=16),
+        GPU if has_gpu() else INTERPRET,
+        interpret=not has_gpu(),
+    ),
+    "cudnn": Adapter(
+        CudnnKernel,
+        GPU,
+        runs_here=has_gpu,
+        skip_reason="cuDNN runs only on an NVIDIA GPU",
+        check_context=compat.assume_cudnn,
+    ),
+    "cudnn_xla": Adapter(
+        lambda: CudnnKernel(implementation="xla"), GPU, check_context=compat.assume_cudnn
+    ),
+    "tokamax": Adapter(
+        TokamaxKernel,
+        GPU,
+        runs_here=lambda: has_gpu() and compat.tokamax_module() is not None,
+        skip_reason="needs the optional tokamax package and a GPU",
+    ),
+}
+
+#: Declared-unsupported combinations: (case, dtype) -> a word the rejection
+#: reason must contain ("*" matches any case or dtype).
+UNSUPPORTED = {
+    "blockwise": {},
+    "pallas_tpu": {("softcap", "*"): "Softcap"},
+    "splash": {("bias", "*"): "bias"},
+    "pallas_gpu": {
+        ("bias", "*"): "bias",
+        ("bool_mask", "*"): "varies over queries",
+        ("softcap", "*"): "soft-cap",
+    },
+    "cudnn": {("*", "f32"): "float32", ("softcap", "*"): "soft-cap"},
+    "cudnn_xla": {("*", "f32"): "float32", ("softcap", "*"): "soft-cap"},
+    "tokamax": {("*", "f32"): "float32"},
+}
+
+
+def declared(adapter: str, case: str, dtype: str) -> list[str]:
+    """Words the reasons must contain if the combination is declared unsupported."""
+    return [
+        word
+        for (c, d), word in UNSUPPORTED[adapter].items()
+        if c in ("*", case) and d in ("*", dtype)
+    ]
+
+
+#: The numerics run by default (the rest is marked slow; see module doc):
+#: each new adapter on every feature it supports at least once, and the
+#: fully masked rows of the padding case on the older adapters.
+DEFAULT_NUMERICS = {
+    "blockwise": {("padding", "bf16")},
+    "pallas_tpu": {("padding", "f32")},
+    "splash": {
+        ("causal", "f32"),
+        ("bool_mask", "f32"),
+        ("padding", "f32"),
+        ("odd", "f32"),
+        ("softcap", "f32"),
+        ("gqa", "bf16"),
+    },
+    "pallas_gpu": {("causal", "f32"), ("padding", "f32"), ("odd", "f32"), ("gqa", "bf16")},
+    "cudnn": {(c, d) for c in CASES for d in DTYPES},  # skipped without a GPU
+    "cudnn_xla": {(c, "bf16") for c in ("bias", "padding", "odd", "gqa")},
+    "tokamax": {(c, d) for c in CASES for d in DTYPES},  # skipped without tokamax
+}
+
+
+def _combinations(numerics: bool):
+    for adapter in ADAPTERS:
+        for case in CASES:
+            for dtype in DTYPES:
+                marks = []
+                if numerics and (case, dtype) not in DEFAULT_NUMERICS[adapter]:
+                    marks.append(pytest.mark.slow)
+                yield pytest.param(
+                    adapter, case, dtype, marks=marks, id=f"{adapter}-{case}-{dtype}"
+                )
+
+
+def _check(adapter: str, spec) -> list[str]:
+    a = ADAPTERS[adapter]
+    with a.check_context():
+        if adapter == "tokamax" and compat.tokamax_module() is None:
+            pytest.skip("the optional tokamax package is not installed")
+        return a.make().check(spec, a.ctx)
+
+
+@pytest.mark.parametrize("adapter,case,dtype", list(_combinations(numerics=False)))
+def test_check_matches_declared_table(adapter, case, dtype):
+    """check() accepts exactly the combinations not declared unsupported, and
+    rejects the others with a reason that says why."""
+    spec, _ = CASES[case](DTYPES[dtype])
+    reasons = _check(adapter, spec)
+    words = declared(adapter, case, dtype)
+    if not words:
+        assert reasons == [], f"{adapter} rejects {case}/{dtype}, declared supported: {reasons}"
+        return
+    assert reasons, f"{adapter} accepts {case}/{dtype}, declared unsupported"
+    assert all(isinstance(r, str) and r.strip() for r in reasons), reasons
+    for word in words:
+        assert any(word in r for r in reasons), (word, reasons)
+
+
+@pytest.mark.parametrize("adapter,case,dtype", list(_combinations(numerics=True)))
+def test_numerics_match_reference(adapter, case, dtype):
+    """Forward and gradients against the float64 reference (supported combinations)."""
+    if declared(adapter, case, dtype):
+        pytest.skip("declared unsupported (see test_check_matches_declared_table)")
+    a = ADAPTERS[adapter]
+    if not a.runs_here():
+        pytest.skip(a.skip_reason)
+    spec, extras = CASES[case](DTYPES[dtype])
+    assert _check(adapter, spec) == []
+    run_and_compare(a.make(), spec, extras, tol=TOL[dtype], interpret=a.interpret)
+
+
+def test_tables_name_known_cases():
+    for adapter, table in UNSUPPORTED.items():
+        assert adapter in ADAPTERS
+        for case, dtype in table:
+            assert case == "*" or case in CASES, case
+            assert dtype == "*" or dtype in DTYPES, dtype

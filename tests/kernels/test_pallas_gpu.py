@@ -1,0 +1,161 @@
+"""The Pallas GPU (Triton) attention adapter: plan, checks, precision, lowering.
+
+Numerics for every case are in test_conformance.py (interpret mode here,
+natively on a GPU); this file adds the key-exclusion column path.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+from jax.extend.core import jaxprs_in_params
+from kernel_testing import BF16, F32, bias_op, mask_op, run_and_compare, spec_of
+
+from flashpass import compat
+from flashpass.kernels import Causal, CheckContext, Scale, Softcap, get_kernel
+from flashpass.kernels.pallas_gpu import PallasGpuKernel
+
+KERNEL = get_kernel("pallas_gpu")
+GPU = CheckContext(platform="gpu")
+
+
+def _plan(spec):
+    return KERNEL._plan(spec)
+
+
+def _shapes(spec):
+    return [
+        jax.ShapeDtypeStruct(spec.q_shape, spec.q_dtype),
+        jax.ShapeDtypeStruct(spec.k_shape, spec.k_dtype),
+        jax.ShapeDtypeStruct(spec.v_shape, spec.v_dtype),
+        *[jax.ShapeDtypeStruct(e.shape, e.dtype) for e in spec.extras],
+    ]
+
+
+def test_attributes_and_platforms():
+    assert isinstance(KERNEL, PallasGpuKernel)
+    assert (KERNEL.platforms, KERNEL.interpret_platforms, KERNEL.supports_grad) == (
+        ("gpu",),
+        ("cpu",),
+        True,
+    )
+    spec = spec_of(t=256, ops=[Scale(0.125)])
+    assert KERNEL.check(spec, GPU) == []
+    assert KERNEL.check(spec, CheckContext(platform="cpu", interpret=True)) == []
+    (reason,) = KERNEL.check(spec, CheckContext(platform="tpu"))
+    assert "runs on gpu, not tpu" in reason
+    with pytest.raises(ValueError, match="power of two"):
+        PallasGpuKernel(block_q=48)
+
+
+def test_plan_lengths_and_key_exclusion():
+    # Causal offset: queries placed `offset` rows down; one common length.
+    p = _plan(spec_of(t=19, s=37, ops=[Causal(18, -1e9)]))
+    assert (p.front, p.length, p.segments, p.column) == (18, 64, True, False)
+    # Real query rows would sit on padded keys: the head-dim column excludes them.
+    p = _plan(spec_of(t=30, s=20, d=16, ops=[Causal(0, -1e9)]))
+    assert (p.length, p.segments, p.column, p.head_dim) == (32, False, True, 17)
+    # Key masks always use the column; long sequences pad to the block size.
+    m, me = mask_op(0, (2, 1, 1, 300))
+    p = _plan(spec_of(t=300, d=64, dv=32, ops=[m], extras=[me]))
+    assert (p.length, p.column, p.head_dim, p.block_q, p.block_bwd) == (384, True, 65, 128, 32)
+    # No padding, no masks: nothing added; tiny head dims padded to Triton's 16.
+    p = _plan(spec_of(t=256, d=8))
+    assert (p.length, p.segments, p.column, p.head_dim) == (256, False, False, 16)
+
+
+def test_decode_shapes_declined_unless_named():
+    """Queries and keys are padded to one length: T=1, S=4096 is 4096x the work."""
+    spec = spec_of(t=1, s=4096, ops=[Scale(0.125)])
+    (reason,) = KERNEL.check(spec, GPU)
+    assert "4096.0x the work" in reason and "kernel='pallas_gpu'" in reason
+    assert KERNEL.check(spec, CheckContext(platform="gpu", explicit=True)) == []
+
+
+_b, _be = bias_op(0, (1, 2, 16, 16))
+_q, _qe = mask_op(0, (2, 1, 16, 16))
+REJECTED = {
+    "bias": (spec_of(ops=[Scale(0.25), _b], extras=[_be]), "takes no bias"),
+    "softcap": (spec_of(ops=[Scale(0.25), Softcap(20.0)]), "soft-capping"),
+    "query_mask": (spec_of(ops=[_q], extras=[_qe]), "varies over queries"),
+    "zero_scale": (spec_of(ops=[Scale(0.0)]), "not positive"),
+    "float64": (spec_of(dtype=np.float64, compute=np.float64), "float64"),
+}
+
+
+@pytest.mark.parametrize("name", list(REJECTED))
+def test_check_rejects_with_reason(name):
+    spec, needle = REJECTED[name]
+    reasons = KERNEL.check(spec, GPU)
+    assert reasons and any(needle in r for r in reasons), reasons
+    with pytest.raises(ValueError, match="pallas_gpu cannot run"):
+        KERNEL.apply(spec, None, None, None)
+
+
+def test_column_exclusion_numerics():
+    """More query rows than keys, causal: padded keys excluded by the column."""
+    spec = spec_of(h=4, hkv=2, t=30, s=20, ops=[Scale(0.3), Causal(0, -1e9)])
+    assert _plan(spec).column
+    run_and_compare(KERNEL, spec, tol=2e-5, interpret=True)
+
+
+def _dot_precisions(fn, *args):
+    """Precision of every dot_general inside the traced pallas_call bodies."""
+    found = []
+
+    def walk(jaxpr, inside):
+        for eqn in jaxpr.eqns:
+            if inside and eqn.primitive is lax.dot_general_p:
+                found.append(eqn.params["precision"])
+            for sub in jaxprs_in_params(eqn.params):
+                walk(sub, inside or eqn.primitive.name == "pallas_call")
+
+    walk(jax.make_jaxpr(fn)(*args).jaxpr, False)
+    return found
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=["f32", "bf16"])
+def test_float32_dots_are_ieee_not_tf32(dtype):
+    """DEFAULT precision makes Triton use TF32; float32 kernels trace at HIGHEST,
+    in the forward and in the backward."""
+    spec = spec_of(t=32, dtype=dtype, ops=[Scale(0.25), Causal(0, -1e9)])
+
+    def grad(q, k, v):
+        return jax.grad(lambda q: KERNEL.apply(spec, q, k, v).astype(jnp.float32).sum())(q)
+
+    precisions = _dot_precisions(grad, *_shapes(spec))
+    assert len(precisions) >= 6  # forward (2 dots) and the fused backward
+    highest = (lax.Precision.HIGHEST, lax.Precision.HIGHEST)
+    if dtype == F32:
+        assert all(p == highest for p in precisions), precisions
+    else:
+        assert not any(p == highest for p in precisions), precisions
+
+
+@pytest.mark.parametrize("masked", [False, True], ids=["causal", "key_mask"])
+def test_lowers_for_gpu(masked):
+    """Forward and gradient lower to Triton kernels without a GPU."""
+    ops = [Scale(0.088), Causal(0, -1e9)]
+    extras = []
+    if masked:
+        m, me = mask_op(0, (2, 1, 1, 1000))
+        ops, extras = [Scale(0.088), m], [me]
+    spec = spec_of(h=8, hkv=2, t=1000, d=128, dtype=BF16, ops=ops, extras=extras)
+
+    def fwd(q, k, v, *extras):
+        return KERNEL.apply(spec, q, k, v, extras)
+
+    def grad(q, k, v, *extras):
+        loss = lambda q, k, v: fwd(q, k, v, *extras).astype(jnp.float32).sum()  # noqa: E731
+        return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+
+    def targets(fn):
+        module = compat.parse_stablehlo(compat.lower_for_gpu(fn, *_shapes(spec)))
+        return [t for _, _, t in compat.stablehlo_ops(module) if t]
+
+    assert targets(fwd) == ["__gpu$xla.gpu.triton"]
+    # forward with residuals, backward preprocessing, fused dQ/dK/dV
+    assert targets(grad) == ["__gpu$xla.gpu.triton"] * 3
