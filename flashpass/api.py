@@ -233,7 +233,7 @@ def run_pass(closed, *, kernel=None, platform: str = "cpu", interpret: bool = Fa
                     )
                 )
                 continue
-            planned.append(PlannedSite(site, chosen, interpret))
+            planned.append(PlannedSite(site, chosen, interpret, rejections))
     if not planned:
         return closed, report
     plan = Plan(planned, scopes)
@@ -293,6 +293,7 @@ def _rewrite_entry(p: PlannedSite, scope_name: str) -> Rewrite:
         scale=spec.scale,
         scope=scope_name,
         spec=spec.describe(),
+        rejected=dict(p.rejected),
     )
 
 

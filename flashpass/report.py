@@ -24,6 +24,7 @@ class Rewrite:
     scale: float
     scope: str  # where in the program: "top level", "scan body at ...", ...
     spec: dict = dataclasses.field(default_factory=dict, repr=False)
+    rejected: dict = dataclasses.field(default_factory=dict)  # earlier kernels -> reasons
 
     def to_dict(self) -> dict:
         return _jsonable(dataclasses.asdict(self))
@@ -99,6 +100,12 @@ class Report:
                 for kernel, reasons in f.rejections.items():
                     for reason in reasons:
                         lines.append(f"        {kernel}: {reason}")
+        declined = [(i, r) for i, r in enumerate(self.rewrites) if r.rejected]
+        if declined:
+            lines += ["", "kernels tried first:"]
+            for i, r in declined:
+                for kernel, reasons in r.rejected.items():
+                    lines.append(f"  [{i}] {kernel}: {reasons[0]}")
         return "\n".join(lines)
 
     def __repr__(self) -> str:

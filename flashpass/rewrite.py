@@ -36,6 +36,7 @@ class PlannedSite:
     site: object  # AttentionSite
     kernel: object  # kernels.Kernel
     interpret: bool = False
+    rejected: dict = dataclasses.field(default_factory=dict)  # kernels tried first -> reasons
 
 
 class RewriteError(Exception):

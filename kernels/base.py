@@ -21,10 +21,15 @@ it must implement is, in order::
 Each `ScoreOp` documents its exact semantics.  A kernel that cannot honour a
 spec says so in `Kernel.check`, in words a user can act on.
 
+Kernels accumulate in at least float32 (the reference honours a bf16 compute
+dtype; a kernel computing more precisely is within the bf16 tolerance), and
+may round unnormalised rather than normalised probabilities to ``p_dtype``.
+
 Fully masked rows (every key removed by `Mask` ops) are part of the semantics:
 ``reference`` and ``blockwise`` reproduce them exactly (uniform weights for a
-finite fill, NaN for ``-inf``, as the original code computes); other kernels
-document what they return for such rows in docs/kernels.md.
+finite fill, NaN for ``-inf``, as the original code computes).  The other
+kernels return the mean of ``v`` with zero q/k gradient for such rows, which
+equals the original's forward for finite fills; docs/kernels.md lists this.
 """
 
 from __future__ import annotations
