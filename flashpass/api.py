@@ -74,6 +74,8 @@ class Optimized:
             raise ValueError(f"cache_size must be a positive int, got {cache_size!r}")
         self._fn = fn
         self._platform = platform
+        if not isinstance(interpret, bool | np.bool_):
+            raise TypeError(f"interpret must be True or False, got {interpret!r}")
         self._interpret = bool(interpret)
         self._kernel = kernel
         # Resolve now so an unknown kernel name fails here, with the known names.
@@ -333,9 +335,20 @@ def _struct(x, in_tree, index) -> jax.ShapeDtypeStruct:
     if isinstance(x, jax.ShapeDtypeStruct):
         return x
     if isinstance(x, jax.Array | np.ndarray | np.generic) or isinstance(x, jax.core.Tracer):
+        if isinstance(x, np.ndarray | np.generic) and not _numeric(x.dtype):
+            raise TypeError(
+                f"argument leaf {_leaf_path(in_tree, index)} has dtype {x.dtype}, not a "
+                "number type; pass it through static_argnums/static_argnames, or close over it"
+            )
         aval = compat.get_aval(x)
         return jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=aval.weak_type)
     if isinstance(x, bool | numbers.Number):
+        if type(x) is int and not -(2**31) <= x < 2**31 and not jax.config.jax_enable_x64:
+            raise TypeError(
+                f"argument leaf {_leaf_path(in_tree, index)} = {x} does not fit in int32; pass an "
+                "array with an explicit dtype (int64 needs jax_enable_x64), or use static_argnums"
+                "/static_argnames"
+            )
         aval = compat.get_aval(jax.numpy.asarray(x))
         return jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=True)
     path = _leaf_path(in_tree, index)
@@ -343,6 +356,10 @@ def _struct(x, in_tree, index) -> jax.ShapeDtypeStruct:
         f"argument leaf {path} is a {type(x).__name__}, not an array or number; "
         "pass it through static_argnums/static_argnames, or close over it"
     )
+
+
+def _numeric(dtype) -> bool:
+    return dtype == np.bool_ or jax.numpy.issubdtype(dtype, jax.numpy.number)
 
 
 def _leaf_path(in_tree, index) -> str:

@@ -13,7 +13,7 @@ import collections
 
 import jax
 
-from flashpass.kernels import CheckContext, Kernel, default_order, get_kernel
+from flashpass.kernels import CheckContext, Kernel, default_order, get_kernel, kernel_names
 
 from .rewrite import kernel_call
 
@@ -26,7 +26,12 @@ def resolve_order(kernel, platform: str) -> tuple[list[Kernel], bool]:
     """Kernels to try and whether the user named them explicitly."""
     if kernel is None:
         return [get_kernel(n) for n in default_order(platform)], False
-    names = [kernel] if isinstance(kernel, str | Kernel) else list(kernel)
+    names = [kernel] if isinstance(kernel, str | Kernel) else kernel
+    if not isinstance(names, list | tuple) or not all(isinstance(n, str | Kernel) for n in names):
+        raise TypeError(
+            "kernel= takes a kernel name, a Kernel instance or a list of them (known names: "
+            f"{', '.join(kernel_names())}); got {kernel!r}"
+        )
     if not names:
         raise ValueError("kernel=... must name at least one kernel")
     return [get_kernel(n) for n in names], True
