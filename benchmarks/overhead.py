@@ -96,14 +96,20 @@ def main(argv=None):
     }
     result["pass_over_compile"] = result["pass_s"] / result["jit_compile_s"]
     result["call_overhead"] = result["cached_call_s"] / result["original_call_s"] - 1
-    print(f"GPT {args.layers} layers, seq {args.seq}, d_model {args.d_model}; JAX {jax.__version__}")
+    print(
+        f"GPT {args.layers} layers, seq {args.seq}, d_model {args.d_model}; JAX {jax.__version__}"
+    )
     print(f"  jit trace+lower+compile (original) : {result['jit_compile_s'] * 1e3:8.1f} ms")
-    print(f"  flashpass trace+match+rewrite      : {result['pass_s'] * 1e3:8.1f} ms"
-          f"   ratio {result['pass_over_compile']:.1%}  (target <= 10%)")
+    print(
+        f"  flashpass trace+match+rewrite      : {result['pass_s'] * 1e3:8.1f} ms"
+        f"   ratio {result['pass_over_compile']:.1%}  (target <= 10%)"
+    )
     print(f"  jit compile of the rewritten model : {result['optimized_compile_s'] * 1e3:8.1f} ms")
     print(f"  call, jitted original              : {result['original_call_s'] * 1e6:8.1f} us")
-    print(f"  call, cached optimized (same math) : {result['cached_call_s'] * 1e6:8.1f} us"
-          f"   overhead {result['call_overhead']:+.1%}  (target <= 2%)")
+    print(
+        f"  call, cached optimized (same math) : {result['cached_call_s'] * 1e6:8.1f} us"
+        f"   overhead {result['call_overhead']:+.1%}  (target <= 2%)"
+    )
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))
     return result
