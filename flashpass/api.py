@@ -239,7 +239,20 @@ def run_pass(closed, *, kernel=None, platform: str = "cpu", interpret: bool = Fa
     if not planned:
         return closed, report
     plan = Plan(planned, scopes)
-    rewritten = rewrite(closed, plan)
+    try:
+        rewritten = rewrite(closed, plan)
+    except Exception as err:  # a rewriter bug must never break the user's program
+        message = (str(err).strip().splitlines() or [""])[0][:300]
+        for p in planned:
+            report.fallbacks.append(
+                Fallback(
+                    p.site.location,
+                    f"rewriting the enclosing body failed: {type(err).__name__}: {message}",
+                    where_is[p.site.scope_prefix],
+                    p.site.pattern,
+                )
+            )
+        return closed, report
     for p in planned:
         failure = _failure_for(plan, p.site.scope_prefix)
         if failure is not None:

@@ -921,9 +921,8 @@ KNOWN_BUGS = {
     "BUG1": (
         "a constant additive causal mask built inside a call (jnp.triu(jnp.full(..., dtype))) "
         "followed by a soft-cap: the demoted mask's extra is the select predicate inside the "
-        "triu call, which the rewriter never computes -> KeyError; at the top level it "
-        "escapes run_pass and crashes the user's call, in a remat/scan body the site falls "
-        "back",
+        "triu call, which the rewriter never computes -> KeyError, caught by run_pass: "
+        "the site falls back (reported) instead of being rewritten",
         lambda site: dataclasses.replace(
             site,
             masks=(Mask("additive", "-inf"),),
