@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import functools
 import inspect
@@ -80,15 +81,15 @@ class Optimized:
         self._kernel = kernel
         # Resolve now so an unknown kernel name fails here, with the known names.
         resolve_order(kernel, platform or "cpu")
-        self._static_argnums, self._static_argnames = _static_args(
+        self._static_argnums, self._static_argnames, self._params = _static_args(
             fn, static_argnums, static_argnames
         )
         self._cache: collections.OrderedDict = collections.OrderedDict()
         self._cache_size = cache_size
         self._lock = threading.RLock()
         self.traces = 0  # number of trace+match+rewrite runs (for tests and tuning)
-        self._bound: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-        self._bound_by_id: dict = {}
+        # Decorated methods: id(instance) -> (weakref to it, its Optimized).
+        self._instances: dict[int, tuple[weakref.ref, Optimized]] = {}
         functools.update_wrapper(self, fn)
 
     # ------------------------------------------------------------------ calling
@@ -117,31 +118,61 @@ class Optimized:
             self._cache.clear()
 
     def __get__(self, obj, objtype=None):
-        """Decorated methods: one optimized function (and cache) per instance."""
+        """Decorated methods: one optimized function (and cache) per instance.
+
+        ``instance.method`` keeps the instance alive, as a bound method does;
+        the per-instance cache holds it only weakly and is dropped when the
+        instance is (instances are told apart by identity, not ``==``).  An
+        instance that does not support weak references (``__slots__`` without
+        ``__weakref__``) gets a fresh cache on every attribute access.
+        """
         if obj is None:
             return self
-        try:
-            bound = self._bound.get(obj)
-        except TypeError:  # unhashable instance: key by identity
-            bound = self._bound_by_id.get(id(obj))
-        if bound is None:
-            bound = Optimized(
-                functools.partial(self._fn, obj),
-                kernel=self._kernel,
-                platform=self._platform,
-                interpret=self._interpret,
-                # ``self`` is bound: positions shift by one
-                static_argnums=tuple(i - 1 for i in self._static_argnums if i > 0),
-                static_argnames=tuple(
-                    n for n in self._static_argnames if n in _param_names(self._fn)[1:]
-                ),
-                cache_size=self._cache_size,
-            )
+        with self._lock:
+            found = self._instances.get(id(obj))
+            if found is not None and found[0]() is obj:
+                return _BoundMethod(found[1], obj)
             try:
-                self._bound[obj] = bound
+                ref = weakref.ref(obj)
             except TypeError:
-                self._bound_by_id[id(obj)] = bound
-        return bound
+                return _BoundMethod(self._bind(lambda: obj), obj)
+            bound = self._bind(ref)
+            self._instances[id(obj)] = (ref, bound)
+        weakref.finalize(obj, _forget_instance, self._instances, id(obj), ref)
+        return _BoundMethod(bound, obj)
+
+    def _bind(self, ref) -> Optimized:
+        """The `Optimized` of ``self._fn`` with its first argument ``ref()``."""
+        fn = self._fn
+
+        def method(*args, **kwargs):
+            instance = ref()
+            if instance is None:  # pragma: no cover - the caller holds the instance
+                raise ReferenceError("the instance of this optimized method no longer exists")
+            return fn(instance, *args, **kwargs)
+
+        for attr in ("__module__", "__name__", "__qualname__", "__doc__"):
+            with contextlib.suppress(AttributeError):
+                setattr(method, attr, getattr(fn, attr))
+        first = None
+        if self._params is not None:
+            params = list(self._params.values())
+            if params and params[0].kind in (
+                params[0].POSITIONAL_ONLY,
+                params[0].POSITIONAL_OR_KEYWORD,
+            ):
+                first = params[0].name
+                method.__signature__ = inspect.Signature(params[1:])
+        return Optimized(
+            method,
+            kernel=self._kernel,
+            platform=self._platform,
+            interpret=self._interpret,
+            # the instance is bound: positions shift by one
+            static_argnums=tuple(i - 1 for i in self._static_argnums if i > 0),
+            static_argnames=tuple(n for n in self._static_argnames if n != first),
+            cache_size=self._cache_size,
+        )
 
     def __repr__(self) -> str:
         name = getattr(self._fn, "__qualname__", repr(self._fn))
@@ -152,7 +183,7 @@ class Optimized:
     def _lookup(self, args, kwargs):
         dyn_args, dyn_kwargs, static_key, rebuild = self._split(args, kwargs)
         leaves, in_tree = jax.tree_util.tree_flatten((dyn_args, dyn_kwargs))
-        key = (in_tree, tuple(map(_leaf_key, leaves)), static_key)
+        key = (in_tree, tuple(map(_leaf_key, leaves)), static_key, compat.context_mesh())
         with self._lock:
             entry = self._cache.get(key)
             if entry is not None:
@@ -168,18 +199,40 @@ class Optimized:
         return entry, leaves
 
     def _split(self, args, kwargs):
-        static_pos = self._static_argnums
-        static_names = self._static_argnames
+        """``(dynamic args, dynamic kwargs, static key, rebuild)`` of one call.
+
+        A static parameter may be passed by position or by keyword (as with
+        ``jax.jit``); the key names it the same way for both, so the two forms
+        share a cache entry.
+        """
+        static_pos, static_names = self._static_argnums, self._static_argnames
         for i in static_pos:
             if i >= len(args):
+                name = self._positional_name(i)
+                if name is not None and (name in kwargs or self._has_default(name)):
+                    continue  # passed by keyword, or the function's default applies
+                by_keyword = f" and {name!r} was not passed by keyword" if name else ""
                 raise ValueError(
-                    f"static_argnums={i} but only {len(args)} positional arguments were passed"
+                    f"static_argnums={i} but only {len(args)} positional arguments were "
+                    f"passed{by_keyword}"
                 )
         dyn_args = tuple(a for i, a in enumerate(args) if i not in static_pos)
         dyn_kwargs = {k: v for k, v in kwargs.items() if k not in static_names}
-        statics = tuple((i, args[i]) for i in sorted(static_pos)) + tuple(
-            sorted((k, v) for k, v in kwargs.items() if k in static_names)
-        )
+        named = {k: v for k, v in kwargs.items() if k in static_names}
+        unnamed = []  # static positions without a name (inside *args)
+        for i in sorted(static_pos):
+            if i < len(args):
+                name = self._positional_name(i)
+                if name is None:
+                    unnamed.append((i, args[i]))
+                elif name in named:
+                    raise TypeError(
+                        f"{getattr(self._fn, '__name__', 'fn')}() got multiple values for "
+                        f"argument {name!r}"
+                    )
+                else:
+                    named[name] = args[i]
+        statics = (tuple(unnamed), tuple(sorted(named.items())))
         try:
             hash(statics)
         except TypeError as err:
@@ -193,6 +246,19 @@ class Optimized:
             return full, {**d_kwargs, **{k: kwargs[k] for k in kwargs if k in static_names}}
 
         return dyn_args, dyn_kwargs, statics, rebuild
+
+    def _positional_name(self, i: int) -> str | None:
+        """The name of positional parameter ``i`` (None: inside ``*args``, or unknown)."""
+        if self._params is None:
+            return None
+        params = list(self._params.values())
+        if i < len(params) and params[i].kind == params[i].POSITIONAL_OR_KEYWORD:
+            return params[i].name
+        return None
+
+    def _has_default(self, name: str) -> bool:
+        param = (self._params or {}).get(name)
+        return param is not None and param.default is not param.empty
 
     def _build(self, structs, in_tree, rebuild) -> _Entry:
         self.traces += 1
@@ -211,6 +277,37 @@ class Optimized:
         _log(report, getattr(self._fn, "__qualname__", "function"))
         call = jax.jit(compat.jaxpr_as_fun(rewritten))
         return _Entry(closed, rewritten, out_tree, report, call)
+
+
+class _BoundMethod:
+    """``instance.method`` of an optimized method.
+
+    Holds the instance, as a Python bound method does, and calls the
+    instance's `Optimized` (which holds it only weakly); its attributes
+    (``explain``, ``cache_info``...) are that `Optimized`'s.
+    """
+
+    __slots__ = ("__self__", "_optimized", "__weakref__")
+
+    def __init__(self, optimized: Optimized, instance):
+        self._optimized = optimized
+        self.__self__ = instance
+
+    def __call__(self, *args, **kwargs):
+        return self._optimized(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._optimized, name)
+
+    def __repr__(self) -> str:
+        return f"<bound {self._optimized!r} of {self.__self__!r}>"
+
+
+def _forget_instance(instances: dict, key: int, ref) -> None:
+    """Drop a dead instance's `Optimized` (unless the id was reused meanwhile)."""
+    found = instances.get(key)
+    if found is not None and found[0] is ref:
+        instances.pop(key, None)
 
 
 def run_pass(closed, *, kernel=None, platform: str = "cpu", interpret: bool = False):
@@ -254,6 +351,12 @@ def run_pass(closed, *, kernel=None, platform: str = "cpu", interpret: bool = Fa
             )
         return closed, report
     for p in planned:
+        kept = plan.kept.get(p.site.root.path)  # cannot run per shard (sharding.py)
+        if kept is not None:
+            report.fallbacks.append(
+                Fallback(p.site.location, kept, where_is[p.site.scope_prefix], p.site.pattern)
+            )
+            continue
         failure = _failure_for(plan, p.site.scope_prefix)
         if failure is not None:
             report.fallbacks.append(
@@ -337,8 +440,9 @@ def _leaf_key(x):
     if isinstance(x, jax.Array):  # concrete arrays and tracers
         aval = x.aval if isinstance(x, jax.core.Tracer) else None
         if aval is not None:
-            return (aval.shape, aval.dtype, aval.weak_type)
-        return (x.shape, x.dtype, getattr(x, "weak_type", False))
+            return (aval.shape, aval.dtype, aval.weak_type, compat.traced_sharding(aval))
+        sharding = x.sharding if isinstance(x.sharding, jax.sharding.NamedSharding) else None
+        return (x.shape, x.dtype, getattr(x, "weak_type", False), sharding)
     if isinstance(x, np.ndarray | np.generic):
         return (np.shape(x), np.dtype(x.dtype), False)
     return (type(x), getattr(x, "shape", None), getattr(x, "dtype", None))
@@ -354,7 +458,10 @@ def _struct(x, in_tree, index) -> jax.ShapeDtypeStruct:
                 "number type; pass it through static_argnums/static_argnames, or close over it"
             )
         aval = compat.get_aval(x)
-        return jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=aval.weak_type)
+        # Keep the sharding: with Explicit mesh axes it is part of the program's types.
+        return jax.ShapeDtypeStruct(
+            aval.shape, aval.dtype, weak_type=aval.weak_type, sharding=compat.traced_sharding(aval)
+        )
     if isinstance(x, bool | numbers.Number):
         if type(x) is int and not -(2**31) <= x < 2**31 and not jax.config.jax_enable_x64:
             raise TypeError(
@@ -383,18 +490,13 @@ def _leaf_path(in_tree, index) -> str:
     return f"#{index}"
 
 
-def _param_names(fn) -> list[str]:
-    try:
-        return list(inspect.signature(fn).parameters)
-    except (TypeError, ValueError):
-        return []
-
-
 def _holds_tracers(consts) -> bool:
     return any(isinstance(c, jax.core.Tracer) for c in consts)
 
 
-def _static_args(fn, argnums, argnames) -> tuple[frozenset, frozenset]:
+def _static_args(fn, argnums, argnames):
+    """``(static positions, static names, fn's signature parameters or None)``;
+    a static parameter that has both gets both."""
     if isinstance(argnums, int):
         argnums = (argnums,)
     if isinstance(argnames, str):
@@ -410,9 +512,10 @@ def _static_args(fn, argnums, argnames) -> tuple[frozenset, frozenset]:
         raise TypeError(f"static_argnames must be strings, got {argnames!r}")
     nums, names = set(argnums), set(argnames)
     try:
-        params = list(inspect.signature(fn).parameters.values())
+        signature_params = inspect.signature(fn).parameters
     except (TypeError, ValueError):
-        params = None
+        signature_params = None
+    params = None if signature_params is None else list(signature_params.values())
     if params is not None:
         positional = [
             p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
@@ -444,7 +547,7 @@ def _static_args(fn, argnums, argnames) -> tuple[frozenset, frozenset]:
                 )
             if n in positional:
                 nums.add(positional.index(n))
-    return frozenset(nums), frozenset(names)
+    return frozenset(nums), frozenset(names), signature_params
 
 
 def optimize(
@@ -499,5 +602,5 @@ def explain(fn: Callable, *args, **kwargs) -> Report:
 
     ``fn`` may already be an optimized function (its settings are used).
     """
-    opt = fn if isinstance(fn, Optimized) else optimize(fn)
+    opt = fn if isinstance(fn, Optimized | _BoundMethod) else optimize(fn)
     return opt.explain(*args, **kwargs)

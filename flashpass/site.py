@@ -23,7 +23,7 @@ import math
 
 import jax.numpy as jnp
 
-from .graph import Node
+from .graph import Const, Node
 
 
 def role_groups(n_batch: int, grouped: bool) -> tuple[list, list, list]:
@@ -140,11 +140,32 @@ class AttentionSite:
         return {n.path for n in self.nodes}
 
     @property
+    def atoms(self) -> list:
+        """Every value of the original program the kernel call reads."""
+        out = [self.q.atom, self.k.atom, self.v.atom, *(e.atom for e in self.extras)]
+        out += [atom for atom, _ in self.q_scales]
+        out += [data[0].atom for kind, *data in self.post_ops if kind == "scale"]
+        return out
+
+    @property
     def inline_calls(self) -> set:
-        """Transparent calls that must be inlined to replace this site."""
+        """Transparent calls that must be inlined to replace this site.
+
+        Those holding one of its equations, and those computing a value it
+        reads: a call bound as a whole only yields its outputs, but a site may
+        read a value internal to it (a causal mask's predicate inside
+        ``jnp.triu``, say).  An atom's key names the call bodies it lives in:
+        ``(*call_path, "jaxpr", ...)`` below the scope's prefix.
+        """
         out = set()
         for n in self.nodes:
             out.update(n.calls)
+        depth = len(self.scope_prefix)
+        for atom in self.atoms:
+            if isinstance(atom, Const):
+                continue
+            inst = atom[0]
+            out.update(inst[:j] for j in range(depth, len(inst)) if inst[j] == "jaxpr")
         return out
 
     # ------------------------------------------------------------------ transforms

@@ -18,7 +18,7 @@ import pathlib
 import jax
 
 from . import compat
-from .api import Optimized, optimize
+from .api import Optimized, _BoundMethod, optimize
 from .printer import count_kernel_calls, format_jaxpr
 from .report import Report
 
@@ -26,7 +26,7 @@ UPDATE_ENV = "FLASHPASS_UPDATE_GOLDENS"
 
 
 def _optimized(fn, kwargs) -> Optimized:
-    if isinstance(fn, Optimized):
+    if isinstance(fn, Optimized | _BoundMethod):  # already optimized (a method, too)
         return fn
     return optimize(fn, **kwargs)
 

@@ -1,5 +1,6 @@
 """The public API: decorator forms, pytrees, caching, composition, errors, logging."""
 
+import inspect
 import json
 import logging
 
@@ -110,6 +111,13 @@ def test_method_decoration(rng):
     args = spellings.bnth(rng)
     layer = Layer()
     _close(layer(*args), jax.nn.softmax(args[0] @ args[1].swapaxes(-1, -2) * 0.3, -1) @ args[2])
+    # the bound method is the instance's optimized function: its settings and cache
+    method = layer.__call__
+    assert method.__self__ is layer and method.__name__ == "__call__"
+    assert list(inspect.signature(method).parameters) == ["q", "k", "v"]
+    assert flashpass.explain(method, *args).rewrites[0].kernel == "reference"
+    assert method.explain(*args).rewrites and method.traces == 1
+    _close(jax.jit(method)(*args), layer(*args))
 
 
 def test_report_is_json_and_readable(rng):

@@ -164,16 +164,55 @@ def test_unhashable_static_arguments_say_how_to_fix(qkv):
     _fails(TypeError, "must be hashable", opt, *qkv, {"a": 1})
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG4: Optimized._split requires every static parameter that has a position to "
-    "be passed positionally (`if i >= len(args): raise ValueError`), so f(x, train=True) "
-    "with static_argnames='train' (or static_argnums=1) fails; jax.jit accepts both",
-)
 @pytest.mark.parametrize("spec", [{"static_argnames": "n_heads"}, {"static_argnums": 3}])
 def test_static_arguments_passed_by_keyword(spec, qkv):
+    """Was BUG4: a static parameter that has a position had to be passed
+    positionally.  Either form works (as with ``jax.jit``) and both share one
+    cache entry; another value is another entry."""
     opt = flashpass.optimize(with_heads, kernel="reference", **spec)
-    np.testing.assert_allclose(opt(*qkv, n_heads=3), with_heads(*qkv, 3), rtol=1e-5)
+    np.testing.assert_allclose(opt(*qkv, n_heads=3), with_heads(*qkv, 3), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(opt(*qkv, 3), with_heads(*qkv, 3), rtol=1e-5, atol=1e-5)
+    assert opt.traces == 1
+    np.testing.assert_allclose(opt(*qkv, n_heads=2), with_heads(*qkv, 2), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(opt(*qkv, 2), with_heads(*qkv, 2), rtol=1e-5, atol=1e-5)
+    assert opt.traces == 2
+    q, k, v = qkv
+    np.testing.assert_allclose(opt(q, k, v=v, n_heads=3), with_heads(*qkv, 3), rtol=1e-5, atol=1e-5)
+    assert opt.traces == 3  # v by keyword: another argument structure
+    assert opt.cache_info()["size"] == 3
+
+
+def test_static_argument_with_a_default_may_be_omitted(qkv):
+    def fn(q, k, v, n_heads=2):
+        return with_heads(q, k, v, n_heads)
+
+    opt = flashpass.optimize(fn, kernel="reference", static_argnums=3)
+    np.testing.assert_allclose(opt(*qkv), with_heads(*qkv, 2), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(opt(*qkv, 5), with_heads(*qkv, 5), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(opt(*qkv, n_heads=5), with_heads(*qkv, 5), rtol=1e-5, atol=1e-5)
+    assert opt.traces == 2
+
+
+def test_static_argument_passed_twice(qkv):
+    opt = flashpass.optimize(with_heads, static_argnames="n_heads")
+    _fails(TypeError, "multiple values for argument 'n_heads'", opt, *qkv, 3, n_heads=3)
+
+
+def test_static_arguments_of_decorated_methods(qkv):
+    class Layer:
+        def __init__(self, scale):
+            self.scale = scale
+
+        @flashpass.optimize(kernel="reference", static_argnums=4)
+        def __call__(self, q, k, v, n_heads):
+            return with_heads(q, k, v, n_heads) * self.scale
+
+    layer = Layer(0.5)
+    expected = with_heads(*qkv, 3) * 0.5
+    np.testing.assert_allclose(layer(*qkv, 3), expected, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(layer(*qkv, n_heads=3), expected, rtol=1e-5, atol=1e-5)
+    assert layer.__call__.traces == 1
+    _fails(ValueError, "'n_heads' was not passed by keyword", layer, *qkv)
 
 
 # ------------------------------------------------------------------ argument leaves

@@ -200,15 +200,31 @@ class _UnhashableLayer(_Layer):
         return self is other
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG3: Optimized.__get__ caches one bound Optimized per instance, holding "
-    "functools.partial(fn, instance): in the WeakKeyDictionary the value keeps its key "
-    "alive, and _bound_by_id (unhashable instances) is never pruned, so every instance "
-    "a decorated method is called on (and its arrays) is retained forever",
-)
-@pytest.mark.parametrize("cls", [_Layer, _UnhashableLayer])
+class _ValueEqualLayer(_Layer):
+    """Equal by value (a frozen-dataclass module): instances must still not share."""
+
+    def __eq__(self, other):
+        return type(other) is type(self) and other.scale == self.scale
+
+    def __hash__(self):
+        return hash(self.scale)
+
+
+class _SlottedLayer:
+    """No ``__weakref__``: cannot be held weakly."""
+
+    __slots__ = ("scale",)
+
+    def __init__(self, scale):
+        self.scale = scale
+
+    __call__ = _Layer.__call__
+
+
+@pytest.mark.parametrize("cls", [_Layer, _UnhashableLayer, _ValueEqualLayer])
 def test_decorated_methods_do_not_retain_instances(cls):
+    """Was BUG3: the per-instance cache held its instance (and the instance's
+    arrays) forever.  It holds it weakly and is dropped with it."""
     refs = []
     for i in range(5):
         layer = cls(0.1 * (i + 1))
@@ -217,3 +233,42 @@ def test_decorated_methods_do_not_retain_instances(cls):
         del layer
     gc.collect()
     assert sum(r() is not None for r in refs) == 0, "instances are retained"
+    assert not cls.__call__._instances, "per-instance caches are not pruned"
+
+
+@pytest.mark.parametrize("cls", [_Layer, _UnhashableLayer, _ValueEqualLayer])
+def test_decorated_methods_cache_per_instance(cls):
+    a, b = cls(0.5), cls(0.5)  # equal by value for _ValueEqualLayer
+    a(*QKV[:3])
+    a(*QKV[:3])
+    a.__call__.explain(*QKV[:3])
+    assert a.__call__.traces == 1, "a second call on the same instance must not trace again"
+    assert b.__call__.traces == 0, "each instance has its own cache"
+    other = cls(2.0)
+    np.testing.assert_allclose(other(*QKV[:3]), _Layer.__call__._fn(other, *QKV[:3]), rtol=1e-6)
+
+
+def test_a_bound_method_keeps_its_instance_alive():
+    """``obj.method`` holds ``obj`` as a Python bound method does."""
+    method = _Layer(0.5).__call__  # the only reference to the instance
+    gc.collect()
+    expected = _Layer.__call__._fn(method.__self__, *QKV[:3])
+    np.testing.assert_allclose(method(*QKV[:3]), expected, rtol=1e-6)
+    np.testing.assert_allclose(method(*QKV[:3]), expected, rtol=1e-6)
+    assert method.traces == 1
+    instance = weakref.ref(method.__self__)
+    del method
+    gc.collect()
+    assert instance() is None
+
+
+def test_instances_without_weak_references():
+    """Cannot be cached weakly: a fresh cache per attribute access, nothing retained."""
+    layer = _SlottedLayer(0.5)
+    expected = _Layer.__call__._fn(layer, *QKV[:3])
+    np.testing.assert_allclose(layer(*QKV[:3]), expected, rtol=1e-6)
+    method = layer.__call__
+    method(*QKV[:3])
+    method(*QKV[:3])
+    assert method.traces == 1
+    assert not _SlottedLayer.__call__._instances

@@ -780,8 +780,8 @@ def sites(
 ) -> Site:
     """One `Site` of ``kind`` ("positive", "near_miss" or "lookalike").
 
-    ``region`` names a known bug (`KNOWN_BUGS`): the site is moved into it
-    instead of away from it (for the strict-xfail tests that pin each bug).
+    ``region`` names one of `REGIONS`: the site is moved into it (for the
+    property tests that focus on it).
     """
     gqa = draw(st.integers(0, 3)) == 0
     hq = "kg" if gqa else "h"
@@ -905,24 +905,22 @@ def sites(
         h=h,
         mutation=mutation,
     )
-    site = avoid_known_gaps(site)
-    for bug, (_, into, away) in KNOWN_BUGS.items():
-        site = into(site) if bug == region else away(site)
+    if region is not None:
+        site = REGIONS[region][1](avoid_known_gaps(site))
     return avoid_known_gaps(site)
 
 
-# --------------------------------------------------------------------------- known bugs
+# --------------------------------------------------------------------------- regions
 
-#: Wrong behaviour found by these properties, each pinned by a strict-xfail
-#: property test in test_properties.py (``region=...``): id -> (description,
-#: move a site into the bug's region, move it out).  The main properties stay
-#: out of these regions so they keep checking everything else.
-KNOWN_BUGS = {
-    "BUG1": (
+#: Regions of the generator space with a property test of their own in
+#: test_properties.py (``region=...``): id -> (description, move a site into
+#: the region).  Each began as a bug these properties found.
+REGIONS = {
+    "mask_in_a_call_then_softcap": (
         "a constant additive causal mask built inside a call (jnp.triu(jnp.full(..., dtype))) "
-        "followed by a soft-cap: the demoted mask's extra is the select predicate inside the "
-        "triu call, which the rewriter never computes -> KeyError, caught by run_pass: "
-        "the site falls back (reported) instead of being rewritten",
+        "followed by a soft-cap: the soft-cap undoes the causal fill, so the mask becomes a "
+        "boolean extra read inside the triu call, which must be inlined to compute it (was "
+        "BUG1: KeyError in the rewriter, the site fell back); the main generators cover it too",
         lambda site: dataclasses.replace(
             site,
             masks=(Mask("additive", "-inf"),),
@@ -931,21 +929,15 @@ KNOWN_BUGS = {
             b=2,
             h=2,
         ),
-        lambda site: (
-            site
-            if site.softcap is None or not any(m.kind == "additive" for m in site.masks)
-            else dataclasses.replace(site, softcap=None)
-        ),
     ),
-    "BUG2": (
-        "an unstabilised softmax exp(s) / sum(exp(s)) is rewritten to a stable softmax: "
-        "where exp overflows (scores > 88 in float32) or every key underflows (a fully "
-        "masked row with a finite fill), the original computes NaN and the rewrite a "
-        "finite value",
+    "unstabilised_softmax_out_of_range": (
+        "an unstabilised softmax exp(s) / sum(exp(s)) with scores beyond exp's range: it is "
+        "rewritten to the stable softmax, so where the original's exp overflows (NaN) the "
+        "rewrite computes exp(s - max) / sum (was BUG2; documented in docs/patterns.md); the "
+        "main generators keep scores in range, where both agree",
         lambda site: dataclasses.replace(
             site, softmax="unstable", scale="huge", scale_after=False, dtype="float32"
         ),
-        lambda site: site,  # the main generators keep scores small and rows unmasked
     ),
 }
 

@@ -2,20 +2,25 @@
 
 * ``ci`` (the default): derandomized (the same examples on every run, so CI is
   reproducible), no deadline, no example database.  The property tests scale
-  their example counts from ``max_examples`` (about 650 examples in all).
+  their example counts from ``max_examples`` (about 670 examples in all, a
+  few minutes on two CPU cores).
 * ``long``: ten times the examples, random, with the example database — for a
   nightly run or after touching the matcher.
+* ``quick``: about 100 examples, derandomized — for the oldest-JAX leg of the
+  version matrix (ci/oldest_jax.sh), which checks compatibility, not coverage.
 
-Select ``long`` with ``FLASHPASS_HYPOTHESIS_PROFILE=long`` or with
-``pytest tests/fuzz --hypothesis-profile=long`` (that option needs the
-profiles registered before pytest configures hypothesis, which happens when
-``tests/fuzz`` is named on the command line; the environment variable works
-for any invocation).
+Select a profile with ``python -m pytest --long`` (tests/conftest.py defines
+the option), with ``FLASHPASS_HYPOTHESIS_PROFILE=long`` (any profile), or with
+``pytest tests/fuzz --hypothesis-profile=long`` (hypothesis's own option: it
+needs the profiles registered before pytest configures hypothesis, which
+happens only when ``tests/fuzz`` is named on the command line).
 """
 
 import os
 
 from hypothesis import HealthCheck, settings
+
+PROFILE_VARIABLE = "FLASHPASS_HYPOTHESIS_PROFILE"
 
 _COMMON = dict(
     deadline=None,
@@ -24,9 +29,16 @@ _COMMON = dict(
 )
 settings.register_profile("ci", max_examples=100, derandomize=True, database=None, **_COMMON)
 settings.register_profile("long", max_examples=1000, derandomize=False, **_COMMON)
+settings.register_profile("quick", max_examples=15, derandomize=True, database=None, **_COMMON)
 
-_requested = os.environ.get("FLASHPASS_HYPOTHESIS_PROFILE")
-if _requested:
-    settings.load_profile(_requested)
-elif settings.get_current_profile_name() == "default":
-    settings.load_profile("ci")
+
+def pytest_configure(config):
+    """Load the requested profile (this hook also runs when the conftest is
+    registered late, before the test modules read ``max_examples``)."""
+    requested = os.environ.get(PROFILE_VARIABLE)
+    if config.getoption("long", default=False):
+        requested = "long"
+    if requested:
+        settings.load_profile(requested)
+    elif settings.get_current_profile_name() == "default":
+        settings.load_profile("ci")

@@ -16,18 +16,19 @@ XLA compilation per example would cost ~1 s on CPU); `test_compiled_sample`
 runs the optimized function itself, compiled, with gradients, on a sample.
 
 On failure hypothesis prints the program's source (``note``) — a standalone
-reproducer is ``program.reproducer()``.  Known bugs and gaps are kept out of
-the main generators and pinned by strict xfails (KNOWN_BUGS here, KNOWN_GAPS
-in test_known_gaps.py).
+reproducer is ``program.reproducer()``.  Known gaps are kept out of the main
+generators and pinned by strict xfails (KNOWN_GAPS, test_known_gaps.py);
+regions that once held a bug have a property of their own (REGIONS).
 """
+
+import dataclasses
 
 import attention_programs as ap
 import jax
 import jax.numpy as jnp
 import numpy as np
 import numpy_eval
-import pytest
-from hypothesis import Phase, given, note, settings
+from hypothesis import given, note, settings
 from hypothesis import strategies as st
 
 import flashpass
@@ -164,26 +165,18 @@ def test_compiled_sample(program, kernel):
     ap.assert_same(grads, expected, 5e-4, context="gradients\n" + str(report))
 
 
-# --------------------------------------------------------------------------- known bugs
+# --------------------------------------------------------------------------- regions
 
 
-def _bug(bug_id: str):
-    """Strict xfail: the test must keep failing until the bug is fixed.  No
-    shrinking (the reproducer is in the docstring) keeps it to a few seconds."""
-    description = ap.KNOWN_BUGS[bug_id][0]
-    xfail = pytest.mark.xfail(strict=True, reason=f"{bug_id}: {description}")
-    quick = settings(max_examples=20, phases=(Phase.explicit, Phase.generate))
-
-    def mark(test):
-        return xfail(quick(test))
-
-    return mark
+def _in_region(region: str):
+    """Single positive sites moved into one of `attention_programs.REGIONS`."""
+    return ap.sites("positive", region=region).map(lambda s: ap.Program((s,), "positive"))
 
 
-@_bug("BUG1")
-@given(program=ap.sites("positive", region="BUG1").map(lambda s: ap.Program((s,), "positive")))
-def test_bug1_constant_additive_mask_in_a_call_then_softcap(program):
-    """Reproducer::
+@examples(0.2)
+@given(program=_in_region("mask_in_a_call_then_softcap"))
+def test_constant_additive_mask_in_a_call_then_softcap(program):
+    """Was BUG1.  Reproducer::
 
     def f(q, k, v):  # q = k = v = jnp.ones((2, 2, 4, 4))
         s = q @ jnp.swapaxes(k, -1, -2)
@@ -191,25 +184,80 @@ def test_bug1_constant_additive_mask_in_a_call_then_softcap(program):
         s = 5.0 * jnp.tanh(s / 5.0)
         return jax.nn.softmax(s, -1) @ v
 
-    flashpass.optimize(f, kernel="reference")(q, k, v)  # KeyError (rewrite.py read_key)
+    The soft-cap maps the -inf fill to -5, so the causal mask must be applied
+    as a boolean mask whose predicate lives inside the ``triu`` call: the
+    rewriter raised KeyError (and the site fell back) until the calls computing
+    the values a site reads were inlined too (`AttentionSite.inline_calls`).
     """
     _, args, opt, report = _optimized(program)
     assert len(report.rewrites) == 1 and not report.fallbacks, str(report)
     _assert_rewrite_exact(program, args, opt, report)
 
 
-@_bug("BUG2")
-@given(program=ap.sites("positive", region="BUG2").map(lambda s: ap.Program((s,), "positive")))
-def test_bug2_unstabilised_softmax_overflow(program):
-    """Reproducer::
+def _rewritten_exactly(fn, *args) -> None:
+    opt = flashpass.optimize(fn, kernel="reference")
+    report = opt.explain(*args)
+    assert len(report.rewrites) == 1 and not report.fallbacks, str(report)
+    np.testing.assert_allclose(opt(*args), jax.jit(fn)(*args), rtol=1e-5, atol=1e-6)
 
-    def f(q, k, v):  # q = k = v = jnp.full((2, 2, 2, 4), 5.0, jnp.float32)
+
+def test_values_read_from_inside_a_call():
+    """The BUG1 family: a mask factor or bias the kernel reads is an internal
+    value of a helper ``jit`` (not one of its outputs)."""
+    rng = np.random.default_rng(0)
+    q, k, v, bias = (jnp.asarray(rng.standard_normal((2, 2, 4, 4)), jnp.float32) for _ in "qkvb")
+
+    def softcapped(q, k, v):
+        s = q @ jnp.swapaxes(k, -1, -2)
+        s = s + jnp.triu(jnp.full((4, 4), -jnp.inf, jnp.float32), k=1)
+        s = 5.0 * jnp.tanh(s / 5.0)
+        return jax.nn.softmax(s, -1) @ v
+
+    @jax.jit
+    def combine(lengths):
+        keep = jnp.arange(4)[None, :] < lengths[:, None]  # a padding factor, inside the call
+        return jnp.tril(jnp.ones((4, 4), bool))[None, None] & keep[:, None, None, :]
+
+    def padded(q, k, v, lengths, bias):
+        s = q @ jnp.swapaxes(k, -1, -2) + jax.jit(lambda b: b * 2.0)(bias)
+        return jax.nn.softmax(jnp.where(combine(lengths), s, -1e9), -1) @ v
+
+    _rewritten_exactly(softcapped, q, k, v)
+    _rewritten_exactly(padded, q, k, v, jnp.asarray([2, 4]), bias)
+
+
+@examples(0.2)
+@given(program=_in_region("unstabilised_softmax_out_of_range"))
+def test_unstabilised_softmax_is_rewritten_to_the_stable_softmax(program):
+    """Was BUG2; the behaviour is documented in docs/patterns.md.
+
+    ``exp(s) / sum(exp(s))`` is rewritten like ``exp(s - max) / sum``: where
+    the scores stay in exp's range the two agree (the main properties draw
+    such programs), beyond it the original overflows (NaN) and the rewrite
+    computes the stable softmax.  Here the scores are scaled by 100.
+    """
+    _, args, opt, report = _optimized(program)
+    assert len(report.rewrites) == 1 and not report.fallbacks, str(report)
+    (site,) = program.sites
+    stable = ap.Program((dataclasses.replace(site, softmax="stable"),), "positive")
+    stable_fn, stable_args = stable.build(seed=0)
+    leaves = jax.tree_util.tree_leaves(args)
+    for a, b in zip(leaves, jax.tree_util.tree_leaves(stable_args), strict=True):
+        np.testing.assert_array_equal(a, b)  # the same arguments
+    rewritten = numpy_eval.evaluate(opt.rewritten_jaxpr(*args), *leaves)
+    expected = numpy_eval.evaluate(jax.make_jaxpr(stable_fn)(*stable_args), *leaves)
+    ap.assert_same(rewritten, expected, ap.tolerance(program), context=str(report))
+
+
+def test_unstabilised_softmax_overflow():
+    """The documented difference, in the smallest program that shows it."""
+
+    def f(q, k, v):
         e = jnp.exp(q @ jnp.swapaxes(k, -1, -2))  # scores 100: exp overflows
         return (e / e.sum(-1, keepdims=True)) @ v
 
-    f(q, k, v)                                          # NaN (inf / inf)
-    flashpass.optimize(f, kernel="reference")(q, k, v)  # 5.0 everywhere
-    """
-    _, args, opt, report = _optimized(program)
-    assert len(report.rewrites) == 1, str(report)
-    _assert_rewrite_exact(program, args, opt, report)
+    q = k = v = jnp.full((2, 2, 2, 4), 5.0, jnp.float32)
+    assert np.isnan(np.asarray(f(q, k, v))).all()  # inf / inf
+    out = flashpass.optimize(f, kernel="reference")(q, k, v)
+    np.testing.assert_allclose(out, jax.nn.softmax(q @ jnp.swapaxes(k, -1, -2), -1) @ v)
+    np.testing.assert_allclose(out, 5.0)

@@ -11,7 +11,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax import lax
-from jax.extend.core import jaxprs_in_params
 from kernel_testing import BF16, F32, bias_op, mask_op, run_and_compare, spec_of
 
 from flashpass import compat
@@ -110,7 +109,7 @@ def _dot_precisions(fn, *args):
         for eqn in jaxpr.eqns:
             if inside and eqn.primitive is lax.dot_general_p:
                 found.append(eqn.params["precision"])
-            for sub in jaxprs_in_params(eqn.params):
+            for sub in compat.subjaxprs_of_params(eqn.params):
                 walk(sub, inside or eqn.primitive.name == "pallas_call")
 
     walk(jax.make_jaxpr(fn)(*args).jaxpr, False)

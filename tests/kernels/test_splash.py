@@ -9,7 +9,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.extend.core import jaxprs_in_params
 from kernel_testing import BF16, F32, bias_op, mask_op, run_and_compare, spec_of
 
 from flashpass import compat
@@ -27,7 +26,7 @@ def _avals(closed):
     def walk(jaxpr):
         for eqn in jaxpr.eqns:
             yield from (v.aval for v in eqn.outvars)
-            for sub in jaxprs_in_params(eqn.params):
+            for sub in compat.subjaxprs_of_params(eqn.params):
                 yield from walk(sub)
 
     return list(walk(closed.jaxpr))
