@@ -4,13 +4,14 @@ flashpass touches JAX internals (jaxpr data structures, source info, DCE) and
 experimental modules (Pallas kernels).  They all go through this module, so a
 JAX upgrade that moves something breaks here, loudly, and nowhere else.
 
-Supported: JAX 0.10.x and 0.11.x.
+Supported: JAX 0.9.x to 0.11.x (CI runs 0.10.2 and the oldest, 0.9.0).
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 
 import jax
 from jax._src import core as _core
@@ -52,6 +53,10 @@ def subjaxprs_of_params(params) -> list:
 def bind_equation(eqn, invals, params=None) -> list:
     """Bind ``eqn``'s primitive on ``invals`` (optionally with replaced params),
     keeping its source info and context, as ``eval_jaxpr`` does."""
+    if params is None:
+        out = _emit_unchanged(eqn, invals)
+        if out is not None:
+            return out
     params = eqn.params if params is None else params
     bind_params = eqn.primitive.get_bind_params(params)
     subfuns: tuple = ()
@@ -61,6 +66,65 @@ def bind_equation(eqn, invals, params=None) -> list:
     with _siu.user_context(eqn.source_info.traceback, name_stack=name_stack), eqn.ctx.manager:
         out = eqn.primitive.bind(*subfuns, *invals, **bind_params)
     return list(out) if eqn.primitive.multiple_results else [out]
+
+
+def _emit_signature_ok() -> bool:
+    try:
+        names = list(inspect.signature(_pe.DynamicJaxprTrace.emit_eqn).parameters)
+    except (AttributeError, TypeError, ValueError):
+        return False
+    return names[:8] == [
+        "self",
+        "in_tracers",
+        "out_avals",
+        "primitive",
+        "params",
+        "effects",
+        "source_info",
+        "ctx",
+    ]
+
+
+_CAN_EMIT = _emit_signature_ok()
+# Literal operands become tracers as ``inline_jaxpr_into_trace`` makes them.
+_CAN_EMIT_LITERALS = _CAN_EMIT and list(
+    inspect.signature(_pe.DynamicJaxprTracer.__init__).parameters
+)[:4] == ["self", "trace", "aval", "val"]
+
+
+def _emit_unchanged(eqn, invals):
+    """Stage ``eqn`` as written into the current jaxpr trace, or None.
+
+    When an equation is re-staged unchanged onto tracers whose types are the
+    ones it was traced with, its output types are known: skipping ``bind``'s
+    abstract evaluation and staging rules makes re-tracing a large model ~3x
+    cheaper (the rewrite re-traces every equation, see rewrite.py).  Anything
+    unusual (constants, effects, another trace, a changed type) takes
+    the general ``bind`` path.
+    """
+    if not _CAN_EMIT or eqn.effects:
+        return None
+    trace = _core.trace_ctx.trace
+    if type(trace) is not _pe.DynamicJaxprTrace:
+        return None
+    src = eqn.source_info.replace(name_stack=_siu.current_name_stack() + eqn.source_info.name_stack)
+    tracers = list(invals)
+    for i, (x, var) in enumerate(zip(invals, eqn.invars, strict=True)):
+        if type(var) is _core.Literal:
+            if not _CAN_EMIT_LITERALS:
+                return None
+            tracers[i] = _pe.DynamicJaxprTracer(trace, var.aval, var, src)
+        elif type(x) is not _pe.DynamicJaxprTracer or x._trace is not trace or x.aval != var.aval:
+            return None
+    return trace.emit_eqn(
+        tracers,
+        [v.aval for v in eqn.outvars],
+        eqn.primitive,
+        eqn.params,
+        eqn.effects,
+        src,
+        eqn.ctx,
+    )
 
 
 def eval_jaxpr(jaxpr, consts, *args):
@@ -358,6 +422,8 @@ def lower_for_gpu(fn, *args) -> str:
     serialised).  cuDNN attention additionally needs `assume_cudnn` on a host
     without CUDA.
     """
+    if JAX_VERSION < (0, 10):  # export has no "ALL" custom-call wildcard: lower directly
+        return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     from jax import export
 
     exported = export.export(
@@ -377,3 +443,115 @@ def tokamax_module():
     import tokamax
 
     return tokamax
+
+
+# --- sharding (issue 6)
+
+#: Primitives that only change a value's type (its varying manual axes inside
+#: ``shard_map``), never its value: constant folding looks through them.
+VALUE_IDENTITY_PRIMITIVES = frozenset({"pvary"})
+
+
+def named_sharding_of(aval):
+    """``aval``'s `NamedSharding` when it lives on a mesh of more than one
+    device, else None (unsharded, single device, or no sharding at all)."""
+    sharding = getattr(aval, "sharding", None)
+    mesh = getattr(sharding, "mesh", None)
+    if mesh is None or mesh.empty or mesh.size <= 1:
+        return None
+    return sharding
+
+
+def traced_sharding(aval):
+    """The sharding to re-trace ``aval`` with (`jax.ShapeDtypeStruct`'s
+    ``sharding``): its `NamedSharding` on a mesh of several devices unless some
+    mesh axis is manual (a ``shard_map`` body), else None."""
+    sharding = named_sharding_of(aval)
+    if sharding is None or axis_kinds(sharding.mesh).get("manual"):
+        return None
+    return sharding
+
+
+def context_mesh():
+    """The abstract mesh of the current trace context (``jax.set_mesh``,
+    ``shard_map`` bodies); empty when none is set."""
+    return jax.sharding.get_abstract_mesh()
+
+
+def axis_kinds(mesh) -> dict[str, tuple[str, ...]]:
+    """``{"explicit": names, "auto": names, "manual": names}`` of ``mesh``'s
+    axes of more than one device."""
+    kinds: dict[str, list[str]] = {"explicit": [], "auto": [], "manual": []}
+    if mesh is None or mesh.empty:
+        return {k: () for k in kinds}
+    types = getattr(mesh, "axis_types", None) or (jax.sharding.AxisType.Auto,) * len(
+        mesh.axis_names
+    )
+    for name, kind in zip(mesh.axis_names, types, strict=True):
+        if mesh.shape[name] > 1:
+            kinds[str(kind.name).lower()].append(name)
+    return {k: tuple(v) for k, v in kinds.items()}
+
+
+def shard_map(fn, *, mesh, in_specs, out_specs, axis_names, check_vma: bool):
+    """`jax.shard_map` (public since JAX 0.7; ``check_vma`` was ``check_rep``)."""
+    return jax.shard_map(
+        fn,
+        mesh=mesh,
+        in_specs=in_specs,
+        out_specs=out_specs,
+        axis_names=frozenset(axis_names),
+        check_vma=check_vma,
+    )
+
+
+def reshard(x, sharding):
+    """`jax.sharding.reshard` of ``x`` to ``sharding`` (Explicit mesh axes)."""
+    return jax.sharding.reshard(x, sharding)
+
+
+def is_shard_map(eqn) -> bool:
+    return eqn.primitive.name == "shard_map"
+
+
+def shard_map_params(eqn) -> dict:
+    """A ``shard_map`` equation's arguments to `shard_map`, and its body."""
+    p = eqn.params
+    return {
+        "mesh": p["mesh"],
+        "in_specs": tuple(p["in_specs"]),
+        "out_specs": tuple(p["out_specs"]),
+        # JAX < 0.10 calls the equation's param ``manual_axes``.
+        "axis_names": frozenset(
+            p["newly_manual_axes"] if "newly_manual_axes" in p else p["manual_axes"]
+        ),
+        "check_vma": bool(p["check_vma"]),
+        "body": p["jaxpr"],
+    }
+
+
+def varying_axes(x) -> frozenset:
+    """The manual mesh axes ``x`` varies over (its type inside a ``shard_map``
+    body with ``check_vma=True``); empty elsewhere."""
+    aval = jax.typeof(x)
+    mat = getattr(aval, "mat", None)
+    if mat is not None:
+        return frozenset(mat.varying)
+    return frozenset(getattr(aval, "vma", ()))
+
+
+def vma_checks(enabled: bool):
+    """Context: trace with ``shard_map``'s varying-manual-axes checks on or off
+    (off, primitives give their outputs no varying axes)."""
+    from jax._src import config as _config
+
+    return _config._check_vma(enabled)
+
+
+@contextlib.contextmanager
+def equation_context(eqn):
+    """The source info and context ``bind_equation`` binds ``eqn`` in, for
+    re-binding it through a public API instead (e.g. `shard_map`)."""
+    name_stack = _siu.current_name_stack() + eqn.source_info.name_stack
+    with _siu.user_context(eqn.source_info.traceback, name_stack=name_stack), eqn.ctx.manager:
+        yield

@@ -95,6 +95,9 @@ class ChildScope:
         return (*self.node.path, step)
 
 
+_BODY_OR_TUPLE = (compat.ClosedJaxpr, compat.Jaxpr, tuple)
+
+
 class Scope:
     """The view of one jaxpr with transparent calls inlined."""
 
@@ -165,6 +168,8 @@ class Scope:
 
     def _collect_children(self, node: Node) -> None:
         for name, value in node.params.items():
+            if not isinstance(value, _BODY_OR_TUPLE):  # most params: fast reject
+                continue
             items = value if isinstance(value, tuple) else (value,)
             for j, item in enumerate(items):
                 index = j if isinstance(value, tuple) else None
@@ -268,6 +273,8 @@ class Scope:
         node = self.producer(key)
         if node is None or node.eqn.effects or compat.subjaxprs_of_params(node.params):
             return None
+        if node.prim in compat.VALUE_IDENTITY_PRIMITIVES:  # e.g. pvary in shard_map bodies
+            return self.fold(node.ins[node.outs.index(key)])
         for o in node.outs:
             if o is not None and math.prod(self.shape(o)) > FOLD_LIMIT:
                 return None

@@ -24,7 +24,7 @@ import functools
 
 import jax
 
-from . import compat
+from . import compat, sharding
 from .graph import Const, Scope
 
 KERNEL_PREFIX = "flashpass_"
@@ -47,8 +47,11 @@ class Plan:
     """Which equations to skip, replace and inline, per global path."""
 
     def __init__(self, planned: list[PlannedSite], scopes: list[Scope]):
-        self.planned = planned
         self.scopes = {s.prefix: s for s in scopes}
+        # Sharded operands: root path -> how the site runs per shard; sites that
+        # cannot run per shard are kept as written: root path -> reason.
+        self.shards, self.kept = sharding.plan_sites(planned, self.scopes)
+        self.planned = planned = [p for p in planned if p.site.root.path not in self.kept]
         self.by_root = {p.site.root.path: p for p in planned}
         self.skip = set()
         self.inline = set()
@@ -56,6 +59,13 @@ class Plan:
             self.skip |= p.site.paths - {p.site.root.path}
             self.inline |= p.site.inline_calls
         self.site_prefixes = {p.site.scope_prefix for p in planned}
+        # Equations whose bodies hold sites (a prefix's steps into a body are strings).
+        self.holders = {
+            sp[:j]
+            for sp in self.site_prefixes
+            for j, step in enumerate(sp)
+            if isinstance(step, str)
+        }
         self.failed: dict[tuple, str] = {}  # scope prefix -> error, filled while rewriting
 
     def touches(self, prefix: tuple) -> bool:
@@ -83,7 +93,12 @@ def rewrite(closed, plan: Plan, prefix: tuple = ()):
     scope = plan.scopes[prefix]
     avals = [v.aval for v in closed.jaxpr.invars]
     structs = [
-        jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=getattr(a, "weak_type", False))
+        jax.ShapeDtypeStruct(
+            a.shape,
+            a.dtype,
+            weak_type=getattr(a, "weak_type", False),
+            sharding=compat.traced_sharding(a),
+        )
         for a in avals
     ]
 
@@ -145,18 +160,22 @@ class _Evaluator:
                 outs = self.run(body.jaxpr, body.consts, invals, (*path, "jaxpr"))
             else:
                 invals = [self.read(inst, a) for a in eqn.invars]
-                outs = compat.bind_equation(eqn, invals, self._params(eqn, path))
+                if path not in plan.holders:
+                    outs = compat.bind_equation(eqn, invals)
+                elif compat.is_shard_map(eqn) and self.plan.touches((*path, "jaxpr")):
+                    outs = sharding.rebind_shard_map(
+                        eqn, invals, self.plan, (*path, "jaxpr"), _run_body
+                    )
+                else:
+                    outs = compat.bind_equation(eqn, invals, self._params(eqn, path))
             for var, value in zip(eqn.outvars, outs, strict=True):
                 if not isinstance(var, compat.DropVar) and value is not _MISSING:
                     self.write((inst, var), value)
 
     def _replace(self, eqn, inst, planned: PlannedSite) -> None:
-        site = planned.site
-        q, k, v, extras = site.to_kernel(self.read_key)
-        call = kernel_call(planned.kernel, site.spec, planned.interpret)
-        with jax.named_scope(f"{KERNEL_PREFIX}{planned.kernel.name}"):
-            out = call(q, k, v, *extras)
-        self.write((inst, eqn.outvars[0]), site.from_kernel(out, self.read_key, extras))
+        shard = self.plan.shards.get(planned.site.root.path)
+        out = sharding.run_site(shard, planned, self.read_key, _kernel_output)
+        self.write((inst, eqn.outvars[0]), out)
 
     def _params(self, eqn, path):
         """``eqn.params`` with every body that holds sites rewritten."""
@@ -176,6 +195,20 @@ class _Evaluator:
                 params = dict(eqn.params) if params is None else params
                 params[name] = tuple(new_items) if isinstance(value, tuple) else new_items[0]
         return params
+
+
+def _kernel_output(site, kernel, interpret: bool, read):
+    """The kernel's output for ``site``, in the layout and dtype of its root."""
+    q, k, v, extras = site.to_kernel(read)
+    call = kernel_call(kernel, site.spec, interpret)
+    with jax.named_scope(f"{KERNEL_PREFIX}{kernel.name}"):
+        out = call(q, k, v, *extras)
+    return site.from_kernel(out, read, extras)
+
+
+def _run_body(plan: Plan, prefix: tuple, jaxpr, args) -> list:
+    """Evaluate the open body ``jaxpr`` at ``prefix`` with its sites replaced."""
+    return _Evaluator(plan, plan.scopes[prefix]).run(jaxpr, (), args, prefix)
 
 
 def _rewrite_body(item, plan: Plan, prefix: tuple):

@@ -1,0 +1,421 @@
+"""Sharded programs: every rewritten attention site runs per shard.
+
+Under ``jax.jit`` with `NamedSharding` operands, XLA's SPMD partitioner
+splits ordinary JAX code (the ``blockwise`` kernel included) but not a Pallas
+kernel, which is a custom call: it runs it replicated, gathering q/k/v onto
+every device.  So each site of a sharded program is rewritten to::
+
+    shard_map(site, mesh, in_specs=<the operands' specs>, out_specs=<the output's>)
+
+where ``site`` is the layout transform, the ``flashpass_<kernel>`` call and
+the inverse transform, on per-shard shapes (`localize`).  The mesh axes are
+those that shard the batch and head axes of q/k/v (and of the bias/mask
+arrays, broadcast axes aside); each device computes attention for its own
+batch elements and heads, so no collective is added and the output keeps the
+sharding the original computes.
+
+The shardings are read at trace time from the operands' types
+(``jax.typeof(x).sharding``).  Only *Explicit* mesh axes (``jax.make_mesh``'s
+default in JAX 0.10) are in types; for *Auto* axes the partition specs are
+chosen by XLA after tracing, so:
+
+* a kernel XLA can partition (`PARTITIONABLE`: plain JAX, or cuDNN's own
+  ``custom_partitioning``) runs as is and XLA splits it;
+* any other kernel is not used for a site on a mesh with Auto axes: the site
+  is kept as written, with the reason in the report.
+
+A site is also kept as written, with its reason, when its query or key
+sequence axis is sharded (sequence parallelism: the kernels need whole
+sequences per device), when its head dim is sharded, or when its operands
+shard one axis over different mesh axes or unevenly.
+
+Sites inside a ``shard_map`` body see per-device values already: the body is
+re-traced through `jax.shard_map` (`rebind_shard_map`), so the kernel call is
+traced in the body's manual-axes context.  With ``check_vma=True`` (the
+default) a Pallas call cannot type-check there; it is traced with the checks
+off and its output typed from its operands (`_vma_opaque`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+from jax.sharding import NamedSharding, PartitionSpec
+
+from flashpass.kernels import Bias, Mask
+
+from . import compat
+from .graph import Const
+from .site import AttentionSite, Layout
+
+#: Kernels XLA's SPMD partitioner can split along batch and heads (plain JAX,
+#: or a ``custom_partitioning`` rule): usable on meshes with Auto axes.
+PARTITIONABLE = frozenset({"blockwise", "reference", "cudnn"})
+#: Kernels written in plain JAX: they type-check inside a ``shard_map`` body
+#: with ``check_vma=True`` (a Pallas call does not declare varying axes, so
+#: other kernels are traced with the checks off, see `_vma_opaque`).
+PLAIN_JAX = frozenset({"blockwise", "reference"})
+
+_SEQUENCE = {"T": "query", "S": "key"}
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardPlan:
+    """How one site runs per shard.
+
+    ``atoms`` are the values the site reads (q, k, v, bias/mask arrays, scale
+    scalars), passed to ``shard_map`` in this order with ``in_specs``;
+    ``axes`` maps each sharded role to its mesh axes.
+    """
+
+    mesh: Any
+    axes: dict  # role -> tuple of mesh axis names
+    atoms: tuple
+    in_specs: tuple
+    out_spec: PartitionSpec
+    root_spec: PartitionSpec | None  # the original output's spec, when it differs
+
+    @property
+    def axis_names(self) -> frozenset:
+        return frozenset(a for names in self.axes.values() for a in names)
+
+    def counts(self) -> dict:
+        """Role -> number of shards."""
+        return {r: math.prod(self.mesh.shape[a] for a in names) for r, names in self.axes.items()}
+
+
+# --------------------------------------------------------------------------- planning
+
+
+def plan_sites(planned, scopes: dict) -> tuple[dict, dict]:
+    """``(shards, kept)``: root path -> `ShardPlan` for the sites that run per
+    shard, root path -> reason for those that must be kept as written."""
+    shards, kept = {}, {}
+    for p in planned:
+        scope = scopes[p.site.scope_prefix]
+        result = analyze(p.site, p.kernel, scope.aval)
+        if isinstance(result, str):
+            kept[p.site.root.path] = result
+        elif result is not None:
+            shards[p.site.root.path] = result
+    return shards, kept
+
+
+def analyze(site: AttentionSite, kernel, aval_of) -> ShardPlan | str | None:
+    """How ``site`` runs on its operands' mesh: a `ShardPlan`, None (unsharded:
+    as is), or the reason it must be kept as written.  ``aval_of(atom)`` gives
+    the abstract value (with its sharding) of an operand."""
+    operands = _operands(site)
+    shardings = [compat.named_sharding_of(aval_of(atom)) for _, atom, _ in operands]
+    meshes = {s.mesh for s in shardings if s is not None}
+    if len(meshes) > 1:
+        return "the attention's operands live on different meshes; kept as written"
+    mesh = next(iter(meshes), None)
+    if mesh is None:
+        context = compat.context_mesh()
+        mesh = None if context.empty or context.size <= 1 else context
+    if mesh is None:
+        return None
+    kinds = compat.axis_kinds(mesh)
+    if kinds["auto"] and kernel.name not in PARTITIONABLE:
+        auto = ", ".join(f"{a}={mesh.shape[a]}" for a in kinds["auto"])
+        return (
+            f"the operands are on a mesh with Auto axes ({auto}): XLA chooses their "
+            f"shardings after tracing, and it cannot partition the {kernel.name} kernel "
+            "(it would run replicated, gathering q/k/v onto every device); use Explicit "
+            "mesh axes (jax.make_mesh's default), call the attention inside jax.shard_map, "
+            "or a kernel XLA can partition ('blockwise')"
+        )
+
+    axes: dict = {}
+    specs: list = []
+    for (name, atom, roles), sharding in zip(operands, shardings, strict=True):
+        ndim = len(aval_of(atom).shape)
+        entries = _entries(sharding.spec if sharding is not None else (), ndim)
+        for role, axis in roles.items():
+            names = entries[axis]
+            if not names:
+                continue
+            if role in _SEQUENCE:
+                return (
+                    f"sequence-sharded: {name}'s {_SEQUENCE[role]} sequence axis is sharded "
+                    f"over mesh axis {'x'.join(names)} (sequence parallelism); a kernel needs "
+                    "whole sequences on each device (a ring or all-gather strategy is not "
+                    "implemented), so the attention is kept as written"
+                )
+            if role in ("D", "Dv"):
+                return (
+                    f"{name}'s head dim is sharded over mesh axis {'x'.join(names)}; a kernel "
+                    "needs whole heads on each device, so the attention is kept as written"
+                )
+            previous = axes.setdefault(role, names)
+            if previous != names:
+                return (
+                    f"the operands shard the {_role_name(site.layout, role)} axis differently "
+                    f"({'x'.join(previous)} and {'x'.join(names)}); kept as written"
+                )
+        specs.append((atom, roles, ndim))
+    if not axes:
+        return None
+    for role, names in axes.items():
+        n = math.prod(mesh.shape[a] for a in names)
+        if site.layout.sizes[role] % n:
+            return (
+                f"the {_role_name(site.layout, role)} axis ({site.layout.sizes[role]}) is not "
+                f"divisible by its {n} shards; kept as written"
+            )
+
+    atoms, in_specs = [], []
+    for atom, roles, ndim in specs:
+        spec = _spec([axes.get(r) for r in _roles_by_axis(roles, ndim)])
+        index = _find(atoms, atom)
+        if index is None:
+            atoms.append(atom)
+            in_specs.append(spec)
+        elif in_specs[index] != spec:
+            return "one array is both a q/k/v and a bias/mask operand in two layouts"
+    for atom, _ in site.q_scales:
+        if _find(atoms, atom) is None:
+            atoms.append(atom)
+            in_specs.append(PartitionSpec())
+    out_spec = _spec([None if r in ("T", "Dv") else axes.get(r) for r in site.out_roles])
+    root = compat.named_sharding_of(site.root.eqn.outvars[0].aval)
+    root_spec = None
+    if root is not None:
+        ndim = len(site.out_roles)
+        wanted = _spec(_entries(root.spec, ndim))
+        if _entries(wanted, ndim) != _entries(out_spec, ndim):
+            root_spec = wanted
+    return ShardPlan(mesh, axes, tuple(atoms), tuple(in_specs), out_spec, root_spec)
+
+
+def _operands(site: AttentionSite) -> list:
+    """``(name, atom, role -> axis)`` of every array the site reads."""
+    out = [
+        ("q", site.q.atom, dict(site.q.axes)),
+        ("k", site.k.atom, dict(site.k.axes)),
+        ("v", site.v.atom, dict(site.v.axes)),
+    ]
+    for i, e in enumerate(site.extras):
+        out.append((f"bias/mask #{i}", e.atom, {r: a for r, a in e.axes.items() if a is not None}))
+    for kind, *data in site.post_ops:
+        if kind == "scale":  # an output multiplier (head mask)
+            e = data[0]
+            out.append(("head mask", e.atom, {r: a for r, a in e.axes.items() if a is not None}))
+    return out
+
+
+def _entries(spec, ndim: int) -> list[tuple]:
+    """Mesh axes of each dimension (a tuple, empty when not sharded)."""
+    out = []
+    for i in range(ndim):
+        entry = spec[i] if i < len(spec) else None
+        if entry is None or entry is PartitionSpec.UNCONSTRAINED:
+            out.append(())
+        elif isinstance(entry, str):
+            out.append((entry,))
+        else:
+            out.append(tuple(entry))
+    return out
+
+
+def _spec(entries) -> PartitionSpec:
+    return PartitionSpec(*(None if not e else (e[0] if len(e) == 1 else tuple(e)) for e in entries))
+
+
+def _roles_by_axis(roles: dict, ndim: int) -> list:
+    by_axis = [None] * ndim
+    for role, axis in roles.items():
+        by_axis[axis] = role
+    return by_axis
+
+
+def _find(atoms: list, atom) -> int | None:
+    for i, a in enumerate(atoms):
+        if a is atom or (not isinstance(a, Const) and not isinstance(atom, Const) and a == atom):
+            return i
+    return None
+
+
+def _role_name(layout: Layout, role) -> str:
+    if role in _SEQUENCE:
+        return f"{_SEQUENCE[role]} sequence"
+    if role == "G":
+        return "query-group"
+    batch, heads, _ = layout.groups
+    if role in heads:
+        return "heads"
+    return "batch" if len(batch) == 1 else f"batch #{batch.index(role)}"
+
+
+# --------------------------------------------------------------------------- running
+
+
+def run_site(shard: ShardPlan | None, planned, read, compute):
+    """The site's output: ``compute(site, kernel, interpret, read)``, per shard
+    inside a ``shard_map`` when ``shard`` says the operands are sharded."""
+    site, kernel, interpret = planned.site, planned.kernel, planned.interpret
+    if shard is None:
+        atoms = _atoms(site)
+        values = [read(a) for a in atoms]
+        if kernel.name in PLAIN_JAX or not any(map(compat.varying_axes, values)):
+            return compute(site, kernel, interpret, read)
+        # In a shard_map body with check_vma=True: a Pallas call cannot say how
+        # its output varies over the manual axes; type it from the operands.
+        return _vma_opaque(lambda *v: compute(site, kernel, interpret, _reader(atoms, v)), values)
+    local = localize(site, shard.counts())
+    values = [
+        _with_spec(read(atom), shard.mesh, spec)
+        for atom, spec in zip(shard.atoms, shard.in_specs, strict=True)
+    ]
+    out = compat.shard_map(
+        lambda *v: compute(local, kernel, interpret, _reader(shard.atoms, v)),
+        mesh=shard.mesh,
+        in_specs=shard.in_specs,
+        out_specs=shard.out_spec,
+        axis_names=shard.axis_names,
+        # A Pallas call does not declare how its outputs vary over manual axes.
+        check_vma=False,
+    )(*values)
+    if shard.root_spec is not None:
+        out = compat.reshard(out, NamedSharding(shard.mesh, shard.root_spec))
+    return out
+
+
+def _atoms(site: AttentionSite) -> list:
+    """Every value the site reads, once."""
+    atoms: list = []
+    for atom in [a for _, a, _ in _operands(site)] + [a for a, _ in site.q_scales]:
+        if _find(atoms, atom) is None:
+            atoms.append(atom)
+    return atoms
+
+
+def _reader(atoms, values):
+    def read(atom):
+        return values[_find(list(atoms), atom)]
+
+    return read
+
+
+def _vma_opaque(fn, args):
+    """``fn(*args)`` traced without varying-manual-axes checks (which a Pallas
+    call fails), its output and gradients typed as varying over the axes the
+    arguments vary over, as the original computation's would be.
+
+    Everything traced with the checks off is inside a ``jit``, whose equation
+    is typed by its own jaxpr: re-binding the rewritten program with the
+    checks on (as ``shard_map`` does with its body) does not re-check it.
+    """
+    arg_axes = [compat.varying_axes(a) for a in args]
+    axes = frozenset().union(*arg_axes)
+
+    def unchecked(f, *xs):
+        with compat.vma_checks(False):
+            return jax.jit(f)(*xs)
+
+    @jax.custom_vjp
+    def call(*xs):
+        return _varying(unchecked(lambda *a: fn(*[_invariant(x) for x in a]), *xs), axes)
+
+    def fwd(*xs):
+        plain = unchecked(lambda *a: [_invariant(x) for x in a], *xs)
+        with compat.vma_checks(False):
+            out, vjp = jax.vjp(jax.jit(fn), *plain)
+        return _varying(out, axes), vjp
+
+    def bwd(vjp, g):
+        cts = unchecked(lambda g: vjp(_invariant(g)), g)
+        return tuple(_varying(c, a) for c, a in zip(cts, arg_axes, strict=True))
+
+    call.defvjp(fwd, bwd)
+    return call(*args)
+
+
+def _invariant(x):
+    """``x`` as a new value (with vma checks off, typed as not varying)."""
+    x = jax.numpy.asarray(x)
+    if x.dtype == bool:
+        return jax.lax.bitwise_or(x, jax.numpy.zeros((), bool))
+    return jax.lax.add(x, jax.numpy.zeros((), x.dtype))
+
+
+def _varying(x, axes: frozenset):
+    missing = tuple(sorted(axes - compat.varying_axes(x)))
+    if not missing or not jax.numpy.issubdtype(x.dtype, jax.numpy.inexact):
+        return x
+    return jax.lax.pcast(x, missing, to="varying")
+
+
+def _with_spec(x, mesh, spec: PartitionSpec):
+    """``x`` with the sharding ``shard_map`` expects: an operand replicated along
+    a sharded role (a bias shared by all heads, a constant) is sliced to it,
+    which is local (no collective)."""
+    x = jax.numpy.asarray(x)
+    current = compat.named_sharding_of(compat.get_aval(x))
+    ndim = x.ndim
+    have = _entries(current.spec, ndim) if current is not None else [()] * ndim
+    if have == _entries(spec, ndim):
+        return x
+    return compat.reshard(x, NamedSharding(mesh, spec))
+
+
+def localize(site: AttentionSite, counts: dict) -> AttentionSite:
+    """``site`` on one shard: role sizes divided by their shard counts, and the
+    kernel spec (batch, heads, bias/mask shapes) to match."""
+    sizes = {r: s // counts.get(r, 1) for r, s in site.layout.sizes.items()}
+    layout = Layout(sizes)
+
+    def shape4(shape):
+        return (
+            shape[0] if shape[0] == 1 else layout.batch,
+            shape[1] if shape[1] == 1 else layout.heads,
+            *shape[2:],
+        )
+
+    spec = site.spec
+    ops = tuple(
+        dataclasses.replace(op, shape=shape4(op.shape)) if isinstance(op, Bias | Mask) else op
+        for op in spec.score_ops
+    )
+    spec = dataclasses.replace(
+        spec,
+        batch=layout.batch,
+        heads=layout.heads,
+        kv_heads=layout.kv_heads,
+        score_ops=ops,
+        extras=tuple(dataclasses.replace(e, shape=shape4(e.shape)) for e in spec.extras),
+    )
+    return dataclasses.replace(site, layout=layout, spec=spec)
+
+
+# --------------------------------------------------------------------------- shard_map bodies
+
+
+def rebind_shard_map(eqn, invals, plan, prefix: tuple, run_body) -> list:
+    """Bind a ``shard_map`` equation whose body holds sites, re-tracing the body
+    (``run_body(plan, prefix, jaxpr, args)``) through `jax.shard_map`, which
+    sets up the body's manual axes, axis names and varying-axes types (and
+    closes over any constants a kernel creates).  If re-tracing fails, the
+    body's sites fall back (``plan.failed``) and the equation is bound as
+    written.
+    """
+    p = compat.shard_map_params(eqn)
+    body = p["body"]
+    fn = compat.shard_map(
+        lambda *args: tuple(run_body(plan, prefix, body, args)),
+        mesh=p["mesh"],
+        in_specs=p["in_specs"],
+        out_specs=p["out_specs"],
+        axis_names=p["axis_names"],
+        check_vma=p["check_vma"],
+    )
+    try:
+        with compat.equation_context(eqn):
+            return list(fn(*invals))
+    except Exception as err:  # keep the body as written: its sites fall back
+        plan.failed[prefix] = f"{type(err).__name__}: {err}"
+        return compat.bind_equation(eqn, invals)

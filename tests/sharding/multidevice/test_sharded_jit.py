@@ -1,0 +1,136 @@
+"""Optimized functions under ``jax.jit`` with `NamedSharding` inputs (8 CPU devices).
+
+Each case compiles one program (output + gradients) for the optimized
+function and for the original, both on the sharded inputs, and one for the
+original on unsharded inputs: numerics must match the unsharded original,
+output/gradient shardings the sharded original's, and the optimized program
+must not add a collective (no all-gather/all-to-all/collective-permute of
+q/k/v or along a sequence axis).
+
+The Pallas TPU kernel runs in interpret mode on 4-device meshes with one
+batch element and head per device: the TPU interpreter synchronises all
+devices with a barrier per kernel and, on 8 CPU devices, the backward of a
+kernel with a grid of more than one block per device hangs (a test-harness
+limit, not a property of the rewrite).
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from sharded_testing import P, assert_close, assert_like_original, mesh, normal, put, run, unsharded
+
+import flashpass
+
+pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 devices (see conftest)")
+
+
+def mha(q, k, v):
+    """Multi-head attention, ``[B, T, H, D]`` layout."""
+    s = jnp.einsum("bthd,bshd->bhts", q, k) / np.sqrt(q.shape[-1])
+    return jnp.einsum("bhts,bshd->bthd", jax.nn.softmax(s, axis=-1), v)
+
+
+def gqa_masked(q, k, v, mask):
+    """Grouped-query attention with a padding mask and causal masking."""
+    return jax.nn.dot_product_attention(
+        q, k, v, mask=mask[:, None, None, :], is_causal=True, implementation="xla"
+    )
+
+
+def biased(q, k, v, bias):
+    """``[B, H, T, D]`` layout with a learned ``[1, H, T, S]`` bias."""
+    s = jnp.einsum("bhtd,bhsd->bhts", q, k) * 0.25 + bias
+    return jnp.einsum("bhts,bhsd->bhtd", jax.nn.softmax(s, -1), v)
+
+
+#: name -> (mesh shape, axis names, q/k/v spec, q/k/v shape [B, T, H, D])
+MESHES = {
+    "data_parallel": ((8,), ("data",), P("data"), (8, 64, 2, 16)),
+    "head_parallel": ((8,), ("model",), P(None, None, "model"), (2, 64, 8, 16)),
+    "2d": ((2, 4), ("data", "model"), P("data", None, "model"), (2, 64, 4, 16)),
+}
+
+
+def _check(fn, opt, m, args, argnums=(0, 1, 2), kernel="blockwise"):
+    with jax.set_mesh(m):
+        report = opt.explain(*args)
+        assert report.kernels == [kernel], str(report)
+        rewritten = str(opt.rewritten_jaxpr(*args))
+        assert "shard_map" in rewritten and f"flashpass_{kernel}" in rewritten
+        got = run(opt, args, argnums)
+        orig = run(fn, args, argnums)
+    assert_like_original(got, orig, run(fn, unsharded(args), argnums))
+    return got
+
+
+@pytest.mark.parametrize("name", sorted(MESHES))
+def test_blockwise(name):
+    shape, names, spec, qshape = MESHES[name]
+    m = mesh(shape, names)
+    args = [put(m, spec, normal(i, qshape)) for i in range(3)]
+    _check(mha, flashpass.optimize(mha, kernel="blockwise"), m, args)
+
+
+def test_blockwise_gqa_padding_mask_2d():
+    """Key/value heads sharded (query groups follow), a boolean mask sharded on batch."""
+    m = mesh((2, 4), ("data", "model"))
+    spec = P("data", None, "model")
+    q = put(m, spec, normal(0, (2, 64, 8, 16)))
+    k, v = (put(m, spec, normal(i, (2, 64, 4, 16))) for i in (1, 2))
+    mask = put(m, P("data"), np.arange(64)[None, :] < np.array([[64], [40]]))
+    _check(gqa_masked, flashpass.optimize(gqa_masked, kernel="blockwise"), m, [q, k, v, mask])
+
+
+def test_blockwise_replicated_bias_head_parallel():
+    """A bias replicated across devices is sliced to each device's heads (locally)."""
+    m = mesh((8,), ("model",))
+    spec = P(None, "model")
+    args = [put(m, spec, normal(i, (2, 8, 64, 16))) for i in range(3)]
+    args.append(put(m, P(), normal(3, (1, 8, 64, 64))))
+    _check(biased, flashpass.optimize(biased, kernel="blockwise"), m, args, argnums=(0, 1, 2, 3))
+
+
+def test_pallas_tpu_interpret_2d():
+    m = mesh((2, 2), ("data", "model"))
+    spec = P("data", None, "model")
+    args = [put(m, spec, normal(i, (2, 128, 2, 32))) for i in range(3)]
+    opt = flashpass.optimize(mha, kernel="pallas_tpu", interpret=True)
+    got = _check(mha, opt, m, args, kernel="pallas_tpu")
+    assert got.out.sharding.spec == P("data", None, "model", None)
+
+
+def test_sequence_sharded_site_falls_back():
+    """Queries sharded along the sequence (keys/values replicated): kept as written."""
+    m = mesh((4,), ("seq",))
+    q = put(m, P(None, "seq"), normal(0, (2, 128, 2, 32)))
+    k, v = (put(m, P(), normal(i, (2, 128, 2, 32))) for i in (1, 2))
+    opt = flashpass.optimize(mha, kernel="pallas_tpu", interpret=True)
+    with jax.set_mesh(m):
+        report = opt.explain(q, k, v)
+        assert report.kernels == [] and len(report.fallbacks) == 1, str(report)
+        reason = report.fallbacks[0].reason
+        assert reason.startswith("sequence-sharded: q's query sequence axis is sharded"), reason
+        assert "seq" in reason and "flashpass_" not in str(opt.rewritten_jaxpr(q, k, v))
+        got, orig = run(opt, [q, k, v]), run(mha, [q, k, v])
+    assert_like_original(got, orig, run(mha, unsharded([q, k, v])))
+
+
+def test_auto_axes_blockwise_is_partitioned_by_xla():
+    """Auto axes: shardings are not in the types; XLA partitions plain-JAX kernels."""
+    m = mesh((8,), ("data",), explicit=False)
+    args = [put(m, P("data"), normal(i, (8, 64, 2, 16))) for i in range(3)]
+    opt = flashpass.optimize(mha, kernel="blockwise")
+    assert opt.explain(*args).kernels == ["blockwise"]
+    assert "shard_map" not in str(opt.rewritten_jaxpr(*args))
+    assert_like_original(run(opt, args), run(mha, args), run(mha, unsharded(args)))
+
+
+def test_auto_axes_pallas_falls_back():
+    m = mesh((4,), ("data",), explicit=False)
+    args = [put(m, P("data"), normal(i, (4, 128, 2, 32))) for i in range(3)]
+    opt = flashpass.optimize(mha, kernel="pallas_tpu", interpret=True)
+    report = opt.explain(*args)
+    assert report.kernels == [], str(report)
+    assert "mesh with Auto axes (data=4)" in report.fallbacks[0].reason
+    assert_close(jax.jit(opt)(*args), mha(*unsharded(args)))

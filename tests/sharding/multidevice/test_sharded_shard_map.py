@@ -1,0 +1,65 @@
+"""Attention inside a user's ``shard_map`` body is rewritten there (8 CPU devices).
+
+The body is a tensor-parallel layer: per-device attention over the local
+heads, then a ``psum`` over the head axis (as a row-parallel projection
+does), with ``check_vma=True`` (JAX's default).
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import pytest
+from sharded_testing import P, assert_like_original, mesh, normal, put, run, unsharded
+from test_sharded_jit import mha
+
+import flashpass
+
+pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 devices (see conftest)")
+
+SPEC = P("data", None, "model")
+
+
+def layer(q, k, v):
+    o = mha(q, k, v)
+    return o + jax.lax.psum(jnp.mean(o, axis=2, keepdims=True), "model")
+
+
+def model(m, q, k, v):
+    return jax.shard_map(layer, mesh=m, in_specs=SPEC, out_specs=SPEC)(q, k, v)
+
+
+def unsharded_model(n_model, q, k, v):
+    """`model` on one device: the per-device head means summed over the model axis."""
+    o = mha(q, k, v)
+    b, t, h, d = o.shape
+    means = o.reshape(b, t, n_model, h // n_model, d).mean(axis=3)
+    return o + means.sum(axis=2, keepdims=True)
+
+
+BLOCKWISE = ("blockwise", (2, 4), (2, 64, 8, 16))
+PALLAS = ("pallas_tpu", (2, 2), (2, 128, 2, 32))  # one batch element and head per device
+
+
+@pytest.mark.parametrize(
+    "kernel, mesh_shape, qshape, explicit",
+    [
+        pytest.param(*BLOCKWISE, True, id="blockwise-explicit_axes"),
+        pytest.param(*BLOCKWISE, False, id="blockwise-auto_axes"),
+        pytest.param(*PALLAS, False, id="pallas_tpu-auto_axes"),
+        # The same per-device path as with Auto axes; -m slow runs it.
+        pytest.param(*PALLAS, True, id="pallas_tpu-explicit_axes", marks=pytest.mark.slow),
+    ],
+)
+def test_site_inside_shard_map(kernel, mesh_shape, qshape, explicit):
+    m = mesh(mesh_shape, ("data", "model"), explicit=explicit)
+    fn = functools.partial(model, m)
+    args = [put(m, SPEC, normal(i, qshape)) for i in range(3)]
+    opt = flashpass.optimize(fn, kernel=kernel, interpret=kernel == "pallas_tpu")
+    with jax.set_mesh(m):
+        report = opt.explain(*args)
+        assert report.kernels == [kernel], str(report)
+        assert report.rewrites[0].scope.startswith("shard_map body"), report.rewrites[0].scope
+        got, orig = run(opt, args), run(fn, args)
+    ref = run(functools.partial(unsharded_model, mesh_shape[1]), unsharded(args))
+    assert_like_original(got, orig, ref)
