@@ -176,7 +176,8 @@ class AttentionSpec:
 
     def describe(self) -> dict:
         """A JSON-friendly summary for reports."""
-        out = dataclasses.asdict(self)
+        # Shallow: asdict would deep-copy every op (slow, and replaced below).
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         for key, value in out.items():
             if isinstance(value, np.dtype):
                 out[key] = value.name
