@@ -8,6 +8,19 @@ The result sets ``CPU_MIN_KV_LEN`` in ``kernels/blockwise.py``.
 
     python benchmarks/crossover.py                # B=1, H=8, D=64, f32, S=128..4096
     python benchmarks/crossover.py --sizes 512 1024 --reps 9
+
+``--tiles`` compares tile sizes instead (blockwise only, each against the
+default of `default_blocks`; ``QxK`` for both passes, ``QxK/QxK`` for the
+forward's and the backward's), e.g. the sweep behind ``TILE_ELEMENTS``:
+
+    python benchmarks/crossover.py --tiles 1024x512 512x512 256x512 256x256 \
+        --sizes 8192 --causal-only --modes fwd --reps 7
+    python benchmarks/crossover.py --tiles 512x256/512x512 512x256/1024x512 \
+        --sizes 4096 --causal-only --modes fwd+bwd --reps 15
+
+It prints the median and the minimum of each, relative to the default: on a
+machine shared with other jobs the median moves with the load, the minimum
+shows what a tile costs when nothing else interferes.
 """
 
 from __future__ import annotations
@@ -20,7 +33,7 @@ import jax
 import jax.numpy as jnp
 
 from flashpass.kernels.base import AttentionSpec, Causal, Scale
-from flashpass.kernels.blockwise import DEFAULT_BLOCK_K, DEFAULT_BLOCK_Q, BlockwiseKernel
+from flashpass.kernels.blockwise import BlockwiseKernel
 
 
 def naive(q, k, v, *, causal: bool):
@@ -31,10 +44,14 @@ def naive(q, k, v, *, causal: bool):
     return jnp.einsum("bhts,bhsd->bhtd", jax.nn.softmax(s, axis=-1), v)
 
 
-def blockwise_fn(kernel, b, h, n, d, causal: bool):
+def blockwise_spec(b, h, n, d, causal: bool) -> AttentionSpec:
     ops = (Scale(d**-0.5),) + ((Causal(0, -1e9),) if causal else ())
     f32 = jnp.float32
-    spec = AttentionSpec(b, h, h, n, n, d, d, f32, f32, f32, f32, f32, f32, score_ops=ops)
+    return AttentionSpec(b, h, h, n, n, d, d, f32, f32, f32, f32, f32, f32, score_ops=ops)
+
+
+def blockwise_fn(kernel, b, h, n, d, causal: bool):
+    spec = blockwise_spec(b, h, n, d, causal)
     return lambda q, k, v: kernel.apply(spec, q, k, v)
 
 
@@ -54,16 +71,20 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=0, help="runs per point (default: by size)")
     ap.add_argument("--heads", type=int, default=8)
     ap.add_argument("--dim", type=int, default=64)
-    ap.add_argument("--block-q", type=int, default=DEFAULT_BLOCK_Q)
-    ap.add_argument("--block-k", type=int, default=DEFAULT_BLOCK_K)
+    ap.add_argument("--block-q", type=int, default=None, help="default: default_blocks")
+    ap.add_argument("--block-k", type=int, default=None, help="default: default_blocks")
+    ap.add_argument("--tiles", nargs="+", default=None, help="compare tile sizes, e.g. 512x256")
+    ap.add_argument("--causal-only", action="store_true")
+    ap.add_argument("--modes", nargs="+", choices=("fwd", "fwd+bwd"), default=["fwd", "fwd+bwd"])
     args = ap.parse_args()
 
     kernel = BlockwiseKernel(block_q=args.block_q, block_k=args.block_k)
     b, h, d = 1, args.heads, args.dim
-    print(
-        f"backend={jax.default_backend()} B={b} H={h} D={d} f32 T=S "
-        f"block_q={args.block_q} block_k={args.block_k}"
-    )
+    if args.tiles:
+        return compare_tiles(args, b, h, d)
+    n = args.sizes[-1]
+    blocks = kernel.blocks(blockwise_spec(b, h, n, d, False))
+    print(f"backend={jax.default_backend()} B={b} H={h} D={d} f32 T=S blocks={blocks} at S={n}")
     print("times in ms (median); ratio = naive / blockwise, > 1 means blockwise is faster")
     header = f"{'S':>5} {'mode':<15} {'naive':>9} {'blockwise':>9} {'ratio':>6}"
     print(header)
@@ -73,10 +94,12 @@ def main() -> None:
         reps = args.reps or (7 if n <= 512 else 5 if n <= 2048 else 3)
         key = jax.random.split(jax.random.PRNGKey(n), 3)
         q, k, v = (jax.random.normal(kk, (b, h, n, d), jnp.float32) for kk in key)
-        for causal in (False, True):
+        for causal in (True,) if args.causal_only else (False, True):
             ours = blockwise_fn(kernel, b, h, n, d, causal)
             base = lambda q, k, v, causal=causal: naive(q, k, v, causal=causal)
             for mode, wrap in (("fwd", lambda f: f), ("fwd+bwd", fwd_bwd)):
+                if mode not in args.modes:
+                    continue
                 fns = [jax.jit(wrap(f)).lower(q, k, v).compile() for f in (base, ours)]
                 if n <= 1024:  # a warm-up run; long ones are their own warm-up
                     for fn in fns:
@@ -92,6 +115,61 @@ def main() -> None:
                     flush=True,
                 )
     print(f"total {time.perf_counter() - started:.0f} s")
+
+
+def compare_tiles(args, b, h, d) -> None:
+    """Blockwise with each of ``--tiles`` against the default tiles, interleaved."""
+    print(f"B={b} H={h} D={d} f32 T=S; median time / median time of the default tiles")
+    started = time.perf_counter()
+    for n in args.sizes:
+        reps = args.reps or 5
+        key = jax.random.split(jax.random.PRNGKey(n), 3)
+        q, k, v = (jax.random.normal(kk, (b, h, n, d), jnp.float32) for kk in key)
+        for causal in (True,) if args.causal_only else (False, True):
+            default = BlockwiseKernel().blocks(blockwise_spec(b, h, n, d, causal))
+            kernels = {"default {}x{}".format(*default): BlockwiseKernel()}
+            for tile in args.tiles:
+                kernels[tile] = _TiledKernel(*(_tile(t) for t in (tile.split("/") * 2)[:2]))
+            for mode, wrap in (("fwd", lambda f: f), ("fwd+bwd", fwd_bwd)):
+                if mode not in args.modes:
+                    continue
+                fns = {
+                    name: jax.jit(wrap(blockwise_fn(kern, b, h, n, d, causal)))
+                    .lower(q, k, v)
+                    .compile()
+                    for name, kern in kernels.items()
+                }
+                for fn in fns.values():
+                    timed(fn, (q, k, v))
+                samples = {name: [] for name in fns}
+                for _ in range(reps):
+                    for name, fn in fns.items():
+                        samples[name].append(timed(fn, (q, k, v)))
+                first = next(iter(samples.values()))
+                base, base_min = statistics.median(first), min(first)
+                label = f"{mode}{' causal' if causal else ''}"
+                cells = "  ".join(
+                    f"{name} {statistics.median(ts) / base:.2f} (min {min(ts) / base_min:.2f})"
+                    for name, ts in samples.items()
+                )
+                print(f"{n:>5} {label:<15} {cells}", flush=True)
+    print(f"total {time.perf_counter() - started:.0f} s")
+
+
+def _tile(text: str) -> tuple[int, int]:
+    bq, bk = (int(x) for x in text.split("x"))
+    return bq, bk
+
+
+class _TiledKernel(BlockwiseKernel):
+    """Blockwise with given forward and backward tiles."""
+
+    def __init__(self, fwd: tuple[int, int], bwd: tuple[int, int]):
+        super().__init__(*fwd)
+        self.bwd = bwd
+
+    def blocks(self, spec, backward: bool = False) -> tuple[int, int]:
+        return self.bwd if backward else (self.block_q, self.block_k)
 
 
 if __name__ == "__main__":

@@ -16,6 +16,14 @@ Layout: ``q`` is viewed as ``[B, Hkv, G, T, D]`` so grouped-query attention read
 each key/value head once (never repeated); extras become 5-D
 ``[b, hkv, g, t, s]`` with every axis either 1 (broadcast, never expanded) or
 full, and are sliced per tile only along their full axes.
+
+CPU notes (what XLA's CPU backend makes of this; see docs/benchmarks.md):
+tiles default to about 4 MiB of scores (`default_blocks`), so the passes over a
+tile (max, exp, sum) stay in L2; the backward works on key-major tiles so all
+five products per tile take XLA's fast matmul path (it has none for a
+transposed left operand); the scale is applied per query tile, not as a pass
+over ``q``; and what the skipped causal blocks contribute is summed per key
+block, without a cumulative sum over the keys.
 """
 
 from __future__ import annotations
@@ -50,12 +58,27 @@ from .reference import apply_score_ops
 #: Rows up to 512 swing by +-30% between runs (three runs: forward 0.2-1.1,
 #: forward+backward 0.9-1.7); from 1024 up every mode won in every run (once
 #: 0.95, 1024 fwd).  Below 1024 the forward (inference) loses: that is the cut.
+#: With the tiles of `default_blocks` (2026-11-30, one run): 256: 1.02 / 0.83 /
+#: 1.43 / 1.40; 512: 1.17 / 1.20 / 1.53 / 1.51; 1024: 1.65 / 2.11 / 1.87 /
+#: 2.32.  512 won that once, not in every run before, so the cut stays.
 CPU_MIN_KV_LEN = 1024
 
-#: Default (maximum) tile sizes.  Large tiles amortise the per-iteration loop
-#: overhead of XLA's while loops; 512 x 512 f32 scores per head are 1 MiB.
-DEFAULT_BLOCK_Q = 512
-DEFAULT_BLOCK_K = 512
+#: Score elements per tile, over all batch rows and heads (a tile is
+#: ``[B, H, block_q, block_k]``): 1M f32 scores, 4 MiB, about the two cores'
+#: L2.  XLA runs a tile as ~8 separate kernels (two products, max, exp, sum,
+#: small updates), each split over the cores and joined again, so the passes
+#: over a tile are cheap while it stays in cache and each kernel's fixed cost
+#: is paid rarely enough.  Measured at B=1, H=8, D=64, S=4096-8192, causal,
+#: on the shared 2-core machine (``python benchmarks/crossover.py --tiles``,
+#: docs/benchmarks.md): 4M-score tiles (1024 x 512) were 7% slower than 1M
+#: ones in the forward at load 1.5 and 10-30% under heavy load, 2M ones 0-20%;
+#: in the backward 2M tiles were 4% slower, 4M ones 16%.
+TILE_ELEMENTS = 1 << 20
+#: The loop over whole blocks (query blocks in the forward, key blocks in the
+#: backward) takes blocks of `OUTER_BLOCK`; the inner loop's tiles are as long
+#: as the budget allows (forward 512 x 256, backward 256 x 512 at 8 heads).
+#: Short sequences get one tile per axis (`_split`).
+OUTER_BLOCK, MIN_BLOCK, MAX_INNER_BLOCK = 512, 128, 1024
 
 _KNOWN_OPS = (Scale, Bias, Mask, Causal, Softcap)
 
@@ -128,6 +151,29 @@ class _Plan:
     def tiles_computed(self) -> int:
         """Number of (query tile, key tile) pairs the forward computes."""
         return sum(self.kend)
+
+
+def _pow2_floor(n: int) -> int:
+    return 1 << (max(int(n), 1).bit_length() - 1)
+
+
+def default_blocks(spec: AttentionSpec, backward: bool = False) -> tuple[int, int]:
+    """The (maximum) tile sizes ``(block_q, block_k)`` used when none are given.
+
+    A tile holds ``B * H * block_q * block_k`` scores; aim at `TILE_ELEMENTS`.
+    The outer loop's block (``block_q`` in the forward, ``block_k`` in the
+    backward, whose loops are key-major) is `OUTER_BLOCK`: it is sliced once
+    per outer iteration and its accumulators stay put; the inner block fills
+    the budget (at most `MAX_INNER_BLOCK`).  Many heads shrink the inner block,
+    then the outer one, to `MIN_BLOCK`.
+    """
+    heads = spec.batch * spec.heads
+    outer = OUTER_BLOCK
+    inner = min(_pow2_floor(TILE_ELEMENTS // (heads * outer)), MAX_INNER_BLOCK)
+    if inner < MIN_BLOCK:
+        inner = MIN_BLOCK
+        outer = max(_pow2_floor(TILE_ELEMENTS // (heads * inner)), MIN_BLOCK)
+    return (inner, outer) if backward else (outer, inner)
 
 
 def make_plan(spec: AttentionSpec, block_q: int, block_k: int) -> _Plan:
@@ -269,16 +315,38 @@ def _rows(plan: _Plan, x):
     return jnp.broadcast_to(x, (b, h, groups, plan.bq, s)).reshape(b, h, groups * plan.bq, s)
 
 
-def _q_tile(plan: _Plan, x, iq):
-    """Rows ``[B, Hkv, G*bq, ...]`` of query tile ``iq`` of a ``[B, Hkv, G, Tp, ...]`` array."""
-    t = lax.dynamic_slice_in_dim(x, iq * plan.bq, plan.bq, axis=3)
-    return t.reshape(t.shape[:2] + (t.shape[2] * plan.bq,) + t.shape[4:])
+def _grouped(plan: _Plan, x):
+    """``[B, H, T, ...]`` viewed as ``[B, Hkv, G, T, ...]``; left as it is when
+    ``G == 1`` (a size-1 group axis makes XLA's CPU layout assignment copy the
+    whole array before the loops)."""
+    spec = plan.spec
+    if spec.groups == 1:
+        return x
+    return x.reshape((spec.batch, spec.kv_heads, spec.groups) + x.shape[2:])
 
 
-def _put_q_tile(plan: _Plan, x, tile, iq):
+def _gshape(plan: _Plan, *tail: int) -> tuple[int, ...]:
+    """``(B, Hkv, G, *tail)``, or ``(B, Hkv, *tail)`` when ``G == 1`` (see `_grouped`)."""
+    spec = plan.spec
+    return (spec.batch, spec.kv_heads) + ((spec.groups,) if spec.groups > 1 else ()) + tail
+
+
+def _q_tile(plan: _Plan, x, iq, axis: int = -2):
+    """Rows ``[B, Hkv, G*bq, ...]`` of query tile ``iq`` of a grouped array whose
+    query axis is ``axis`` (``-2`` for ``[B, Hkv, (G,) Tp, D]``, ``-1`` for the
+    statistics ``[B, Hkv, (G,) Tp]`` and the transposed ``[B, Hkv, D, (G,) Tp]``)."""
+    axis %= x.ndim
+    t = lax.dynamic_slice_in_dim(x, iq * plan.bq, plan.bq, axis=axis)
+    if plan.spec.groups == 1:
+        return t
+    return t.reshape(t.shape[: axis - 1] + (plan.spec.groups * plan.bq,) + t.shape[axis + 1 :])
+
+
+def _put_q_tile(plan: _Plan, x, tile, iq, axis: int = -2):
     """Inverse of `_q_tile`: write the rows of tile ``iq`` back into ``x``."""
-    tile = tile.reshape(x.shape[:3] + (plan.bq,) + x.shape[4:])
-    return lax.dynamic_update_slice_in_dim(x, tile, iq * plan.bq, axis=3)
+    axis %= x.ndim
+    tile = tile.reshape(x.shape[:axis] + (plan.bq,) + x.shape[axis + 1 :])
+    return lax.dynamic_update_slice_in_dim(x, tile, iq * plan.bq, axis=axis)
 
 
 def _row_pos(plan: _Plan, iq):
@@ -293,19 +361,35 @@ def _dot_operands(plan: _Plan, a, b):
     return a.astype(plan.cdt), b.astype(plan.cdt)
 
 
-def _score_fn(plan: _Plan, ex_tile, q_pos, k_pos, edge: bool):
+def _score_fn(plan: _Plan, ex_tile, q_pos, k_pos, edge: bool, transposed: bool = False):
     """``f(s_raw, biases) -> s``: the spec's ops on one tile, as a function of
     the raw scores and the (5-D, compute-dtype) bias tiles so the backward can
-    differentiate it.  Edge tiles also apply the causal op and key padding."""
+    differentiate it.  Edge tiles also apply the causal op and key padding.
+
+    ``transposed``: the tile is ``[..., s, t]`` (the backward's key-major
+    tiles).  The same `apply_score_ops` runs on it, with the extras transposed
+    (XLA reads them transposed inside the fusion; nothing is copied) and the
+    positions swapped and negated: its causal test ``k <= q + offset`` on
+    (row, column) positions (-k_j, -q_i) reads ``-q_i <= -k_j + offset``,
+    i.e. ``k_j <= q_i + offset``, the same test for the transposed entry.
+    """
     spec = plan.spec
     ops_spec = dataclasses.replace(spec, score_ops=plan.ops_edge if edge else plan.ops_plain)
+    if not ops_spec.score_ops and not (edge and plan.padded_k):
+        return lambda s, biases: s
 
     def f(s, biases):
         ex = [_rows(plan, biases.get(i, x)) for i, x in enumerate(ex_tile)]
-        s = apply_score_ops(ops_spec, s, ex, q_pos, k_pos)
+        if transposed:
+            ex = [jnp.swapaxes(x, -1, -2) for x in ex]
+            s = apply_score_ops(ops_spec, s, ex, -k_pos, -q_pos)
+            key_axis = k_pos[:, None]
+        else:
+            s = apply_score_ops(ops_spec, s, ex, q_pos, k_pos)
+            key_axis = k_pos[None, :]
         if edge and plan.padded_k:
             # Padded keys get -inf, below any user fill: they never carry weight.
-            s = jnp.where(k_pos < spec.kv_len, s, -jnp.inf)
+            s = jnp.where(key_axis < spec.kv_len, s, -jnp.inf)
         return s
 
     return f
@@ -322,12 +406,12 @@ def _bias_indices(spec: AttentionSpec, extras) -> tuple[int, ...]:
     return tuple(i for i in idx if jnp.issubdtype(extras[i].dtype, jnp.inexact))
 
 
-def _pad_axis(x, axis: int, size: int):
+def _pad_axis(x, axis: int, size: int, value=0):
     if x.shape[axis] == size:
         return x
     pad = [(0, 0)] * x.ndim
     pad[axis] = (0, size - x.shape[axis])
-    return jnp.pad(x, pad)
+    return jnp.pad(x, pad, constant_values=np.array(value, x.dtype))
 
 
 def _skipped_score(plan: _Plan, cdt):
@@ -344,27 +428,29 @@ def _skipped_score(plan: _Plan, cdt):
 
 def _forward(plan: _Plan, q, k, v, extras):
     """Returns ``out5 [B,Hkv,G,Tp,Dv]`` (out dtype) and the softmax statistics
-    ``m`` (row max) and ``den`` (row sum of exp(s - m)), each ``[B,Hkv,G,Tp]``."""
+    ``m`` (row max) and ``den`` (row sum of exp(s - m)), each ``[B,Hkv,G,Tp]``
+    (no G axis when G == 1, see `_grouped`)."""
     spec, cdt, bk = plan.spec, plan.cdt, plan.bk
-    B, Hkv, G, D, Dv = spec.batch, spec.kv_heads, spec.groups, spec.head_dim, spec.v_head_dim
+    B, Hkv, G, Dv = spec.batch, spec.kv_heads, spec.groups, spec.v_head_dim
     rows = G * plan.bq
     tp, sp = plan.nq * plan.bq, plan.nk * bk
-    q5 = _pad_axis(_scaled_q(plan, q).reshape(B, Hkv, G, spec.q_len, D), 3, tp)
+    q5 = _pad_axis(_grouped(plan, q), -2, tp)
     kp = _pad_axis(k, 2, sp)
     vp = _pad_axis(v, 2, sp)
     ex5 = [_extra5(spec, x, tp, sp) for x in extras]
     p_dtype = spec.p_dtype
 
     if plan.skipped_score is not None:
-        # Suffix sums of V over real keys: row j is sum_{j' >= j} v[j'], row S is 0.
-        vs = v.astype(cdt)
-        suffix = jnp.cumsum(vs[:, :, ::-1], axis=2)[:, :, ::-1]
-        vsuffix = jnp.concatenate([suffix, jnp.zeros_like(vs[:, :, :1])], axis=2)
+        # Skipped keys start at a key-block boundary: suffix sums of V's block
+        # sums (padded keys are 0), row j is sum over blocks >= j, row nk is 0.
+        vblocks = vp.astype(cdt).reshape(B, Hkv, plan.nk, bk, Dv).sum(axis=3)
+        suffix = jnp.cumsum(vblocks[:, :, ::-1], axis=2)[:, :, ::-1]
+        vsuffix = jnp.concatenate([suffix, jnp.zeros_like(suffix[:, :, :1])], axis=2)
         c = _skipped_score(plan, cdt)
 
     def q_block(iq, carry):
         out, ms, dens = carry
-        q_t = _q_tile(plan, q5, iq)
+        q_t = _scaled_q(plan, _q_tile(plan, q5, iq))
         ex_q = [_slice_t(x, iq * plan.bq, plan.bq) for x in ex5]
         q_pos = _row_pos(plan, iq)
 
@@ -409,16 +495,17 @@ def _forward(plan: _Plan, q, k, v, extras):
             m_safe = jnp.where(m_new == -jnp.inf, 0, m_new)
             alpha = jnp.exp(m - m_safe)
             beta = jnp.where(n > 0, jnp.exp(c - m_safe), 0)
-            vsum = lax.dynamic_slice_in_dim(vsuffix, first, 1, axis=2)
+            vsum = lax.dynamic_slice_in_dim(vsuffix, _bound(plan.kend, iq), 1, axis=2)
             den = den * alpha + n * beta
             beta_p = beta.astype(p_dtype).astype(cdt)  # as the reference rounds p
             acc = acc * alpha[..., None] + beta_p[..., None] * vsum
             m = m_new
-        out = _put_q_tile(plan, out, (acc / den[..., None]).astype(spec.out_dtype), iq)
-        return out, _put_q_tile(plan, ms, m, iq), _put_q_tile(plan, dens, den, iq)
+        out_t = (acc / den[..., None]).astype(spec.out_dtype)
+        out = _put_q_tile(plan, out, out_t, iq)
+        return out, _put_q_tile(plan, ms, m, iq, -1), _put_q_tile(plan, dens, den, iq, -1)
 
-    stats = jnp.zeros((B, Hkv, G, tp), cdt)
-    init = (jnp.zeros((B, Hkv, G, tp, Dv), spec.out_dtype), stats, stats)
+    stats = jnp.zeros(_gshape(plan, tp), cdt)
+    init = (jnp.zeros(_gshape(plan, tp, Dv), spec.out_dtype), stats, stats)
     return _loop(0, plan.nq, q_block, init)
 
 
@@ -430,74 +517,97 @@ def _backward(plan: _Plan, q, k, v, extras, out, m, den, dout, wanted):
 
     ``wanted[i]`` says whether extras[i] needs its cotangent (None if not)."""
     spec, cdt, bq, bk = plan.spec, plan.cdt, plan.bq, plan.bk
-    B, H, Hkv, G = spec.batch, spec.heads, spec.kv_heads, spec.groups
+    B, H, Hkv = spec.batch, spec.heads, spec.kv_heads
     T, S, D, Dv = spec.q_len, spec.kv_len, spec.head_dim, spec.v_head_dim
     tp, sp = plan.nq * bq, plan.nk * bk
-    q5 = _pad_axis(_scaled_q(plan, q).reshape(B, Hkv, G, T, D), 3, tp)
+    q5 = _pad_axis(_grouped(plan, q), -2, tp)
     kp = _pad_axis(k, 2, sp)
     vp = _pad_axis(v, 2, sp)
-    do5 = _pad_axis(dout.reshape(B, Hkv, G, T, Dv), 3, tp)
-    out5 = _pad_axis(out.reshape(B, Hkv, G, T, Dv), 3, tp)
+    do5 = _pad_axis(_grouped(plan, dout), -2, tp)
+    out5 = _pad_axis(_grouped(plan, out), -2, tp)
     ex5 = [_extra5(spec, x, tp, sp) for x in extras]
     bias_idx = tuple(i for i in _bias_indices(spec, extras) if wanted[i])
     p_dtype = spec.p_dtype
 
-    delta = jnp.sum(do5.astype(cdt) * out5.astype(cdt), axis=-1)
+    # (An einsum, not sum(do * out, -1): XLA's CPU reduction over a 64-wide
+    # minor axis is ~25x slower than the equivalent batched dot.)
+    delta = jnp.einsum("...td,...td->...t", do5.astype(cdt), out5.astype(cdt))
     # p = exp(s - m) / den, recomputed as in the forward.  Not exp(s - lse): with
     # a large finite fill (a fully masked row, m = -1e9) m + log(den) rounds to m
     # in float32 and every weight of that row would come out wrong.
     # Padded query rows get m=+inf and 1/den=0, hence p=0 exactly: whatever their
     # scores, they never leak nan into dk/dv.
     real = jnp.arange(tp) < T
-    m = jnp.where(real, m, jnp.inf)
-    inv_den = jnp.where(real, 1 / den, 0)
+    m = jnp.where(real, _pad_axis(m, -1, tp), jnp.inf)
+    inv_den = jnp.where(real, 1 / _pad_axis(den, -1, tp, 1), 0)
+    # With e = exp(s - m) (p = e / den):  dV = p^T dO = e^T (dO / den) and
+    # dS = p * (dP - delta) = e * (V (dO / den)^T - delta / den).  Scaling the
+    # [T, Dv] dO and the [T] delta once, instead of every tile, leaves one pass
+    # over each tile less (no p = e / den).
+    do_n = do5.astype(cdt) * inv_den[..., None]
+    delta_n = delta * inv_den
 
     def k_block(ik, carry):
-        dq, dk, dv, dbias = carry
+        dqt, dk, dv, dbias = carry
         k_t = lax.dynamic_slice_in_dim(kp, ik * bk, bk, axis=2)
         v_t = lax.dynamic_slice_in_dim(vp, ik * bk, bk, axis=2)
         k_pos = ik * bk + jnp.arange(bk)
         ex_k = [_slice_s(x, ik * bk, bk) for x in ex5]
+        # Tiles are key-major here (``[bk, rows]``, the transpose of the
+        # forward's): then every product below contracts the minor axis of its
+        # left operand, the layout XLA's fast CPU matmul path takes; a
+        # transposed left operand (p^T @ dO) falls back to a ~3x slower one.
+        k_dot = _dot_operands(plan, k_t, q5)[0]
+        k_tr = jnp.swapaxes(k_dot, 2, 3)  # [B, Hkv, D, bk], once per key block
 
         def q_body(edge):
             def body(iq, state):
-                dq, dk_t, dv_t, dbias = state
-                q_t = _q_tile(plan, q5, iq)
-                do_t = _q_tile(plan, do5, iq)
-                m_t, inv_den_t, delta_t = (_q_tile(plan, x, iq) for x in (m, inv_den, delta))
+                dqt, dk_t, dv_t, dbias = state
+                q_t = _scaled_q(plan, _q_tile(plan, q5, iq))
+                do_t = _q_tile(plan, do_n, iq)
+                m_t, delta_t = (_q_tile(plan, x, iq, -1)[:, :, None] for x in stats)
                 ex_t = [_slice_t(x, iq * bq, bq) for x in ex_k]
-                a, b = _dot_operands(plan, q_t, k_t)
-                s = jnp.einsum("bhtd,bhsd->bhts", a, b, preferred_element_type=cdt)
+                b, a = _dot_operands(plan, k_t, q_t)
+                st = jnp.einsum("bhsd,bhtd->bhst", b, a, preferred_element_type=cdt)
                 biases = {i: ex_t[i].astype(cdt) for i in bias_idx}
-                score_fn = _score_fn(plan, ex_t, _row_pos(plan, iq), k_pos, edge)
-                s, score_vjp = jax.vjp(score_fn, s, biases)
-                p = jnp.exp(s - m_t[..., None]) * inv_den_t[..., None]
+                score_fn = _score_fn(plan, ex_t, _row_pos(plan, iq), k_pos, edge, transposed=True)
+                st, score_vjp = jax.vjp(score_fn, st, biases)
+                et = jnp.exp(st - m_t)
+                # One exp per tile: without the barrier XLA recomputes it in
+                # the fusion that forms ds.
+                et = lax.optimization_barrier(et)
                 dv_t = dv_t + jnp.einsum(
-                    "bhts,bhtd->bhsd", p.astype(p_dtype), do_t, preferred_element_type=cdt
+                    "bhst,bhtd->bhsd", et.astype(p_dtype), do_t, preferred_element_type=cdt
                 )
-                dp = jnp.einsum("bhtd,bhsd->bhts", do_t, v_t, preferred_element_type=cdt)
-                ds, dbias_t = score_vjp(p * (dp - delta_t[..., None]))
-                dq_t = jnp.einsum("bhts,bhsd->bhtd", ds, b, preferred_element_type=cdt)
-                dq = _put_q_tile(plan, dq, _q_tile(plan, dq, iq) + dq_t, iq)
+                dpt = jnp.einsum("bhsd,bhtd->bhst", v_t, do_t, preferred_element_type=cdt)
+                dst, dbias_t = score_vjp(et * (dpt - delta_t))
                 # Rows are (group, position): contracting them sums the group.
-                dk_t = dk_t + jnp.einsum("bhts,bhtd->bhsd", ds, a, preferred_element_type=cdt)
+                dk_t = dk_t + jnp.einsum("bhst,bhtd->bhsd", dst, a, preferred_element_type=cdt)
+                dq_t = jnp.einsum("bhds,bhst->bhdt", k_tr, dst, preferred_element_type=cdt)
+                dqt = _put_q_tile(plan, dqt, _q_tile(plan, dqt, iq, -1) + dq_t, iq, -1)
                 dbias = {
                     i: _add_at(dbias[i], g, (3, 4), (iq * bq, ik * bk)) for i, g in dbias_t.items()
                 }
-                return dq, dk_t, dv_t, dbias
+                return dqt, dk_t, dv_t, dbias
 
             return body
 
-        state = (dq, jnp.zeros((B, Hkv, bk, D), cdt), jnp.zeros((B, Hkv, bk, Dv), cdt), dbias)
+        state = (
+            dqt,
+            jnp.zeros((B, Hkv, bk, D), cdt),
+            jnp.zeros((B, Hkv, bk, Dv), cdt),
+            dbias,
+        )
         qstart, qfull = _bound(plan.qstart, ik), _bound(plan.qfull, ik)
         state = _loop(qstart, qfull, q_body(True), state)
-        dq, dk_t, dv_t, dbias = _loop(qfull, plan.nq, q_body(False), state)
+        dqt, dk_t, dv_t, dbias = _loop(qfull, plan.nq, q_body(False), state)
         dk = lax.dynamic_update_slice_in_dim(dk, dk_t, ik * bk, axis=2)
         dv = lax.dynamic_update_slice_in_dim(dv, dv_t, ik * bk, axis=2)
-        return dq, dk, dv, dbias
+        return dqt, dk, dv, dbias
 
+    stats = (m, delta_n)
     init = (
-        jnp.zeros((B, Hkv, G, tp, D), cdt),
+        jnp.zeros((B, Hkv, D) + _gshape(plan, tp)[2:], cdt),  # dq^T, see `_q_tile`
         jnp.zeros((B, Hkv, sp, D), cdt),
         jnp.zeros((B, Hkv, sp, Dv), cdt),
         {i: jnp.zeros(ex5[i].shape, cdt) for i in bias_idx},
@@ -507,7 +617,7 @@ def _backward(plan: _Plan, q, k, v, extras, out, m, den, dout, wanted):
     if plan.skipped_score is not None:
         dv = dv + _skipped_dv(plan, m, inv_den, do5)
 
-    dq = dq[:, :, :, :T].reshape(B, H, T, D)
+    dq = jnp.moveaxis(dq[..., :T], 2, -1).reshape(B, H, T, D)
     if plan.q_scale != 1.0:
         dq = dq * jnp.asarray(plan.q_scale, cdt)  # the chain rule through the fold
     dq = dq.astype(q.dtype)
@@ -527,19 +637,20 @@ def _backward(plan: _Plan, q, k, v, extras, out, m, den, dout, wanted):
 
 def _skipped_dv(plan: _Plan, m, inv_den, do5):
     """dV from skipped keys: every skipped key j of query row i has weight
-    exp(c - m_i) / l_i, so dv[j] = sum over rows whose block skips j.  Query block
-    iq skips keys [kend_key[iq], S): scatter its weighted dO sum at that start
-    and take a prefix sum over keys."""
+    exp(c - m_i) / l_i, so dv[j] sums the weighted dO of every row whose block
+    skips j.  Query block iq skips the key blocks [kend[iq], nk): the sum is one
+    per key block, a static 0/1 matrix times the per-query-block sums."""
     spec, cdt = plan.spec, plan.cdt
-    B, Hkv, G, _, Dv = do5.shape
+    B, Hkv, G, Dv = spec.batch, spec.kv_heads, spec.groups, spec.v_head_dim
     c = _skipped_score(plan, cdt)
     w = (jnp.exp(c - m) * inv_den).astype(spec.p_dtype).astype(cdt)  # [B,Hkv,G,Tp]
     w = w.reshape(B, Hkv, G, plan.nq, plan.bq)
     do = do5.astype(cdt).reshape(B, Hkv, G, plan.nq, plan.bq, Dv)
     per_block = jnp.einsum("bhgqt,bhgqtd->bhqd", w, do)
-    starts = np.asarray(plan.kend_key)
-    z = jnp.zeros((B, Hkv, spec.kv_len + 1, Dv), cdt).at[:, :, starts].add(per_block)
-    return jnp.cumsum(z, axis=2)[:, :, : spec.kv_len]
+    skips = np.array([[float(e <= jb) for e in plan.kend] for jb in range(plan.nk)], cdt)
+    per_key_block = jnp.einsum("jq,bhqd->bhjd", skips, per_block)
+    dv = jnp.broadcast_to(per_key_block[:, :, :, None], (B, Hkv, plan.nk, plan.bk, Dv))
+    return dv.reshape(B, Hkv, plan.nk * plan.bk, Dv)[:, :, : spec.kv_len]
 
 
 def _add_at(acc, tile, axes, starts):
@@ -556,16 +667,25 @@ def _add_at(acc, tile, axes, starts):
 # --------------------------------------------------------------------------- custom_vjp
 
 
+@dataclasses.dataclass(frozen=True)
+class _Plans:
+    """The forward's and the backward's tilings (they may differ, see `default_blocks`)."""
+
+    fwd: _Plan
+    bwd: _Plan
+
+
 def _attention_impl(plan: _Plan, q, k, v, extras):
     out5, m, den = _forward(plan, q, k, v, extras)
     spec = plan.spec
-    out = out5[:, :, :, : spec.q_len].reshape(spec.out_shape)
-    return out, (m, den)
+    out = out5[..., : spec.q_len, :].reshape(spec.out_shape)
+    # Statistics of the real rows only: the backward pads to its own tiling.
+    return out, (m[..., : spec.q_len], den[..., : spec.q_len])
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _attention(plan, q, k, v, extras):
-    return _attention_impl(plan, q, k, v, extras)[0]
+def _attention(plans, q, k, v, extras):
+    return _attention_impl(plans.fwd, q, k, v, extras)[0]
 
 
 @jax.tree_util.register_static
@@ -576,7 +696,7 @@ class _Wanted:
     extras: tuple[bool, ...]
 
 
-def _attention_fwd(plan, q, k, v, extras):
+def _attention_fwd(plans, q, k, v, extras):
     # symbolic_zeros: each array arrives as CustomVJPPrimal(value, perturbed),
     # which tells us whether a bias gradient is wanted at all.  Without this the
     # backward would accumulate, e.g., a [1, H, T, S] bias gradient nobody uses
@@ -584,16 +704,16 @@ def _attention_fwd(plan, q, k, v, extras):
     wanted = _Wanted(tuple(x.perturbed for x in extras))
     q, k, v = q.value, k.value, v.value
     extras = tuple(x.value for x in extras)
-    out, (m, den) = _attention_impl(plan, q, k, v, extras)
+    out, (m, den) = _attention_impl(plans.fwd, q, k, v, extras)
     # Residuals: inputs, output and two [B, H, T] statistics; never a T x S array.
     return out, (q, k, v, extras, out, m, den, wanted)
 
 
-def _attention_bwd(plan, res, dout):
+def _attention_bwd(plans, res, dout):
     q, k, v, extras, out, m, den, wanted = res
     if isinstance(dout, SymbolicZero):
         return None, None, None, tuple(None for _ in extras)
-    return _backward(plan, q, k, v, extras, out, m, den, dout, wanted.extras)
+    return _backward(plans.bwd, q, k, v, extras, out, m, den, dout, wanted.extras)
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd, symbolic_zeros=True)
@@ -605,24 +725,32 @@ _attention.defvjp(_attention_fwd, _attention_bwd, symbolic_zeros=True)
 class BlockwiseKernel(Kernel):
     """Flash attention written with ``lax`` loops: every platform, any spec.
 
-    ``block_q``/``block_k`` are maximum tile sizes; lengths that are not a
-    multiple are padded internally (padded keys get weight exactly 0, padded
-    query rows are dropped).  Tile sizes never change results beyond rounding.
+    ``block_q``/``block_k`` are maximum tile sizes, by default (None) chosen
+    per shape by `default_blocks`; lengths that are not a multiple are padded
+    internally (padded keys get weight exactly 0, padded query rows are
+    dropped).  Tile sizes never change results beyond rounding.
     """
 
     name = "blockwise"
     platforms = ("cpu", "gpu", "tpu")
 
-    def __init__(self, block_q: int = DEFAULT_BLOCK_Q, block_k: int = DEFAULT_BLOCK_K):
+    def __init__(self, block_q: int | None = None, block_k: int | None = None):
         for label, value in (("block_q", block_q), ("block_k", block_k)):
-            if not isinstance(value, int | np.integer) or value < 1:
-                raise ValueError(f"{label} must be a positive int, got {value!r}")
-        self.block_q = int(block_q)
-        self.block_k = int(block_k)
+            if value is not None and (not isinstance(value, int | np.integer) or value < 1):
+                raise ValueError(f"{label} must be a positive int or None, got {value!r}")
+        self.block_q = None if block_q is None else int(block_q)
+        self.block_k = None if block_k is None else int(block_k)
+
+    def blocks(self, spec: AttentionSpec, backward: bool = False) -> tuple[int, int]:
+        """The maximum tile sizes for ``spec``: the given ones, else `default_blocks`."""
+        bq, bk = default_blocks(spec, backward)
+        return (bq if self.block_q is None else self.block_q), (
+            bk if self.block_k is None else self.block_k
+        )
 
     def plan(self, spec: AttentionSpec) -> _Plan:
-        """The static tiling of ``spec`` (exposed for tests and diagnostics)."""
-        return make_plan(spec, self.block_q, self.block_k)
+        """The static tiling of ``spec``'s forward (exposed for tests and diagnostics)."""
+        return make_plan(spec, *self.blocks(spec))
 
     def check(self, spec: AttentionSpec, ctx: CheckContext) -> list[str]:
         """Reasons not to run ``spec``: platform, and on CPU a too-short sequence."""
@@ -638,11 +766,13 @@ class BlockwiseKernel(Kernel):
         """Attention ``[B, H, T, Dv]`` in ``spec.out_dtype`` (``interpret`` is ignored)."""
         extras = tuple(extras)
         _validate(spec, q, k, v, extras)
-        plan = self.plan(spec)
-        return _attention(plan, q, k, v, extras)
+        fwd = self.plan(spec)
+        bwd = make_plan(spec, *self.blocks(spec, backward=True))
+        return _attention(_Plans(fwd, bwd if bwd != fwd else fwd), q, k, v, extras)
 
     def __repr__(self) -> str:
-        return f"<flashpass kernel 'blockwise' block_q={self.block_q} block_k={self.block_k}>"
+        bq, bk = (b if b is not None else "auto" for b in (self.block_q, self.block_k))
+        return f"<flashpass kernel 'blockwise' block_q={bq} block_k={bk}>"
 
 
 def _validate(spec: AttentionSpec, q, k, v, extras) -> None:

@@ -13,8 +13,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.extend.core import jaxprs_in_params
 
+from flashpass import compat
 from flashpass.kernels import (
     AttentionSpec,
     Bias,
@@ -26,7 +26,13 @@ from flashpass.kernels import (
     Softcap,
     get_kernel,
 )
-from flashpass.kernels.blockwise import CPU_MIN_KV_LEN, BlockwiseKernel
+from flashpass.kernels.blockwise import (
+    CPU_MIN_KV_LEN,
+    MIN_BLOCK,
+    TILE_ELEMENTS,
+    BlockwiseKernel,
+    default_blocks,
+)
 from flashpass.kernels.reference import reference_attention
 
 F32, BF16 = np.dtype("float32"), np.dtype(jnp.bfloat16)
@@ -263,6 +269,37 @@ def test_block_size_does_not_change_numerics():
     assert_close(small, whole, 1e-5)
 
 
+class _SplitTiles(BlockwiseKernel):
+    """Different forward and backward tilings, as `default_blocks` gives."""
+
+    def blocks(self, spec, backward=False):
+        return (8, 24) if backward else (24, 8)
+
+
+@pytest.mark.parametrize("gqa", [False, True])
+def test_forward_and_backward_tilings_may_differ(gqa):
+    """The statistics cross from one tiling to the other: padding included
+    (37 and 53 fit neither tiling), a fully masked row, a skipped causal block."""
+    mask = np.array(bool_mask((1, 1, 37, 53), 5))
+    mask[:, :, 3] = False
+    mask = jnp.asarray(mask)
+    bias = normal((1, H, 37, 53), 6)
+    ops = [SC, Bias(1, bias.shape, F32), Mask(0, mask.shape, -1e9), Causal(0, -1e9)]
+    spec = make_spec(t=37, s=53, hkv=2 if gqa else None, ops=ops, extras=(mask, bias))
+    q, k, v = make_qkv(spec)
+    got, want = run_both(spec, q, k, v, (mask, bias), kernel=_SplitTiles())
+    assert_close(got, want, 1e-5)
+
+
+@pytest.mark.parametrize("heads", [1, 8, 32, 1024])
+def test_default_blocks_fit_the_tile_budget(heads):
+    spec = make_spec(b=1, h=heads, t=8192, s=8192)
+    fwd, bwd = default_blocks(spec), default_blocks(spec, backward=True)
+    assert bwd == fwd[::-1]  # the backward's loops are key-major
+    assert heads * fwd[0] * fwd[1] <= TILE_ELEMENTS or fwd == (MIN_BLOCK, MIN_BLOCK)
+    assert min(fwd) >= MIN_BLOCK
+
+
 def test_jit_and_vmap():
     spec = make_spec(b=1, ops=[SC, Mask(0, (1, 1, 1, S), -1e9), Causal(0, -1e9)])
     n = 3
@@ -310,7 +347,7 @@ def _all_avals(jaxpr):
     for eqn in jaxpr.eqns:
         for var in eqn.outvars:
             yield var.aval
-        for sub in jaxprs_in_params(eqn.params):
+        for sub in compat.subjaxprs_of_params(eqn.params):
             yield from _all_avals(getattr(sub, "jaxpr", sub))
 
 
