@@ -132,7 +132,32 @@ def eval_jaxpr(jaxpr, consts, *args):
 
 
 def jaxpr_as_fun(closed_jaxpr):
-    return _core.jaxpr_as_fun(closed_jaxpr)
+    """``closed_jaxpr`` as a function, like ``jax.core.jaxpr_as_fun``, whose
+    equations are re-staged with `bind_equation` (so tracing it under ``jit``
+    takes the fast path that re-emits unchanged equations)."""
+
+    def fun(*args):
+        return _eval_jaxpr(closed_jaxpr.jaxpr, closed_jaxpr.consts, args)
+
+    return fun
+
+
+def _eval_jaxpr(jaxpr, consts, args) -> list:
+    env: dict = {}
+
+    def read(atom):
+        return atom.val if type(atom) is _core.Literal else env[atom]
+
+    for var, value in zip(jaxpr.constvars, consts, strict=True):
+        env[var] = value
+    for var, value in zip(jaxpr.invars, args, strict=True):
+        env[var] = value
+    for eqn in jaxpr.eqns:
+        outs = bind_equation(eqn, [read(a) for a in eqn.invars])
+        for var, value in zip(eqn.outvars, outs, strict=True):
+            if type(var) is not DropVar:
+                env[var] = value
+    return [read(v) for v in jaxpr.outvars]
 
 
 def dce_closed_jaxpr(closed: ClosedJaxpr) -> ClosedJaxpr:
