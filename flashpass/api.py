@@ -435,12 +435,24 @@ def _log(report: Report, name: str) -> None:
         logger.info("%s: kept attention at %s as written: %s", name, f.location, f.reason)
 
 
+#: Types seen to be concrete ``jax.Array``s: `_leaf_key` skips the (slow,
+#: abstract-base-class) ``isinstance`` checks for them.
+_CONCRETE_ARRAY_TYPES: set = set()
+
+
 def _leaf_key(x):
     """Cheap cache-key part of one argument leaf (the hot path of a cached call)."""
+    if type(x) in _CONCRETE_ARRAY_TYPES:
+        sharding = x.sharding
+        if not isinstance(sharding, jax.sharding.NamedSharding):
+            sharding = None
+        return (x.shape, x.dtype, x.weak_type, sharding)
     if isinstance(x, jax.Array):  # concrete arrays and tracers
         aval = x.aval if isinstance(x, jax.core.Tracer) else None
         if aval is not None:
             return (aval.shape, aval.dtype, aval.weak_type, compat.traced_sharding(aval))
+        if hasattr(x, "weak_type"):
+            _CONCRETE_ARRAY_TYPES.add(type(x))
         sharding = x.sharding if isinstance(x.sharding, jax.sharding.NamedSharding) else None
         return (x.shape, x.dtype, getattr(x, "weak_type", False), sharding)
     if isinstance(x, np.ndarray | np.generic):
