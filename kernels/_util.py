@@ -214,6 +214,13 @@ def float_dtype_reasons(spec: AttentionSpec, kernel: str, allowed=(BF16, F16, F3
     return reasons
 
 
+def check_max_block(max_block: int, lanes: int = 128) -> int:
+    """``max_block`` for the Pallas TPU kernels: a power-of-two multiple of 128."""
+    if max_block < lanes or max_block & (max_block - 1):
+        raise ValueError(f"max_block must be a power-of-two multiple of 128, got {max_block}")
+    return max_block
+
+
 def pad_axis(x, axis: int, size: int, *, front: int = 0, value=0):
     """Pad ``x`` along ``axis`` to ``size`` (``front`` entries before, the rest after)."""
     back = size - x.shape[axis] - front

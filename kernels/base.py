@@ -260,5 +260,11 @@ class Kernel:
             hint = " (pass interpret=True to run it in interpret mode)"
         return [f"{self.name} runs on {', '.join(self.platforms)}, not {ctx.platform}{hint}"]
 
+    def require(self, reasons: list[str]) -> None:
+        """Shared helper for `apply`: raise when ``reasons`` (from `check`'s
+        spec checks) say this kernel cannot run the attention."""
+        if reasons:
+            raise ValueError(f"{self.name} cannot run this attention: " + "; ".join(reasons))
+
     def __repr__(self) -> str:
         return f"<flashpass kernel {self.name!r}>"

@@ -165,8 +165,7 @@ class CudnnKernel(Kernel):
         if interpret and self.implementation == "cudnn":
             raise ValueError("the cudnn kernel has no interpret mode (it only runs on a GPU)")
         reasons = _reasons(spec)
-        if reasons:
-            raise ValueError(f"{self.name} cannot run this attention: " + "; ".join(reasons))
+        self.require(reasons)
         plan = _plan(spec)
         form = plan.form
         kdt = plan.kernel_dtype

@@ -210,8 +210,7 @@ class PallasGpuKernel(Kernel):
         interpret: bool = False,
     ):
         reasons = _reasons(spec)
-        if reasons:
-            raise ValueError(f"{self.name} cannot run this attention: " + "; ".join(reasons))
+        self.require(reasons)
         plan = self._plan(spec)
         form = plan.form
         kdt = plan.kernel_dtype

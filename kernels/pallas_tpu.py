@@ -88,13 +88,7 @@ _Q_MULTIPLE = 16
 DEFAULT_MAX_BLOCK = 512
 
 _BF16 = np.dtype(jnp.bfloat16)
-_F16 = np.dtype(np.float16)
 _F32 = np.dtype(np.float32)
-_INPUT_FLOATS = (_BF16, _F16, _F32)
-
-
-def _round_up(x: int, m: int) -> int:
-    return -(-x // m) * m
 
 
 def _largest_block(length: int, max_block: int) -> int:
@@ -104,12 +98,6 @@ def _largest_block(length: int, max_block: int) -> int:
     while block * 2 <= max_block and length % (block * 2) == 0:
         block *= 2
     return block
-
-
-def _is_real(dtype: np.dtype) -> bool:
-    return dtype == np.bool_ or bool(
-        jnp.issubdtype(dtype, jnp.integer) or jnp.issubdtype(dtype, jnp.floating)
-    )
 
 
 def _is_power_of_two(x: float) -> bool:
@@ -196,24 +184,8 @@ def _masked_value(sm_scale: float) -> float:
 
 def _spec_reasons(spec: AttentionSpec) -> list[str]:
     """Static reasons this adapter cannot run ``spec`` exactly (platform aside)."""
-    reasons: list[str] = []
-    for name in ("q_dtype", "k_dtype", "v_dtype"):
-        dtype = getattr(spec, name)
-        if dtype not in _INPUT_FLOATS:
-            reasons.append(
-                f"{name[0]} has dtype {dtype.name}; the TPU flash kernel takes "
-                "bfloat16, float16 or float32 (float64 would be silently downcast)"
-            )
-    for name in ("compute_dtype", "p_dtype", "out_dtype"):
-        dtype = getattr(spec, name)
-        if dtype not in _INPUT_FLOATS:
-            reasons.append(
-                f"{name} is {dtype.name}; the TPU flash kernel computes in float32 at "
-                "most (disable jax_enable_x64 for this attention or use another kernel)"
-            )
-    if min(spec.head_dim, spec.v_head_dim, spec.q_len, spec.kv_len, spec.batch) <= 0:
-        reasons.append("empty q/k/v (a zero-sized dimension) is not supported")
-    full = (spec.batch, spec.heads, spec.q_len, spec.kv_len)
+    reasons = _util.float_dtype_reasons(spec, "the TPU flash kernel")
+    reasons += _util.empty_reasons(spec) + _util.extra_reasons(spec)
     for position, op in enumerate(spec.score_ops):
         if isinstance(op, Softcap):
             reasons.append(
@@ -226,26 +198,15 @@ def _spec_reasons(spec: AttentionSpec) -> list[str]:
                     f"score scale {op.value} is not positive; the adapter folds masks "
                     "into large negative biases, which a non-positive scale would flip"
                 )
-        elif isinstance(op, Bias | Mask):
-            kind = "bias" if isinstance(op, Bias) else "mask"
-            if not 0 <= op.index < len(spec.extras):
-                reasons.append(f"{kind} refers to extra #{op.index}, which the spec lacks")
-                continue
-            shape = tuple(spec.extras[op.index].shape)
-            if len(shape) != 4 or any(d not in (1, f) for d, f in zip(shape, full, strict=False)):
-                reasons.append(f"{kind} extra of shape {shape} is not broadcastable to {full}")
-            dtype = np.dtype(spec.extras[op.index].dtype)
-            if isinstance(op, Bias) and not _is_real(dtype):
-                reasons.append(f"bias extra of dtype {dtype.name} is not real-valued")
-            if isinstance(op, Mask):
-                fill = _effective_fill(spec, position, op.fill)
-                if not fill <= EXCLUDING_FILL:
-                    reasons.append(
-                        f"mask fill {op.fill} (score {fill} after later scales) does not "
-                        f"exclude keys (needs <= {EXCLUDING_FILL} or -inf): masked keys keep "
-                        "a non-zero weight that a bias cannot reproduce; use a fill such as "
-                        "-1e9 or -inf, or the 'blockwise' kernel"
-                    )
+        elif isinstance(op, Mask) and 0 <= op.index < len(spec.extras):  # else see extra_reasons
+            fill = _effective_fill(spec, position, op.fill)
+            if not fill <= EXCLUDING_FILL:
+                reasons.append(
+                    f"mask fill {op.fill} (score {fill} after later scales) does not "
+                    f"exclude keys (needs <= {EXCLUDING_FILL} or -inf): masked keys keep "
+                    "a non-zero weight that a bias cannot reproduce; use a fill such as "
+                    "-1e9 or -inf, or the 'blockwise' kernel"
+                )
         elif isinstance(op, Causal):
             fill = _effective_fill(spec, position, op.fill)
             if op.offset < 0:
@@ -286,17 +247,17 @@ def _plan(spec: AttentionSpec, max_block: int = DEFAULT_MAX_BLOCK) -> _Plan:
                 ab_dtype = _BF16
 
     if spec.q_len <= max_block:
-        q_len = _round_up(spec.q_len, _Q_MULTIPLE)
+        q_len = _util.round_up(spec.q_len, _Q_MULTIPLE)
         block_q = q_len
     else:
-        q_len = _round_up(spec.q_len, _LANES)
+        q_len = _util.round_up(spec.q_len, _LANES)
         block_q = _largest_block(q_len, max_block)
-    kv_len = _round_up(spec.kv_len, _LANES)
+    kv_len = _util.round_up(spec.kv_len, _LANES)
 
     head_dim = max(spec.head_dim, spec.v_head_dim)
     if head_dim > _LANES:
         # The kernel tiles head dims above 128 in lanes of 128.
-        head_dim = _round_up(head_dim, _LANES)
+        head_dim = _util.round_up(head_dim, _LANES)
 
     # Top-left causal with T <= S already excludes every padded key (j >= S > i).
     pad_keys = kv_len > spec.kv_len and not (causal and spec.q_len <= spec.kv_len)
@@ -375,9 +336,7 @@ class PallasTpuKernel(Kernel):
 
     def __init__(self, *, max_block: int = DEFAULT_MAX_BLOCK):
         """``max_block``: the largest query/key block (a power-of-two multiple of 128)."""
-        if max_block < _LANES or max_block & (max_block - 1):
-            raise ValueError(f"max_block must be a power-of-two multiple of 128, got {max_block}")
-        self.max_block = max_block
+        self.max_block = _util.check_max_block(max_block, _LANES)
 
     def check(self, spec: AttentionSpec, ctx: CheckContext) -> list[str]:
         """Reasons this kernel cannot run ``spec`` on ``ctx.platform`` (static)."""
@@ -399,8 +358,7 @@ class PallasTpuKernel(Kernel):
         interpret mode, e.g. on CPU.
         """
         reasons = _spec_reasons(spec)
-        if reasons:
-            raise ValueError(f"{self.name} cannot run this attention: " + "; ".join(reasons))
+        self.require(reasons)
         for name, x, shape in (
             ("q", q, spec.q_shape),
             ("k", k, spec.k_shape),

@@ -169,9 +169,7 @@ class SplashKernel(Kernel):
 
     def __init__(self, *, max_block: int = DEFAULT_MAX_BLOCK):
         """``max_block``: the largest query/key block (a power-of-two multiple of 128)."""
-        if max_block < _LANES or max_block & (max_block - 1):
-            raise ValueError(f"max_block must be a power-of-two multiple of 128, got {max_block}")
-        self.max_block = max_block
+        self.max_block = _util.check_max_block(max_block, _LANES)
 
     def check(self, spec: AttentionSpec, ctx: CheckContext) -> list[str]:
         return self.platform_reasons(ctx) + _reasons(spec)
@@ -187,8 +185,7 @@ class SplashKernel(Kernel):
         interpret: bool = False,
     ):
         reasons = _reasons(spec)
-        if reasons:
-            raise ValueError(f"{self.name} cannot run this attention: " + "; ".join(reasons))
+        self.require(reasons)
         plan = _plan(spec, self.max_block)
         form = plan.form
         kdt = plan.kernel_dtype

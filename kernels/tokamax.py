@@ -89,8 +89,7 @@ class TokamaxKernel(Kernel):
         tokamax = compat.tokamax_module()
         if tokamax is None:
             reasons.append("the optional 'tokamax' package is not installed")
-        if reasons:
-            raise ValueError(f"{self.name} cannot run this attention: " + "; ".join(reasons))
+        self.require(reasons)
         form = _util.linear_form(spec)
         kdt = _util.kernel_dtype(spec, narrow=(_util.BF16, _util.F16))
         T, S = spec.q_len, spec.kv_len
