@@ -84,6 +84,11 @@ class Optimized:
         self._static_argnums, self._static_argnames, self._params = _static_args(
             fn, static_argnums, static_argnames
         )
+        # Names of the parameters a static position may also be passed by keyword.
+        self._keyword_names = tuple(
+            p.name if p.kind == p.POSITIONAL_OR_KEYWORD else None
+            for p in (self._params or {}).values()
+        )
         self._cache: collections.OrderedDict = collections.OrderedDict()
         self._cache_size = cache_size
         self._lock = threading.RLock()
@@ -249,12 +254,7 @@ class Optimized:
 
     def _positional_name(self, i: int) -> str | None:
         """The name of positional parameter ``i`` (None: inside ``*args``, or unknown)."""
-        if self._params is None:
-            return None
-        params = list(self._params.values())
-        if i < len(params) and params[i].kind == params[i].POSITIONAL_OR_KEYWORD:
-            return params[i].name
-        return None
+        return self._keyword_names[i] if i < len(self._keyword_names) else None
 
     def _has_default(self, name: str) -> bool:
         param = (self._params or {}).get(name)
@@ -442,22 +442,20 @@ _CONCRETE_ARRAY_TYPES: set = set()
 
 def _leaf_key(x):
     """Cheap cache-key part of one argument leaf (the hot path of a cached call)."""
-    if type(x) in _CONCRETE_ARRAY_TYPES:
-        sharding = x.sharding
-        if not isinstance(sharding, jax.sharding.NamedSharding):
-            sharding = None
-        return (x.shape, x.dtype, x.weak_type, sharding)
-    if isinstance(x, jax.Array):  # concrete arrays and tracers
-        aval = x.aval if isinstance(x, jax.core.Tracer) else None
-        if aval is not None:
+    if type(x) not in _CONCRETE_ARRAY_TYPES:
+        if isinstance(x, jax.core.Tracer):
+            aval = x.aval
             return (aval.shape, aval.dtype, aval.weak_type, compat.traced_sharding(aval))
+        if isinstance(x, np.ndarray | np.generic):
+            return (np.shape(x), np.dtype(x.dtype), False)
+        if not isinstance(x, jax.Array):
+            return (type(x), getattr(x, "shape", None), getattr(x, "dtype", None))
         if hasattr(x, "weak_type"):
             _CONCRETE_ARRAY_TYPES.add(type(x))
-        sharding = x.sharding if isinstance(x.sharding, jax.sharding.NamedSharding) else None
-        return (x.shape, x.dtype, getattr(x, "weak_type", False), sharding)
-    if isinstance(x, np.ndarray | np.generic):
-        return (np.shape(x), np.dtype(x.dtype), False)
-    return (type(x), getattr(x, "shape", None), getattr(x, "dtype", None))
+    sharding = x.sharding
+    if not isinstance(sharding, jax.sharding.NamedSharding):
+        sharding = None
+    return (x.shape, x.dtype, getattr(x, "weak_type", False), sharding)
 
 
 def _struct(x, in_tree, index) -> jax.ShapeDtypeStruct:
