@@ -280,3 +280,15 @@ def test_tables_name_known_cases():
         for case, dtype in table:
             assert case == "*" or case in CASES, case
             assert dtype == "*" or dtype in DTYPES, dtype
+
+
+@pytest.mark.parametrize(
+    "kernel",
+    [BlockwiseKernel(), PallasTpuKernel(), SplashKernel(), CudnnKernel(), PallasGpuKernel()],
+    ids=lambda k: k.name,
+)
+def test_require_raises_with_the_kernel_name_and_every_reason(kernel):
+    name = kernel.name
+    kernel.require([])  # nothing against it: no error
+    with pytest.raises(ValueError, match=rf"^{name} cannot run this attention: first; second$"):
+        kernel.require(["first", "second"])
