@@ -18,9 +18,16 @@ forward's and the backward's), e.g. the sweep behind ``TILE_ELEMENTS``:
     python benchmarks/crossover.py --tiles 512x256/512x512 512x256/1024x512 \
         --sizes 4096 --causal-only --modes fwd+bwd --reps 15
 
-It prints the median and the minimum of each, relative to the default: on a
-machine shared with other jobs the median moves with the load, the minimum
-shows what a tile costs when nothing else interferes.
+``--head-loop`` compares the kernel run one (batch, head) unit at a time
+(``head_loop=True``) against the batched loops (``head_loop=False``), the
+measurement behind ``HEAD_LOOP_BLOCK`` and ``HEAD_LOOP_MIN_CAUSAL_LEN``:
+
+    python benchmarks/crossover.py --head-loop --sizes 1024 2048 4096 8192 --reps 5
+
+Both print the median and the minimum of each, relative to the first (the
+default tiles of the batched loops): on a machine shared with other jobs the
+median moves with the load, the minimum shows what a variant costs when nothing
+else interferes.
 """
 
 from __future__ import annotations
@@ -70,6 +77,7 @@ def main() -> None:
     ap.add_argument("--block-q", type=int, default=None, help="default: default_blocks")
     ap.add_argument("--block-k", type=int, default=None, help="default: default_blocks")
     ap.add_argument("--tiles", nargs="+", default=None, help="compare tile sizes, e.g. 512x256")
+    ap.add_argument("--head-loop", action="store_true", help="compare head_loop on and off")
     ap.add_argument("--causal-only", action="store_true")
     ap.add_argument("--modes", nargs="+", choices=("fwd", "fwd+bwd"), default=["fwd", "fwd+bwd"])
     args = ap.parse_args()
@@ -77,7 +85,9 @@ def main() -> None:
     kernel = BlockwiseKernel(block_q=args.block_q, block_k=args.block_k)
     b, h, d = 1, args.heads, args.dim
     if args.tiles:
-        return compare_tiles(args, b, h, d)
+        return compare(args, b, h, d, tile_kernels)
+    if args.head_loop:
+        return compare(args, b, h, d, head_loop_kernels)
     n = args.sizes[-1]
     blocks = kernel.blocks(blockwise_spec(b, h, n, d, False))
     print(f"backend={jax.default_backend()} B={b} H={h} D={d} f32 T=S blocks={blocks} at S={n}")
@@ -113,19 +123,33 @@ def main() -> None:
     print(f"total {time.perf_counter() - started:.0f} s")
 
 
-def compare_tiles(args, b, h, d) -> None:
-    """Blockwise with each of ``--tiles`` against the default tiles, interleaved."""
-    print(f"B={b} H={h} D={d} f32 T=S; median time / median time of the default tiles")
+def tile_kernels(args, spec) -> dict:
+    """The batched loops with their default tiles, then with each of ``--tiles``."""
+    default = BlockwiseKernel(head_loop=False)
+    kernels = {"default {}x{}".format(*default.blocks(spec)): default}
+    for tile in args.tiles:
+        kernels[tile] = _TiledKernel(*(_tile(t) for t in (tile.split("/") * 2)[:2]))
+    return kernels
+
+
+def head_loop_kernels(args, spec) -> dict:
+    return {
+        "batched": BlockwiseKernel(head_loop=False),
+        "head loop": BlockwiseKernel(head_loop=True),
+    }
+
+
+def compare(args, b, h, d, make_kernels) -> None:
+    """Blockwise variants (``make_kernels``), interleaved, against the first."""
+    print(f"B={b} H={h} D={d} f32 T=S; median time / median time of the first variant")
     started = time.perf_counter()
     for n in args.sizes:
         reps = args.reps or 5
         key = jax.random.split(jax.random.PRNGKey(n), 3)
         q, k, v = (jax.random.normal(kk, (b, h, n, d), jnp.float32) for kk in key)
         for causal in (True,) if args.causal_only else (False, True):
-            default = BlockwiseKernel().blocks(blockwise_spec(b, h, n, d, causal))
-            kernels = {"default {}x{}".format(*default): BlockwiseKernel()}
-            for tile in args.tiles:
-                kernels[tile] = _TiledKernel(*(_tile(t) for t in (tile.split("/") * 2)[:2]))
+            spec = blockwise_spec(b, h, n, d, causal)
+            kernels = make_kernels(args, spec)
             for mode, wrap in (("fwd", lambda f: f), ("fwd+bwd", fwd_bwd)):
                 if mode not in args.modes:
                     continue
@@ -158,10 +182,10 @@ def _tile(text: str) -> tuple[int, int]:
 
 
 class _TiledKernel(BlockwiseKernel):
-    """Blockwise with given forward and backward tiles."""
+    """Blockwise (batched loops) with given forward and backward tiles."""
 
     def __init__(self, fwd: tuple[int, int], bwd: tuple[int, int]):
-        super().__init__(*fwd)
+        super().__init__(*fwd, head_loop=False)
         self.bwd = bwd
 
     def blocks(self, spec, backward: bool = False) -> tuple[int, int]:

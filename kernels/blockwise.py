@@ -79,6 +79,17 @@ TILE_ELEMENTS = 1 << 20
 #: as the budget allows (forward 512 x 256, backward 256 x 512 at 8 heads).
 #: Short sequences get one tile per axis (`_split`).
 OUTER_BLOCK, MIN_BLOCK, MAX_INNER_BLOCK = 512, 128, 1024
+#: The head loop (`head_loop_pays`): on CPU, long sequences run one (batch, kv
+#: head) unit at a time, so every product is one ``[G*block_q, D] x [D, block_k]``
+#: matmul instead of a batch of eight small ones; XLA's CPU dot runs the single
+#: matrix faster.  Measured at B=1, H=8, D=64, f32 (``python
+#: benchmarks/crossover.py --head-loop``, docs/benchmarks.md): 0.85-0.93x the
+#: time without causal masking from S=1024, forward and backward; with causal
+#: skipping its larger tiles waste more of the diagonal, a loss at S=2048
+#: (1.06-1.15x), even at 4096, and a gain of 0.90-0.96x (forward) and 0.87x
+#: (backward) at 8192.  Units take tiles of `HEAD_LOOP_BLOCK` in both axes.
+HEAD_LOOP_BLOCK = 1024
+HEAD_LOOP_MIN_CAUSAL_LEN = 8192
 
 _KNOWN_OPS = (Scale, Bias, Mask, Causal, Softcap)
 
@@ -157,18 +168,19 @@ def _pow2_floor(n: int) -> int:
     return 1 << (max(int(n), 1).bit_length() - 1)
 
 
-def default_blocks(spec: AttentionSpec, backward: bool = False) -> tuple[int, int]:
+def default_blocks(
+    spec: AttentionSpec, backward: bool = False, outer: int = OUTER_BLOCK
+) -> tuple[int, int]:
     """The (maximum) tile sizes ``(block_q, block_k)`` used when none are given.
 
     A tile holds ``B * H * block_q * block_k`` scores; aim at `TILE_ELEMENTS`.
     The outer loop's block (``block_q`` in the forward, ``block_k`` in the
-    backward, whose loops are key-major) is `OUTER_BLOCK`: it is sliced once
+    backward, whose loops are key-major) is ``outer``: it is sliced once
     per outer iteration and its accumulators stay put; the inner block fills
     the budget (at most `MAX_INNER_BLOCK`).  Many heads shrink the inner block,
     then the outer one, to `MIN_BLOCK`.
     """
     heads = spec.batch * spec.heads
-    outer = OUTER_BLOCK
     inner = min(_pow2_floor(TILE_ELEMENTS // (heads * outer)), MAX_INNER_BLOCK)
     if inner < MIN_BLOCK:
         inner = MIN_BLOCK
@@ -664,20 +676,150 @@ def _add_at(acc, tile, axes, starts):
     return lax.dynamic_update_slice(acc, cur + tile, index)
 
 
+# --------------------------------------------------------------------------- head loop
+
+
+def head_loop_pays(spec: AttentionSpec) -> bool:
+    """Whether the CPU default runs one (batch, kv head) unit at a time (see
+    `HEAD_LOOP_BLOCK`): more than one unit, at least one full tile's work per
+    unit, and with causal skipping only from `HEAD_LOOP_MIN_CAUSAL_LEN`."""
+    if spec.batch * spec.kv_heads == 1:
+        return False
+    if spec.causal is not None:
+        return min(spec.q_len, spec.kv_len) >= HEAD_LOOP_MIN_CAUSAL_LEN
+    return spec.groups * spec.q_len * spec.kv_len >= TILE_ELEMENTS
+
+
+def unit_spec(spec: AttentionSpec) -> AttentionSpec:
+    """The spec of one (batch, kv head) unit of the head loop: its G query heads."""
+    return dataclasses.replace(spec, batch=1, heads=spec.groups, kv_heads=1)
+
+
+def _unit_at(spec: AttentionSpec, u):
+    return u // spec.kv_heads, u % spec.kv_heads
+
+
+def _take(x, b, h):
+    """Unit ``(b, h)`` of ``[B, Hkv, ...]`` as ``[1, 1, ...]``."""
+    return lax.dynamic_slice(x, (b, h) + (0,) * (x.ndim - 2), (1, 1) + x.shape[2:])
+
+
+def _put(x, unit, b, h):
+    return lax.dynamic_update_slice(x, unit.astype(x.dtype), (b, h) + (0,) * (x.ndim - 2))
+
+
+def _take_q(spec: AttentionSpec, x, b, h):
+    """Unit ``(b, h)`` of a ``[B, H, ...]`` query-side array as ``[1, G, ...]``."""
+    g = x.reshape((spec.batch, spec.kv_heads, spec.groups) + x.shape[2:])
+    return _take(g, b, h).reshape((1, spec.groups) + x.shape[2:])
+
+
+def _put_q(spec: AttentionSpec, x, unit, b, h):
+    g = x.reshape((spec.batch, spec.kv_heads, spec.groups) + x.shape[2:])
+    return _put(g, unit.reshape((1, 1) + g.shape[2:]), b, h).reshape(x.shape)
+
+
+def _extra_unit(spec: AttentionSpec, x):
+    """A 4-D extra ``[b|1, H|1, t, s]`` viewed as ``[b|1, Hkv|1, G|1, t, s]``."""
+    eb, eh = x.shape[:2]
+    heads = (1, 1) if eh == 1 else (spec.kv_heads, spec.groups)
+    return x.reshape((eb,) + heads + x.shape[2:])
+
+
+def _take_extra(spec: AttentionSpec, x, b, h):
+    """Unit ``(b, h)`` of an extra, as the unit spec's 4-D ``[1, G|1, t, s]``."""
+    x5 = _extra_unit(spec, x)
+    start = (b if x5.shape[0] > 1 else 0, h if x5.shape[1] > 1 else 0, 0, 0, 0)
+    t = lax.dynamic_slice(x5, start, (1, 1) + x5.shape[2:])
+    return t.reshape((1,) + x5.shape[2:])
+
+
+def _add_extra(spec: AttentionSpec, acc5, unit, b, h):
+    """``acc5`` (an extra's 5-D view, float32) += the unit's cotangent: a
+    broadcast axis of the extra sums over the units that share it."""
+    start = (b if acc5.shape[0] > 1 else 0, h if acc5.shape[1] > 1 else 0, 0, 0, 0)
+    cur = lax.dynamic_slice(acc5, start, (1, 1) + acc5.shape[2:])
+    return lax.dynamic_update_slice(acc5, cur + unit.reshape(cur.shape).astype(acc5.dtype), start)
+
+
+def _forward_heads(plan: _Plan, spec: AttentionSpec, q, k, v, extras):
+    """`_forward` for ``spec`` run unit by unit (``plan`` tiles `unit_spec`)."""
+    tp = plan.nq * plan.bq
+    lead = (spec.batch, spec.kv_heads) + ((spec.groups,) if spec.groups > 1 else ())
+
+    def unit(u, carry):
+        b, h = _unit_at(spec, u)
+        ex = [_take_extra(spec, x, b, h) for x in extras]
+        res = _forward(plan, _take_q(spec, q, b, h), _take(k, b, h), _take(v, b, h), ex)
+        return tuple(_put(acc, r, b, h) for acc, r in zip(carry, res, strict=True))
+
+    stats = jnp.zeros(lead + (tp,), plan.cdt)
+    init = (jnp.zeros(lead + (tp, spec.v_head_dim), spec.out_dtype), stats, stats)
+    return _loop(0, spec.batch * spec.kv_heads, unit, init)
+
+
+def _backward_heads(plan: _Plan, spec: AttentionSpec, q, k, v, extras, out, m, den, dout, wanted):
+    """`_backward` for ``spec`` run unit by unit (``plan`` tiles `unit_spec`)."""
+    summed = [i for i, x in enumerate(extras) if jnp.issubdtype(x.dtype, jnp.inexact) and wanted[i]]
+
+    def unit(u, carry):
+        dq, dk, dv, dex = carry
+        b, h = _unit_at(spec, u)
+        ex = [_take_extra(spec, x, b, h) for x in extras]
+        g = _backward(
+            plan,
+            _take_q(spec, q, b, h),
+            _take(k, b, h),
+            _take(v, b, h),
+            ex,
+            _take_q(spec, out, b, h),
+            _take(m, b, h),
+            _take(den, b, h),
+            _take_q(spec, dout, b, h),
+            wanted,
+        )
+        dex = {i: _add_extra(spec, acc, g[3][i], b, h) for i, acc in dex.items()}
+        return _put_q(spec, dq, g[0], b, h), _put(dk, g[1], b, h), _put(dv, g[2], b, h), dex
+
+    init = (
+        jnp.zeros(q.shape, q.dtype),
+        jnp.zeros(k.shape, k.dtype),
+        jnp.zeros(v.shape, v.dtype),
+        {i: jnp.zeros(_extra_unit(spec, extras[i]).shape, plan.cdt) for i in summed},
+    )
+    dq, dk, dv, dex = _loop(0, spec.batch * spec.kv_heads, unit, init)
+    dextras = []
+    for i, x in enumerate(extras):
+        if i in dex:
+            dextras.append(dex[i].reshape(x.shape).astype(x.dtype))
+        elif not jnp.issubdtype(x.dtype, jnp.inexact):
+            dextras.append(np.zeros(x.shape, jax.dtypes.float0))  # masks
+        else:
+            dextras.append(None)  # not differentiated: a symbolic zero
+    return dq, dk, dv, tuple(dextras)
+
+
 # --------------------------------------------------------------------------- custom_vjp
 
 
 @dataclasses.dataclass(frozen=True)
 class _Plans:
-    """The forward's and the backward's tilings (they may differ, see `default_blocks`)."""
+    """The forward's and the backward's tilings (they may differ, see
+    `default_blocks`).  With ``head_loop`` both tile ``unit_spec(spec)`` and
+    run once per (batch, kv head) unit."""
 
     fwd: _Plan
     bwd: _Plan
+    spec: AttentionSpec
+    head_loop: bool = False
 
 
-def _attention_impl(plan: _Plan, q, k, v, extras):
-    out5, m, den = _forward(plan, q, k, v, extras)
-    spec = plan.spec
+def _attention_impl(plans: _Plans, q, k, v, extras):
+    spec = plans.spec
+    if plans.head_loop:
+        out5, m, den = _forward_heads(plans.fwd, spec, q, k, v, extras)
+    else:
+        out5, m, den = _forward(plans.fwd, q, k, v, extras)
     out = out5[..., : spec.q_len, :].reshape(spec.out_shape)
     # Statistics of the real rows only: the backward pads to its own tiling.
     return out, (m[..., : spec.q_len], den[..., : spec.q_len])
@@ -685,7 +827,7 @@ def _attention_impl(plan: _Plan, q, k, v, extras):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _attention(plans, q, k, v, extras):
-    return _attention_impl(plans.fwd, q, k, v, extras)[0]
+    return _attention_impl(plans, q, k, v, extras)[0]
 
 
 @jax.tree_util.register_static
@@ -704,7 +846,7 @@ def _attention_fwd(plans, q, k, v, extras):
     wanted = _Wanted(tuple(x.perturbed for x in extras))
     q, k, v = q.value, k.value, v.value
     extras = tuple(x.value for x in extras)
-    out, (m, den) = _attention_impl(plans.fwd, q, k, v, extras)
+    out, (m, den) = _attention_impl(plans, q, k, v, extras)
     # Residuals: inputs, output and two [B, H, T] statistics; never a T x S array.
     return out, (q, k, v, extras, out, m, den, wanted)
 
@@ -713,7 +855,10 @@ def _attention_bwd(plans, res, dout):
     q, k, v, extras, out, m, den, wanted = res
     if isinstance(dout, SymbolicZero):
         return None, None, None, tuple(None for _ in extras)
-    return _backward(plans.bwd, q, k, v, extras, out, m, den, dout, wanted.extras)
+    args = (q, k, v, extras, out, m, den, dout, wanted.extras)
+    if plans.head_loop:
+        return _backward_heads(plans.bwd, plans.spec, *args)
+    return _backward(plans.bwd, *args)
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd, symbolic_zeros=True)
@@ -728,29 +873,51 @@ class BlockwiseKernel(Kernel):
     ``block_q``/``block_k`` are maximum tile sizes, by default (None) chosen
     per shape by `default_blocks`; lengths that are not a multiple are padded
     internally (padded keys get weight exactly 0, padded query rows are
-    dropped).  Tile sizes never change results beyond rounding.
+    dropped).  ``head_loop`` runs one (batch, kv head) unit at a time (see
+    `HEAD_LOOP_BLOCK`); None (the default) does so on CPU where
+    `head_loop_pays`.  Neither changes results beyond rounding.
     """
 
     name = "blockwise"
     platforms = ("cpu", "gpu", "tpu")
 
-    def __init__(self, block_q: int | None = None, block_k: int | None = None):
+    def __init__(
+        self,
+        block_q: int | None = None,
+        block_k: int | None = None,
+        head_loop: bool | None = None,
+    ):
         for label, value in (("block_q", block_q), ("block_k", block_k)):
             if value is not None and (not isinstance(value, int | np.integer) or value < 1):
                 raise ValueError(f"{label} must be a positive int or None, got {value!r}")
+        if head_loop not in (None, True, False):
+            raise ValueError(f"head_loop must be True, False or None, got {head_loop!r}")
         self.block_q = None if block_q is None else int(block_q)
         self.block_k = None if block_k is None else int(block_k)
+        self.head_loop = head_loop
+
+    def uses_head_loop(self, spec: AttentionSpec) -> bool:
+        """Whether ``spec`` runs unit by unit: as given, else on CPU where it pays."""
+        if self.head_loop is not None:
+            return self.head_loop
+        return jax.default_backend() == "cpu" and head_loop_pays(spec)
 
     def blocks(self, spec: AttentionSpec, backward: bool = False) -> tuple[int, int]:
-        """The maximum tile sizes for ``spec``: the given ones, else `default_blocks`."""
-        bq, bk = default_blocks(spec, backward)
+        """The maximum tile sizes for ``spec``: the given ones, else `default_blocks`
+        (of one unit, with `HEAD_LOOP_BLOCK` outer blocks, under the head loop)."""
+        if self.uses_head_loop(spec):
+            bq, bk = default_blocks(unit_spec(spec), backward, outer=HEAD_LOOP_BLOCK)
+        else:
+            bq, bk = default_blocks(spec, backward)
         return (bq if self.block_q is None else self.block_q), (
             bk if self.block_k is None else self.block_k
         )
 
     def plan(self, spec: AttentionSpec) -> _Plan:
-        """The static tiling of ``spec``'s forward (exposed for tests and diagnostics)."""
-        return make_plan(spec, *self.blocks(spec))
+        """The static tiling of ``spec``'s forward (of one unit under the head
+        loop; exposed for tests and diagnostics)."""
+        tiled = unit_spec(spec) if self.uses_head_loop(spec) else spec
+        return make_plan(tiled, *self.blocks(spec))
 
     def check(self, spec: AttentionSpec, ctx: CheckContext) -> list[str]:
         """Reasons not to run ``spec``: platform, and on CPU a too-short sequence."""
@@ -766,13 +933,17 @@ class BlockwiseKernel(Kernel):
         """Attention ``[B, H, T, Dv]`` in ``spec.out_dtype`` (``interpret`` is ignored)."""
         extras = tuple(extras)
         _validate(spec, q, k, v, extras)
-        fwd = self.plan(spec)
-        bwd = make_plan(spec, *self.blocks(spec, backward=True))
-        return _attention(_Plans(fwd, bwd if bwd != fwd else fwd), q, k, v, extras)
+        head_loop = self.uses_head_loop(spec)
+        tiled = unit_spec(spec) if head_loop else spec
+        fwd = make_plan(tiled, *self.blocks(spec))
+        bwd = make_plan(tiled, *self.blocks(spec, backward=True))
+        plans = _Plans(fwd, bwd if bwd != fwd else fwd, spec, head_loop)
+        return _attention(plans, q, k, v, extras)
 
     def __repr__(self) -> str:
         bq, bk = (b if b is not None else "auto" for b in (self.block_q, self.block_k))
-        return f"<flashpass kernel 'blockwise' block_q={bq} block_k={bk}>"
+        loop = "auto" if self.head_loop is None else self.head_loop
+        return f"<flashpass kernel 'blockwise' block_q={bq} block_k={bk} head_loop={loop}>"
 
 
 def _validate(spec: AttentionSpec, q, k, v, extras) -> None:

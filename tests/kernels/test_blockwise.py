@@ -28,10 +28,14 @@ from flashpass.kernels import (
 )
 from flashpass.kernels.blockwise import (
     CPU_MIN_KV_LEN,
+    HEAD_LOOP_BLOCK,
+    HEAD_LOOP_MIN_CAUSAL_LEN,
     MIN_BLOCK,
     TILE_ELEMENTS,
     BlockwiseKernel,
     default_blocks,
+    head_loop_pays,
+    unit_spec,
 )
 from flashpass.kernels.reference import reference_attention
 
@@ -289,6 +293,65 @@ def test_forward_and_backward_tilings_may_differ(gqa):
     q, k, v = make_qkv(spec)
     got, want = run_both(spec, q, k, v, (mask, bias), kernel=_SplitTiles())
     assert_close(got, want, 1e-5)
+
+
+class _SplitTilesByHead(_SplitTiles):
+    def __init__(self):
+        super().__init__(head_loop=True)
+
+
+@pytest.mark.parametrize("hkv", [4, 2, 1])
+def test_head_loop_matches_the_reference(hkv):
+    """One (batch, kv head) unit at a time: GQA/MQA slicing, a bias per head
+    (its gradient summed over the batch), a key bias shared by the heads (summed
+    over the units), a padding mask, causal skipping, padded tiles, and the
+    statistics crossing from the forward's tiling to the backward's."""
+    pad = np.array(bool_mask((B, 1, 1, 53), 7))
+    pad[1, ..., :] = False  # a fully padded example
+    pad = jnp.asarray(pad)
+    bias, key_bias = normal((1, H, 37, 53), 8), normal((B, 1, 1, 53), 9)
+    ops = [
+        SC,
+        Bias(0, bias.shape, F32),
+        Bias(1, key_bias.shape, F32),
+        Mask(2, pad.shape, -1e9),
+        Causal(16, -1e9),
+    ]
+    extras = (bias, key_bias, pad)
+    spec = make_spec(t=37, s=53, hkv=hkv, ops=ops, extras=extras)
+    q, k, v = make_qkv(spec)
+    got, want = run_both(spec, q, k, v, extras, kernel=_SplitTilesByHead())
+    assert_close(got, want, 1e-5)
+    plain, _ = run_both(spec, q, k, v, extras, kernel=_SplitTiles(), oracle=False)
+    assert_close(got, plain, 1e-5)
+
+
+def test_head_loop_choice():
+    """The CPU default runs unit by unit only where that measured faster."""
+    causal = [SC, Causal(0, -1e9)]
+    n = HEAD_LOOP_MIN_CAUSAL_LEN
+    assert head_loop_pays(make_spec(b=1, h=8, t=1024, s=1024, ops=[SC]))
+    assert not head_loop_pays(make_spec(b=1, h=1, t=8192, s=8192, ops=[SC]))  # one unit
+    assert not head_loop_pays(make_spec(b=1, h=8, t=512, s=512, ops=[SC]))  # under a tile
+    assert head_loop_pays(make_spec(b=1, h=8, hkv=2, t=512, s=512, ops=[SC]))  # G rows
+    assert not head_loop_pays(make_spec(b=1, h=8, t=n // 2, s=n // 2, ops=causal))
+    assert head_loop_pays(make_spec(b=1, h=8, t=n, s=n, ops=causal))
+
+    spec = make_spec(b=1, h=8, t=n, s=n, ops=causal)
+    auto = BlockwiseKernel()
+    assert auto.uses_head_loop(spec) == (jax.default_backend() == "cpu")
+    if auto.uses_head_loop(spec):
+        plan = auto.plan(spec)
+        assert plan.spec == unit_spec(spec)
+        assert (plan.spec.batch, plan.spec.heads, plan.spec.kv_heads) == (1, 1, 1)
+        assert (plan.bq, plan.bk) == (HEAD_LOOP_BLOCK, HEAD_LOOP_BLOCK)
+        assert "head_loop=auto" in repr(auto)
+    off = BlockwiseKernel(head_loop=False)
+    assert not off.uses_head_loop(spec)
+    assert off.plan(spec).spec == spec
+    assert BlockwiseKernel(head_loop=True).uses_head_loop(make_spec())
+    with pytest.raises(ValueError, match="head_loop must be True, False or None"):
+        BlockwiseKernel(head_loop="yes")
 
 
 @pytest.mark.parametrize("heads", [1, 8, 32, 1024])

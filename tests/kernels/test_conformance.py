@@ -151,7 +151,12 @@ GPU = CheckContext(platform="gpu", explicit=True)
 
 ADAPTERS = {
     # 16-wide tiles: every case crosses several query and key tiles.
-    "blockwise": Adapter(lambda: BlockwiseKernel(block_q=16, block_k=16), HERE),
+    "blockwise": Adapter(lambda: BlockwiseKernel(block_q=16, block_k=16, head_loop=False), HERE),
+    # The same kernel run one (batch, kv head) unit at a time (the CPU default
+    # for long sequences): unit slicing, and broadcast extras' summed gradients.
+    "blockwise_heads": Adapter(
+        lambda: BlockwiseKernel(block_q=16, block_k=16, head_loop=True), HERE
+    ),
     "pallas_tpu": Adapter(lambda: PallasTpuKernel(max_block=128), INTERPRET, interpret=True),
     "splash": Adapter(lambda: SplashKernel(max_block=128), INTERPRET, interpret=True),
     # 16-wide blocks: several forward and backward blocks per case.
@@ -182,6 +187,7 @@ ADAPTERS = {
 #: reason must contain ("*" matches any case or dtype).
 UNSUPPORTED = {
     "blockwise": {},
+    "blockwise_heads": {},
     "pallas_tpu": {("softcap", "*"): "Softcap"},
     "splash": {("bias", "*"): "bias"},
     "pallas_gpu": {
@@ -209,6 +215,7 @@ def declared(adapter: str, case: str, dtype: str) -> list[str]:
 #: fully masked rows of the padding case on the older adapters.
 DEFAULT_NUMERICS = {
     "blockwise": {("padding", "bf16")},
+    "blockwise_heads": {(c, "f32") for c in CASES} | {("gqa", "bf16"), ("bias", "bf16")},
     "pallas_tpu": {("padding", "f32")},
     "splash": {
         ("causal", "f32"),
