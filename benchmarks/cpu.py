@@ -28,9 +28,9 @@ half of it under a causal mask.
     python benchmarks/cpu.py --tile-ops              # cost of each op of one tile
 
 ``--tile-ops`` times, in one process and interleaved, each operation of one
-forward tile of the blockwise kernel (its default tile for B, H, D) inside a
-``fori_loop``, as the kernel runs them, next to the large matmul: what bounds
-the FLOP rate.
+forward tile of the blockwise kernel inside a ``fori_loop``, as the kernel runs
+them, next to the large matmul: what bounds the FLOP rate.  Both default tiles
+at S = 8192: the batched loops' (all B*H heads) and the head loop's (one head).
 
 Prints a table; writes JSON (``benchmarks/results/``) and a PNG plot
 (``docs/benchmarks-cpu.png``; skipped without matplotlib: ``pip install -e .[bench]``).
@@ -187,19 +187,19 @@ def child(args) -> dict:
 
 
 def tile_ops(args) -> None:
-    """Per-op cost of one default forward tile, against the large matmul."""
+    """Per-op cost of one default forward tile, against the large matmul: the
+    batched loops' tile (all heads) and the head loop's (one head)."""
     import jax
     import jax.numpy as jnp
     import numpy as np
     from jax import lax
 
     from flashpass.kernels.base import AttentionSpec
-    from flashpass.kernels.blockwise import default_blocks
+    from flashpass.kernels.blockwise import BlockwiseKernel
 
     b, h, d, n = args.batch, args.heads, args.dim, 40
     f32 = np.dtype("float32")
     spec = AttentionSpec(b, h, h, 8192, 8192, d, d, f32, f32, f32, f32, f32, f32)
-    bq, bk = default_blocks(spec)
     rng = np.random.default_rng(0)
 
     def arr(*shape):
@@ -221,47 +221,59 @@ def tile_ops(args) -> None:
         jax.block_until_ready(c(*stacks))
         return lambda: jax.block_until_ready(c(*stacks))
 
-    q, k, s, v, m = (
-        arr(b * h, bq, d),
-        arr(b * h, bk, d),
-        arr(b * h, bq, bk),
-        arr(b * h, bk, d),
-        arr(b * h, bq),
-    )
-    ops = {
-        "slice (input read only)": looped(lambda s: s, s),
-        "q k^T": looped(lambda q, k: jnp.einsum("htd,hsd->hts", q, k), q, k),
-        "p v": looped(lambda p, v: jnp.einsum("hts,hsd->htd", p, v), s, v),
-        "row max": looped(lambda s: jnp.max(s, -1), s),
-        "exp(s - m)": looped(lambda s, m: jnp.exp(s - m[..., None]), s, m),
-        "row sum": looped(lambda s: jnp.sum(s, -1), s),
+    def tile(heads, bq, bk):
+        q, k, s, v, m = (
+            arr(heads, bq, d),
+            arr(heads, bk, d),
+            arr(heads, bq, bk),
+            arr(heads, bk, d),
+            arr(heads, bq),
+        )
+        return {
+            "slice (input read only)": looped(lambda s: s, s),
+            "q k^T": looped(lambda q, k: jnp.einsum("htd,hsd->hts", q, k), q, k),
+            "p v": looped(lambda p, v: jnp.einsum("hts,hsd->htd", p, v), s, v),
+            "row max": looped(lambda s: jnp.max(s, -1), s),
+            "exp(s - m)": looped(lambda s, m: jnp.exp(s - m[..., None]), s, m),
+            "row sum": looped(lambda s: jnp.sum(s, -1), s),
+        }
+
+    tiles = {
+        "batched": (b * h, *BlockwiseKernel(head_loop=False).blocks(spec)),
+        "head loop": (1, *BlockwiseKernel(head_loop=True).blocks(spec)),
     }
+    ops = {name: tile(*shape) for name, shape in tiles.items()}
     mm_n = args.mm_size
     a = arr(mm_n, mm_n)
     mm = jax.jit(jnp.matmul).lower(a, a).compile()
     jax.block_until_ready(mm(a, a))
-    times: dict = {name: [] for name in ops}
+    times = {(t, name): [] for t, o in ops.items() for name in o}
     mm_times = []
     for _ in range(max(args.reps, 9)):
         t0 = time.perf_counter()
         jax.block_until_ready(mm(a, a))
         mm_times.append(time.perf_counter() - t0)
-        for name, run in ops.items():
-            t0 = time.perf_counter()
-            run()
-            times[name].append((time.perf_counter() - t0) / n)
+        for t, o in ops.items():
+            for name, run in o.items():
+                t0 = time.perf_counter()
+                run()
+                times[t, name].append((time.perf_counter() - t0) / n)
     rate = 2.0 * mm_n**3 / statistics.median(mm_times) / 1e9
-    flops = 2.0 * b * h * bq * bk * d
     print(
-        f"one forward tile [{b * h}, {bq}, {bk}], D={d}, f32; f32 matmul {mm_n}^3: "
-        f"{rate:.0f} GFLOP/s; load average {os.getloadavg()[0]:.2f}"
+        f"one forward tile, D={d}, f32; f32 matmul {mm_n}^3: {rate:.0f} GFLOP/s; "
+        f"load average {os.getloadavg()[0]:.2f}"
     )
-    for name, ts in times.items():
-        t = statistics.median(ts)
-        rate_cell = ""
-        if name in ("q k^T", "p v"):
-            rate_cell = f"  {flops / t / 1e9:.0f} GFLOP/s ({flops / t / 1e9 / rate:.0%} of matmul)"
-        print(f"  {name:<24} {t * 1e3:7.3f} ms{rate_cell}")
+    for t, (heads, bq, bk) in tiles.items():
+        scores = heads * bq * bk
+        print(f"{t}: [{heads}, {bq}, {bk}] = {scores / 2**20:g}M scores (ms per 1M scores)")
+        flops = 2.0 * scores * d
+        for name in ops[t]:
+            sec = statistics.median(times[t, name])
+            rate_cell = ""
+            if name in ("q k^T", "p v"):
+                got = flops / sec / 1e9
+                rate_cell = f"  {got:.0f} GFLOP/s ({got / rate:.0%} of matmul)"
+            print(f"  {name:<24} {sec * 1e3 * 2**20 / scores:7.3f} ms{rate_cell}")
 
 
 # --------------------------------------------------------------------------- parent

@@ -23,7 +23,9 @@ tile (max, exp, sum) stay in L2; the backward works on key-major tiles so all
 five products per tile take XLA's fast matmul path (it has none for a
 transposed left operand); the scale is applied per query tile, not as a pass
 over ``q``; and what the skipped causal blocks contribute is summed per key
-block, without a cumulative sum over the keys.
+block, without a cumulative sum over the keys.  Long sequences run one
+(batch, kv head) unit at a time (`head_loop_pays`): XLA's CPU dot runs one
+``[1024, 64] x [64, 1024]`` matmul faster than a batch of eight smaller ones.
 """
 
 from __future__ import annotations
@@ -81,13 +83,22 @@ TILE_ELEMENTS = 1 << 20
 OUTER_BLOCK, MIN_BLOCK, MAX_INNER_BLOCK = 512, 128, 1024
 #: The head loop (`head_loop_pays`): on CPU, long sequences run one (batch, kv
 #: head) unit at a time, so every product is one ``[G*block_q, D] x [D, block_k]``
-#: matmul instead of a batch of eight small ones; XLA's CPU dot runs the single
-#: matrix faster.  Measured at B=1, H=8, D=64, f32 (``python
-#: benchmarks/crossover.py --head-loop``, docs/benchmarks.md): 0.85-0.93x the
-#: time without causal masking from S=1024, forward and backward; with causal
-#: skipping its larger tiles waste more of the diagonal, a loss at S=2048
-#: (1.06-1.15x), even at 4096, and a gain of 0.90-0.96x (forward) and 0.87x
-#: (backward) at 8192.  Units take tiles of `HEAD_LOOP_BLOCK` in both axes.
+#: matmul instead of a batch of eight smaller ones, which XLA's CPU dot runs
+#: faster (one 1024 x 1024 x 64 score product: 177-181 GFLOP/s; the same work
+#: as eight 1024 x 128 ones: 141-151).  Units take tiles of `HEAD_LOOP_BLOCK` in
+#: both axes.  Time with the head loop / without, B=1, H=8, D=64, f32, medians
+#: of 5 (``python benchmarks/crossover.py --head-loop --sizes 1024 2048 4096
+#: 8192 --reps 5``, 2026-11-30):
+#:
+#:      S   fwd   fwd+bwd   fwd causal   fwd+bwd causal
+#:   1024  0.86      0.79         1.06             1.10
+#:   2048  0.88      0.86         1.13             1.07
+#:   4096  0.86      0.90         0.99             0.91
+#:   8192  0.73      0.89         0.87             1.01 (min 0.85)
+#:
+#: With causal skipping the larger tiles waste more of the diagonal, so the
+#: head loop starts at `HEAD_LOOP_MIN_CAUSAL_LEN` there (separate runs of the
+#: backward alone at 8192: 0.87).
 HEAD_LOOP_BLOCK = 1024
 HEAD_LOOP_MIN_CAUSAL_LEN = 8192
 
@@ -726,18 +737,22 @@ def _extra_unit(spec: AttentionSpec, x):
     return x.reshape((eb,) + heads + x.shape[2:])
 
 
+def _extra_start(x5, b, h) -> tuple:
+    """Where unit ``(b, h)`` starts in an extra's 5-D view (0 on broadcast axes)."""
+    return (b if x5.shape[0] > 1 else 0, h if x5.shape[1] > 1 else 0, 0, 0, 0)
+
+
 def _take_extra(spec: AttentionSpec, x, b, h):
     """Unit ``(b, h)`` of an extra, as the unit spec's 4-D ``[1, G|1, t, s]``."""
     x5 = _extra_unit(spec, x)
-    start = (b if x5.shape[0] > 1 else 0, h if x5.shape[1] > 1 else 0, 0, 0, 0)
-    t = lax.dynamic_slice(x5, start, (1, 1) + x5.shape[2:])
+    t = lax.dynamic_slice(x5, _extra_start(x5, b, h), (1, 1) + x5.shape[2:])
     return t.reshape((1,) + x5.shape[2:])
 
 
-def _add_extra(spec: AttentionSpec, acc5, unit, b, h):
+def _add_extra(acc5, unit, b, h):
     """``acc5`` (an extra's 5-D view, float32) += the unit's cotangent: a
     broadcast axis of the extra sums over the units that share it."""
-    start = (b if acc5.shape[0] > 1 else 0, h if acc5.shape[1] > 1 else 0, 0, 0, 0)
+    start = _extra_start(acc5, b, h)
     cur = lax.dynamic_slice(acc5, start, (1, 1) + acc5.shape[2:])
     return lax.dynamic_update_slice(acc5, cur + unit.reshape(cur.shape).astype(acc5.dtype), start)
 
@@ -778,7 +793,7 @@ def _backward_heads(plan: _Plan, spec: AttentionSpec, q, k, v, extras, out, m, d
             _take_q(spec, dout, b, h),
             wanted,
         )
-        dex = {i: _add_extra(spec, acc, g[3][i], b, h) for i, acc in dex.items()}
+        dex = {i: _add_extra(acc, g[3][i], b, h) for i, acc in dex.items()}
         return _put_q(spec, dq, g[0], b, h), _put(dk, g[1], b, h), _put(dv, g[2], b, h), dex
 
     init = (
@@ -933,10 +948,9 @@ class BlockwiseKernel(Kernel):
         """Attention ``[B, H, T, Dv]`` in ``spec.out_dtype`` (``interpret`` is ignored)."""
         extras = tuple(extras)
         _validate(spec, q, k, v, extras)
+        fwd = self.plan(spec)
         head_loop = self.uses_head_loop(spec)
-        tiled = unit_spec(spec) if head_loop else spec
-        fwd = make_plan(tiled, *self.blocks(spec))
-        bwd = make_plan(tiled, *self.blocks(spec, backward=True))
+        bwd = make_plan(fwd.spec, *self.blocks(spec, backward=True))
         plans = _Plans(fwd, bwd if bwd != fwd else fwd, spec, head_loop)
         return _attention(plans, q, k, v, extras)
 
