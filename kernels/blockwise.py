@@ -889,8 +889,8 @@ class BlockwiseKernel(Kernel):
     per shape by `default_blocks`; lengths that are not a multiple are padded
     internally (padded keys get weight exactly 0, padded query rows are
     dropped).  ``head_loop`` runs one (batch, kv head) unit at a time (see
-    `HEAD_LOOP_BLOCK`); None (the default) does so on CPU where
-    `head_loop_pays`.  Neither changes results beyond rounding.
+    `HEAD_LOOP_BLOCK`); None (the default) does so on a single CPU device
+    where `head_loop_pays`.  Neither changes results beyond rounding.
     """
 
     name = "blockwise"
@@ -912,10 +912,13 @@ class BlockwiseKernel(Kernel):
         self.head_loop = head_loop
 
     def uses_head_loop(self, spec: AttentionSpec) -> bool:
-        """Whether ``spec`` runs unit by unit: as given, else on CPU where it pays."""
+        """Whether ``spec`` runs unit by unit: as given, else on a single CPU
+        device where it pays.  (With several devices the heads may be sharded,
+        and XLA would all-gather them to slice one head per loop step.)"""
         if self.head_loop is not None:
             return self.head_loop
-        return jax.default_backend() == "cpu" and head_loop_pays(spec)
+        single_cpu = jax.default_backend() == "cpu" and jax.device_count() == 1
+        return single_cpu and head_loop_pays(spec)
 
     def blocks(self, spec: AttentionSpec, backward: bool = False) -> tuple[int, int]:
         """The maximum tile sizes for ``spec``: the given ones, else `default_blocks`

@@ -126,6 +126,25 @@ def test_auto_axes_blockwise_is_partitioned_by_xla():
     assert_like_original(run(opt, args), run(mha, args), run(mha, unsharded(args)))
 
 
+def test_auto_axes_blockwise_keeps_the_batched_loops():
+    """With several devices the blockwise default never loops over heads: under
+    Auto axes XLA would all-gather head-sharded operands to slice them."""
+    from flashpass.kernels import AttentionSpec, Scale
+    from flashpass.kernels.blockwise import BlockwiseKernel, head_loop_pays
+
+    f32 = np.float32
+    spec = AttentionSpec(2, 8, 8, 1024, 1024, 64, 64, f32, f32, f32, f32, f32, f32, (Scale(0.125),))
+    assert head_loop_pays(spec)  # one device would take the head loop
+    assert not BlockwiseKernel().uses_head_loop(spec)
+    m = mesh((2, 4), ("data", "model"), explicit=False)
+    args = [put(m, P("data", "model"), normal(i, spec.q_shape)) for i in range(3)]
+    got = run(lambda q, k, v: BlockwiseKernel().apply(spec, q, k, v), args)
+    assert not got.collectives, dict(got.collectives)
+    # What the rule avoids: the forced head loop all-gathers.
+    forced = run(lambda q, k, v: BlockwiseKernel(head_loop=True).apply(spec, q, k, v), args)
+    assert any(kind == "all-gather" for kind, *_ in forced.collectives)
+
+
 def test_auto_axes_pallas_falls_back():
     m = mesh((4,), ("data",), explicit=False)
     args = [put(m, P("data"), normal(i, (4, 128, 2, 32))) for i in range(3)]
