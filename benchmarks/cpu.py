@@ -94,26 +94,6 @@ def dense_bytes(b: int, h: int, n: int, mode: str) -> float:
 # --------------------------------------------------------------------------- child
 
 
-def _proc_status(field: str) -> int | None:
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
-def _reset_peak() -> bool:
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        return False
-    return True
-
-
 def child(args) -> dict:
     """One variant, one configuration: compile, measure memory once, time."""
     import jax
@@ -121,6 +101,10 @@ def child(args) -> dict:
     import numpy as np
 
     import flashpass
+
+    # The demo's /proc/self memory probes (the repository root is on sys.path).
+    sys.path.insert(0, str(ROOT))
+    from examples.demo import proc_status, reset_peak_rss
 
     b, h, n, d = args.batch, args.heads, args.size, args.dim
     causal, mode, variant = bool(args.child_causal), args.child_mode, args.child
@@ -146,9 +130,9 @@ def child(args) -> dict:
     compile_s = time.perf_counter() - t0
 
     jax.block_until_ready((q, k, v, ct))
-    before = _proc_status("VmRSS") if _reset_peak() else None
+    before = proc_status("VmRSS") if reset_peak_rss() else None
     jax.block_until_ready(compiled(q, k, v))  # also the warm-up run
-    peak = _proc_status("VmHWM")
+    peak = proc_status("VmHWM")
     peak_run = peak - before if before is not None and peak is not None else None
 
     # Timed runs, each after a matmul run: the rate the machine gives a large

@@ -184,7 +184,7 @@ def time_interleaved(compiled: dict, inputs: dict, reps: int, warmup=True) -> di
     return {name: statistics.median(ts) for name, ts in times.items()}
 
 
-def _proc_status(field: str) -> int | None:
+def proc_status(field: str) -> int | None:
     """A ``kB`` field of /proc/self/status, in bytes (None off Linux)."""
     try:
         with open("/proc/self/status") as f:
@@ -204,7 +204,7 @@ def peak_rss_bytes() -> int:
     memory (Python spawns with vfork), so every child would report the demo
     process's peak.
     """
-    hwm = _proc_status("VmHWM")
+    hwm = proc_status("VmHWM")
     if hwm is not None:
         return hwm
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
@@ -241,7 +241,7 @@ def rss_child(args) -> int:
     fn, fn_args = programs(args, params, tokens, train)[args.rss_child]
     compiled = jax.jit(fn).lower(*fn_args).compile()
     jax.block_until_ready((params, tokens, train))
-    if reset_peak_rss() and (before := _proc_status("VmRSS")) is not None:
+    if reset_peak_rss() and (before := proc_status("VmRSS")) is not None:
         mode = "run"
     else:
         before, mode = 0, "process"
