@@ -348,9 +348,8 @@ def _grouped(plan: _Plan, x):
     return x.reshape((spec.batch, spec.kv_heads, spec.groups) + x.shape[2:])
 
 
-def _gshape(plan: _Plan, *tail: int) -> tuple[int, ...]:
+def _gshape(spec: AttentionSpec, *tail: int) -> tuple[int, ...]:
     """``(B, Hkv, G, *tail)``, or ``(B, Hkv, *tail)`` when ``G == 1`` (see `_grouped`)."""
-    spec = plan.spec
     return (spec.batch, spec.kv_heads) + ((spec.groups,) if spec.groups > 1 else ()) + tail
 
 
@@ -527,8 +526,8 @@ def _forward(plan: _Plan, q, k, v, extras):
         out = _put_q_tile(plan, out, out_t, iq)
         return out, _put_q_tile(plan, ms, m, iq, -1), _put_q_tile(plan, dens, den, iq, -1)
 
-    stats = jnp.zeros(_gshape(plan, tp), cdt)
-    init = (jnp.zeros(_gshape(plan, tp, Dv), spec.out_dtype), stats, stats)
+    stats = jnp.zeros(_gshape(spec, tp), cdt)
+    init = (jnp.zeros(_gshape(spec, tp, Dv), spec.out_dtype), stats, stats)
     return _loop(0, plan.nq, q_block, init)
 
 
@@ -630,7 +629,7 @@ def _backward(plan: _Plan, q, k, v, extras, out, m, den, dout, wanted):
 
     stats = (m, delta_n)
     init = (
-        jnp.zeros((B, Hkv, D) + _gshape(plan, tp)[2:], cdt),  # dq^T, see `_q_tile`
+        jnp.zeros((B, Hkv, D) + _gshape(spec, tp)[2:], cdt),  # dq^T, see `_q_tile`
         jnp.zeros((B, Hkv, sp, D), cdt),
         jnp.zeros((B, Hkv, sp, Dv), cdt),
         {i: jnp.zeros(ex5[i].shape, cdt) for i in bias_idx},
@@ -644,18 +643,26 @@ def _backward(plan: _Plan, q, k, v, extras, out, m, den, dout, wanted):
     if plan.q_scale != 1.0:
         dq = dq * jnp.asarray(plan.q_scale, cdt)  # the chain rule through the fold
     dq = dq.astype(q.dtype)
-    dextras = []
+    grads = {i: g[:, :, :, : extras[i].shape[2], : extras[i].shape[3]] for i, g in dbias.items()}
+    dextras = _extra_cotangents(extras, wanted, grads)
+    return dq, dk[:, :, :S].astype(k.dtype), dv.astype(v.dtype), dextras
+
+
+def _extra_cotangents(extras, wanted, grads: dict) -> tuple:
+    """The extras' cotangents: ``grads[i]`` (in ``extras[i]``'s size) where
+    computed, float0 for masks, zeros for a wanted float used only as a mask,
+    and None (a symbolic zero) where not differentiated."""
+    out = []
     for i, x in enumerate(extras):
-        if i in dbias:
-            g = dbias[i][:, :, :, : x.shape[2], : x.shape[3]]
-            dextras.append(g.reshape(x.shape).astype(x.dtype))
+        if i in grads:
+            out.append(grads[i].reshape(x.shape).astype(x.dtype))
         elif not jnp.issubdtype(x.dtype, jnp.inexact):
-            dextras.append(np.zeros(x.shape, jax.dtypes.float0))  # masks
+            out.append(np.zeros(x.shape, jax.dtypes.float0))
         elif wanted[i]:
-            dextras.append(jnp.zeros(x.shape, x.dtype))  # a float used only as a mask
+            out.append(jnp.zeros(x.shape, x.dtype))
         else:
-            dextras.append(None)  # not differentiated: a symbolic zero
-    return dq, dk[:, :, :S].astype(k.dtype), dv.astype(v.dtype), tuple(dextras)
+            out.append(None)
+    return tuple(out)
 
 
 def _skipped_dv(plan: _Plan, m, inv_den, do5):
@@ -760,7 +767,6 @@ def _add_extra(acc5, unit, b, h):
 def _forward_heads(plan: _Plan, spec: AttentionSpec, q, k, v, extras):
     """`_forward` for ``spec`` run unit by unit (``plan`` tiles `unit_spec`)."""
     tp = plan.nq * plan.bq
-    lead = (spec.batch, spec.kv_heads) + ((spec.groups,) if spec.groups > 1 else ())
 
     def unit(u, carry):
         b, h = _unit_at(spec, u)
@@ -768,8 +774,8 @@ def _forward_heads(plan: _Plan, spec: AttentionSpec, q, k, v, extras):
         res = _forward(plan, _take_q(spec, q, b, h), _take(k, b, h), _take(v, b, h), ex)
         return tuple(_put(acc, r, b, h) for acc, r in zip(carry, res, strict=True))
 
-    stats = jnp.zeros(lead + (tp,), plan.cdt)
-    init = (jnp.zeros(lead + (tp, spec.v_head_dim), spec.out_dtype), stats, stats)
+    stats = jnp.zeros(_gshape(spec, tp), plan.cdt)
+    init = (jnp.zeros(_gshape(spec, tp, spec.v_head_dim), spec.out_dtype), stats, stats)
     return _loop(0, spec.batch * spec.kv_heads, unit, init)
 
 
@@ -803,15 +809,7 @@ def _backward_heads(plan: _Plan, spec: AttentionSpec, q, k, v, extras, out, m, d
         {i: jnp.zeros(_extra_unit(spec, extras[i]).shape, plan.cdt) for i in summed},
     )
     dq, dk, dv, dex = _loop(0, spec.batch * spec.kv_heads, unit, init)
-    dextras = []
-    for i, x in enumerate(extras):
-        if i in dex:
-            dextras.append(dex[i].reshape(x.shape).astype(x.dtype))
-        elif not jnp.issubdtype(x.dtype, jnp.inexact):
-            dextras.append(np.zeros(x.shape, jax.dtypes.float0))  # masks
-        else:
-            dextras.append(None)  # not differentiated: a symbolic zero
-    return dq, dk, dv, tuple(dextras)
+    return dq, dk, dv, _extra_cotangents(extras, wanted, dex)
 
 
 # --------------------------------------------------------------------------- custom_vjp
@@ -826,7 +824,10 @@ class _Plans:
     fwd: _Plan
     bwd: _Plan
     spec: AttentionSpec
-    head_loop: bool = False
+
+    @property
+    def head_loop(self) -> bool:
+        return self.fwd.spec != self.spec
 
 
 def _attention_impl(plans: _Plans, q, k, v, extras):
@@ -952,10 +953,8 @@ class BlockwiseKernel(Kernel):
         extras = tuple(extras)
         _validate(spec, q, k, v, extras)
         fwd = self.plan(spec)
-        head_loop = self.uses_head_loop(spec)
         bwd = make_plan(fwd.spec, *self.blocks(spec, backward=True))
-        plans = _Plans(fwd, bwd if bwd != fwd else fwd, spec, head_loop)
-        return _attention(plans, q, k, v, extras)
+        return _attention(_Plans(fwd, bwd if bwd != fwd else fwd, spec), q, k, v, extras)
 
     def __repr__(self) -> str:
         bq, bk = (b if b is not None else "auto" for b in (self.block_q, self.block_k))
