@@ -53,8 +53,7 @@ def blockwise_spec(b, h, n, d, causal: bool) -> AttentionSpec:
     return AttentionSpec(b, h, h, n, n, d, d, f32, f32, f32, f32, f32, f32, score_ops=ops)
 
 
-def blockwise_fn(kernel, b, h, n, d, causal: bool):
-    spec = blockwise_spec(b, h, n, d, causal)
+def blockwise_fn(kernel, spec: AttentionSpec):
     return lambda q, k, v: kernel.apply(spec, q, k, v)
 
 
@@ -96,31 +95,46 @@ def main() -> None:
     print(header)
     print("-" * len(header))
     started = time.perf_counter()
+
+    def variants(spec, causal):
+        naive_fn = lambda q, k, v: naive(q, k, v, causal=causal)  # noqa: E731
+        return {"naive": naive_fn, "blockwise": blockwise_fn(kernel, spec)}
+
+    for n, label, samples in interleaved(args, b, h, d, variants, warm_up_to=1024):
+        t_naive, t_ours = (statistics.median(s) * 1e3 for s in samples.values())
+        print(
+            f"{n:>5} {label:<15} {t_naive:>9.2f} {t_ours:>9.2f} {t_naive / t_ours:>6.2f}",
+            flush=True,
+        )
+    print(f"total {time.perf_counter() - started:.0f} s")
+
+
+def interleaved(args, b, h, d, variants, warm_up_to=None, reps=None):
+    """For each size, causal setting and mode: compile ``variants(spec, causal)``
+    (name -> ``f(q, k, v)``) and time them run by run, interleaved; yields
+    ``(S, label, {name: times})``.  ``--reps`` runs each, else ``reps``, else
+    7/5/3 by size.  Sizes up to ``warm_up_to`` (all when None) get a warm-up
+    run; long ones are their own warm-up."""
     for n in args.sizes:
-        reps = args.reps or (7 if n <= 512 else 5 if n <= 2048 else 3)
+        reps_n = args.reps or reps or (7 if n <= 512 else 5 if n <= 2048 else 3)
         key = jax.random.split(jax.random.PRNGKey(n), 3)
         q, k, v = (jax.random.normal(kk, (b, h, n, d), jnp.float32) for kk in key)
         for causal in (True,) if args.causal_only else (False, True):
-            ours = blockwise_fn(kernel, b, h, n, d, causal)
-            base = lambda q, k, v, causal=causal: naive(q, k, v, causal=causal)
+            fns = variants(blockwise_spec(b, h, n, d, causal), causal)
             for mode, wrap in (("fwd", lambda f: f), ("fwd+bwd", fwd_bwd)):
                 if mode not in args.modes:
                     continue
-                fns = [jax.jit(wrap(f)).lower(q, k, v).compile() for f in (base, ours)]
-                if n <= 1024:  # a warm-up run; long ones are their own warm-up
-                    for fn in fns:
+                compiled = {
+                    name: jax.jit(wrap(f)).lower(q, k, v).compile() for name, f in fns.items()
+                }
+                if warm_up_to is None or n <= warm_up_to:
+                    for fn in compiled.values():
                         timed(fn, (q, k, v))
-                samples = ([], [])
-                for _ in range(reps):
-                    for fn, out in zip(fns, samples, strict=True):
-                        out.append(timed(fn, (q, k, v)))
-                t_naive, t_ours = (statistics.median(s) * 1e3 for s in samples)
-                label = f"{mode}{' causal' if causal else ''}"
-                print(
-                    f"{n:>5} {label:<15} {t_naive:>9.2f} {t_ours:>9.2f} {t_naive / t_ours:>6.2f}",
-                    flush=True,
-                )
-    print(f"total {time.perf_counter() - started:.0f} s")
+                samples = {name: [] for name in compiled}
+                for _ in range(reps_n):
+                    for name, fn in compiled.items():
+                        samples[name].append(timed(fn, (q, k, v)))
+                yield n, f"{mode}{' causal' if causal else ''}", samples
 
 
 def tile_kernels(args, spec) -> dict:
@@ -143,36 +157,19 @@ def compare(args, b, h, d, make_kernels) -> None:
     """Blockwise variants (``make_kernels``), interleaved, against the first."""
     print(f"B={b} H={h} D={d} f32 T=S; median time / median time of the first variant")
     started = time.perf_counter()
-    for n in args.sizes:
-        reps = args.reps or 5
-        key = jax.random.split(jax.random.PRNGKey(n), 3)
-        q, k, v = (jax.random.normal(kk, (b, h, n, d), jnp.float32) for kk in key)
-        for causal in (True,) if args.causal_only else (False, True):
-            spec = blockwise_spec(b, h, n, d, causal)
-            kernels = make_kernels(args, spec)
-            for mode, wrap in (("fwd", lambda f: f), ("fwd+bwd", fwd_bwd)):
-                if mode not in args.modes:
-                    continue
-                fns = {
-                    name: jax.jit(wrap(blockwise_fn(kern, b, h, n, d, causal)))
-                    .lower(q, k, v)
-                    .compile()
-                    for name, kern in kernels.items()
-                }
-                for fn in fns.values():
-                    timed(fn, (q, k, v))
-                samples = {name: [] for name in fns}
-                for _ in range(reps):
-                    for name, fn in fns.items():
-                        samples[name].append(timed(fn, (q, k, v)))
-                first = next(iter(samples.values()))
-                base, base_min = statistics.median(first), min(first)
-                label = f"{mode}{' causal' if causal else ''}"
-                cells = "  ".join(
-                    f"{name} {statistics.median(ts) / base:.2f} (min {min(ts) / base_min:.2f})"
-                    for name, ts in samples.items()
-                )
-                print(f"{n:>5} {label:<15} {cells}", flush=True)
+
+    def variants(spec, causal):
+        kernels = make_kernels(args, spec)
+        return {name: blockwise_fn(kern, spec) for name, kern in kernels.items()}
+
+    for n, label, samples in interleaved(args, b, h, d, variants, reps=5):
+        first = next(iter(samples.values()))
+        base, base_min = statistics.median(first), min(first)
+        cells = "  ".join(
+            f"{name} {statistics.median(ts) / base:.2f} (min {min(ts) / base_min:.2f})"
+            for name, ts in samples.items()
+        )
+        print(f"{n:>5} {label:<15} {cells}", flush=True)
     print(f"total {time.perf_counter() - started:.0f} s")
 
 
