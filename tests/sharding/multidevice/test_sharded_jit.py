@@ -21,6 +21,8 @@ import pytest
 from sharded_testing import P, assert_close, assert_like_original, mesh, normal, put, run, unsharded
 
 import flashpass
+from flashpass.kernels import AttentionSpec, Scale
+from flashpass.kernels.blockwise import BlockwiseKernel, head_loop_pays
 
 pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 devices (see conftest)")
 
@@ -129,9 +131,6 @@ def test_auto_axes_blockwise_is_partitioned_by_xla():
 def test_auto_axes_blockwise_keeps_the_batched_loops():
     """With several devices the blockwise default never loops over heads: under
     Auto axes XLA would all-gather head-sharded operands to slice them."""
-    from flashpass.kernels import AttentionSpec, Scale
-    from flashpass.kernels.blockwise import BlockwiseKernel, head_loop_pays
-
     f32 = np.float32
     spec = AttentionSpec(2, 8, 8, 1024, 1024, 64, 64, f32, f32, f32, f32, f32, f32, (Scale(0.125),))
     assert head_loop_pays(spec)  # one device would take the head loop
