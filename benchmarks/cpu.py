@@ -178,8 +178,8 @@ def tile_ops(args) -> None:
     import numpy as np
     from jax import lax
 
-    from flashpass.kernels.base import AttentionSpec
     from flashpass.kernels.blockwise import BlockwiseKernel
+    from flashpass.spec import AttentionSpec
 
     b, h, d, n = args.batch, args.heads, args.dim, 40
     f32 = np.dtype("float32")

@@ -43,8 +43,8 @@ import jax.numpy as jnp
 # when a script here runs).
 from cpu import naive
 
-from flashpass.kernels.base import AttentionSpec, Causal, Scale
 from flashpass.kernels.blockwise import BlockwiseKernel
+from flashpass.spec import AttentionSpec, Causal, Scale
 
 
 def blockwise_spec(b, h, n, d, causal: bool) -> AttentionSpec:

@@ -20,7 +20,6 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
-from flashpass.kernels import AttentionSpec, Bias, Causal, ExtraSpec, Mask, Scale, Softcap
 from flashpass.patterns import chain as chain_mod
 from flashpass.patterns.common import ESCAPE_HINT, Miss, profile, where
 from flashpass.patterns.masks import (
@@ -37,6 +36,16 @@ from flashpass.patterns.softmax import match_softmax
 
 from .graph import Const, Scope
 from .site import AttentionSite, ExtraSource, Layout, Operand
+from .spec import (
+    EXCLUDING_FILL,
+    AttentionSpec,
+    Bias,
+    Causal,
+    ExtraSpec,
+    Mask,
+    Scale,
+    fill_after,
+)
 
 
 def find_sites(scope: Scope) -> tuple[list[AttentionSite], list[Miss]]:
@@ -164,7 +173,7 @@ def _build_site(scope: Scope, soft, chain, sp) -> AttentionSite | Miss:
     # A causal op may be skipped by kernels only if its fill still excludes keys
     # after the ops that follow it (a later scale or soft-cap can undo that).
     for i, op in enumerate(ops):
-        if isinstance(op, Causal) and not excluding(_fill_after(op.fill, ops[i + 1 :])):
+        if isinstance(op, Causal) and not excluding(fill_after(op.fill, ops[i + 1 :])):
             kind, prof, *rest = demote[id(op)]
             if kind == "bias":
                 index, shape4 = add_extra(
@@ -204,7 +213,7 @@ def _build_site(scope: Scope, soft, chain, sp) -> AttentionSite | Miss:
         else:  # "row_any": zero the rows a Mask op masks entirely
             (index,) = data
             mask = next(op for op in ops if isinstance(op, Mask) and op.index == index)
-            if not excluding(_fill_after(mask.fill, ops[ops.index(mask) + 1 :])):
+            if not excluding(fill_after(mask.fill, ops[ops.index(mask) + 1 :])):
                 return Miss(
                     f"probabilities re-masked after a non-excluding mask{where(root)}", root
                 )
@@ -323,16 +332,6 @@ def _known_masks(scope: Scope, ops: list, extras: list, demote: dict) -> list:
     return known
 
 
-def _fill_after(fill: float, later: list) -> float:
-    """The value a masked score has after the ops that follow its mask."""
-    for op in later:
-        if isinstance(op, Scale):
-            fill *= op.value
-        elif isinstance(op, Softcap):
-            fill = float(op.cap * np.tanh(fill / op.cap))
-    return fill
-
-
 def _role_name(role) -> str:
     return {"T": "query", "S": "key"}.get(role, "batch")
 
@@ -394,7 +393,7 @@ def _folded_causal(scope, prof, roles, *, keep_when=True, fill=None, additive=Fa
         mat = mat * sign
         keep = mat == 0
         masked = mat[~keep]
-        if masked.size == 0 or not np.all(masked <= -1000.0):
+        if masked.size == 0 or not np.all(masked <= EXCLUDING_FILL):
             return None
         fill_value = float(masked.max())
     else:

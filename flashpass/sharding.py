@@ -45,7 +45,7 @@ from typing import Any
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from flashpass.kernels import Bias, Mask
+from flashpass.spec import Bias, Mask
 
 from . import compat
 from .graph import Const

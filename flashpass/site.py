@@ -24,6 +24,7 @@ import math
 import jax.numpy as jnp
 
 from .graph import Const, Node
+from .spec import AttentionSpec
 
 
 def role_groups(n_batch: int, grouped: bool) -> tuple[list, list, list]:
@@ -131,7 +132,7 @@ class AttentionSite:
     out_roles: tuple  # role of each axis of the root output
     q_scales: tuple  # (atom, invert): traced scalars folded into q
     post_ops: tuple  # ("scale", ExtraSource, invert) | ("row_any", extra index)
-    spec: object  # kernels.AttentionSpec
+    spec: AttentionSpec
     pattern: str
     location: str | None
 

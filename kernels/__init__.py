@@ -8,19 +8,19 @@ from __future__ import annotations
 
 import importlib
 
-from .base import (
+from flashpass.spec import (
     EXCLUDING_FILL,
     AttentionSpec,
     Bias,
     Causal,
-    CheckContext,
     ExtraSpec,
-    Kernel,
     Mask,
     Scale,
     ScoreOp,
     Softcap,
 )
+
+from .base import CheckContext, Kernel
 
 __all__ = [
     "EXCLUDING_FILL",

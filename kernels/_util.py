@@ -21,7 +21,7 @@ import math
 import jax.numpy as jnp
 import numpy as np
 
-from .base import EXCLUDING_FILL, AttentionSpec, Bias, Causal, Mask, Scale, Softcap
+from flashpass.spec import EXCLUDING_FILL, AttentionSpec, Bias, Causal, Mask, Scale, Softcap
 
 BF16 = np.dtype(jnp.bfloat16)
 F16 = np.dtype(np.float16)

@@ -40,7 +40,9 @@ import numpy as np
 from jax import lax
 from jax.custom_derivatives import SymbolicZero
 
-from .base import AttentionSpec, Bias, Causal, CheckContext, Kernel, Mask, Scale, Softcap
+from flashpass.spec import AttentionSpec, Bias, Causal, Mask, Scale, Softcap
+
+from .base import CheckContext, Kernel
 from .reference import apply_score_ops
 
 #: Below this ``kv_len`` the original (naive) computation is faster on CPU, so

@@ -45,9 +45,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from flashpass import compat
+from flashpass.spec import AttentionSpec
 
 from . import _util
-from .base import AttentionSpec, CheckContext, Kernel
+from .base import CheckContext, Kernel
 
 _HEAD_MULTIPLE = 8
 

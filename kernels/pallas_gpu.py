@@ -52,9 +52,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from flashpass import compat
+from flashpass.spec import AttentionSpec
 
 from . import _util
-from .base import AttentionSpec, CheckContext, Kernel
+from .base import CheckContext, Kernel
 
 #: Head-dim column values that exclude keys (see module doc).
 _COLUMN_Q = 2.0**14

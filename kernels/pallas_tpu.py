@@ -62,19 +62,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from flashpass import compat
+from flashpass.spec import EXCLUDING_FILL, AttentionSpec, Bias, Causal, Mask, Scale, Softcap
 
 from . import _util
-from .base import (
-    EXCLUDING_FILL,
-    AttentionSpec,
-    Bias,
-    Causal,
-    CheckContext,
-    Kernel,
-    Mask,
-    Scale,
-    Softcap,
-)
+from .base import CheckContext, Kernel
 
 #: Key blocks must be multiples of this (the kernel's lane width / MIN_BLOCK_SIZE).
 _LANES = 128

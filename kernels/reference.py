@@ -11,7 +11,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from .base import AttentionSpec, Bias, Causal, CheckContext, Kernel, Mask, Scale, Softcap
+from flashpass.spec import AttentionSpec, Bias, Causal, Mask, Scale, Softcap
+
+from .base import CheckContext, Kernel
 
 
 def apply_score_ops(spec: AttentionSpec, s, extras, q_pos=None, k_pos=None):

@@ -26,9 +26,10 @@ from collections.abc import Sequence
 import jax.numpy as jnp
 
 from flashpass import compat
+from flashpass.spec import AttentionSpec
 
 from . import _util
-from .base import AttentionSpec, CheckContext, Kernel
+from .base import CheckContext, Kernel
 
 #: tokamax implementations tried in order (its own fallback raises
 #: NotImplementedError while tracing, which flashpass's probe turns into a reason).

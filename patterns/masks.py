@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from flashpass.kernels import EXCLUDING_FILL
+from flashpass.spec import EXCLUDING_FILL
 
 from .chain import Step, rule
 from .common import Miss, profile, scalar_value, where
@@ -132,7 +132,7 @@ def causal_offset(keep: np.ndarray) -> int | None:
 
 
 def excluding(fill: float) -> bool:
-    """Whether masked keys get exactly zero weight (see kernels.EXCLUDING_FILL)."""
+    """Whether masked keys get exactly zero weight (see flashpass.spec.EXCLUDING_FILL)."""
     return fill <= EXCLUDING_FILL
 
 

@@ -16,7 +16,7 @@ def _tanh(scope, node, out):
 
 def fold_softcap(ops: list, tanh_marker) -> list | str:
     """Replace ``[Scale(1/c), tanh, Scale(c)]`` by ``Softcap(c)``; a reason on failure."""
-    from flashpass.kernels import Scale, Softcap
+    from flashpass.spec import Scale, Softcap
 
     out = []
     i = 0
