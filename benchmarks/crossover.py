@@ -4,7 +4,7 @@ Times, in one process and interleaved run by run (so machine noise hits both
 sides alike), the naive ``einsum -> softmax -> einsum`` attention against
 `BlockwiseKernel`, jitted, forward and forward+backward, causal and not, and
 prints the median times and the ratio naive / blockwise (> 1: blockwise wins).
-The result sets ``CPU_MIN_KV_LEN`` in ``kernels/blockwise.py``.
+The result sets ``CPU_MIN_KV_LEN`` in ``kernels/blockwise/plan.py``.
 
     python benchmarks/crossover.py                # B=1, H=8, D=64, f32, S=128..4096
     python benchmarks/crossover.py --sizes 512 1024 --reps 9
@@ -43,7 +43,7 @@ import jax.numpy as jnp
 # when a script here runs).
 from cpu import naive
 
-from flashpass.kernels.blockwise import BlockwiseKernel
+from flashpass.kernels.blockwise import BlockSizes, BlockwiseKernel
 from flashpass.spec import AttentionSpec, Causal, Scale
 
 
@@ -142,7 +142,8 @@ def tile_kernels(args, spec) -> dict:
     default = BlockwiseKernel(head_loop=False)
     kernels = {"default {}x{}".format(*default.blocks(spec)): default}
     for tile in args.tiles:
-        kernels[tile] = _TiledKernel(*(_tile(t) for t in (tile.split("/") * 2)[:2]))
+        fwd, bwd = (_tile(t) for t in (tile.split("/") * 2)[:2])
+        kernels[tile] = BlockwiseKernel(block_sizes=BlockSizes(*fwd, *bwd), head_loop=False)
     return kernels
 
 
@@ -176,17 +177,6 @@ def compare(args, b, h, d, make_kernels) -> None:
 def _tile(text: str) -> tuple[int, int]:
     bq, bk = (int(x) for x in text.split("x"))
     return bq, bk
-
-
-class _TiledKernel(BlockwiseKernel):
-    """Blockwise (batched loops) with given forward and backward tiles."""
-
-    def __init__(self, fwd: tuple[int, int], bwd: tuple[int, int]):
-        super().__init__(*fwd, head_loop=False)
-        self.bwd = bwd
-
-    def blocks(self, spec, backward: bool = False) -> tuple[int, int]:
-        return self.bwd if backward else (self.block_q, self.block_k)
 
 
 if __name__ == "__main__":

@@ -142,6 +142,33 @@ def linear_form(spec: AttentionSpec) -> LinearForm:
     )
 
 
+def broadcastable(shape, full) -> bool:
+    """Whether ``shape`` is 4-D with every axis 1 or the size in ``full``."""
+    return len(shape) == 4 and all(d in (1, f) for d, f in zip(shape, full, strict=True))
+
+
+def check_arrays(kernel: str, spec: AttentionSpec, q, k, v, extras=None) -> None:
+    """Raise a ValueError naming ``kernel`` when q/k/v (and ``extras``, if
+    given) do not have the shapes ``spec`` says."""
+    for label, x, want in (("q", q, spec.q_shape), ("k", k, spec.k_shape), ("v", v, spec.v_shape)):
+        if tuple(x.shape) != want:
+            raise ValueError(f"{kernel}: {label} has shape {tuple(x.shape)}, the spec says {want}")
+    if extras is None:
+        return
+    used = [op.index for op in spec.score_ops if isinstance(op, Bias | Mask)]
+    if used and max(used) >= len(extras):
+        raise ValueError(
+            f"{kernel}: score ops use extras[{max(used)}] but only {len(extras)} were given"
+        )
+    full = (spec.batch, spec.heads, spec.q_len, spec.kv_len)
+    for i, x in enumerate(extras):
+        if not broadcastable(tuple(x.shape), full):
+            raise ValueError(
+                f"{kernel}: extras[{i}] has shape {tuple(x.shape)}; each axis must be 1 or "
+                f"match [B, H, T, S] = {list(full)}"
+            )
+
+
 def extra_reasons(spec: AttentionSpec) -> list[str]:
     """Bias/Mask ops whose extras are missing, not 4-D broadcastable or not real."""
     reasons: list[str] = []
@@ -155,7 +182,7 @@ def extra_reasons(spec: AttentionSpec) -> list[str]:
             continue
         extra = spec.extras[op.index]
         shape = tuple(extra.shape)
-        if len(shape) != 4 or any(d not in (1, f) for d, f in zip(shape, full, strict=False)):
+        if not broadcastable(shape, full):
             reasons.append(f"{kind} extra of shape {shape} is not broadcastable to {full}")
         dtype = np.dtype(extra.dtype)
         real = dtype == np.bool_ or bool(

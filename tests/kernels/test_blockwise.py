@@ -32,6 +32,7 @@ from flashpass.kernels.blockwise import (
     HEAD_LOOP_MIN_CAUSAL_LEN,
     MIN_BLOCK,
     TILE_ELEMENTS,
+    BlockSizes,
     BlockwiseKernel,
     default_blocks,
     head_loop_pays,
@@ -273,11 +274,8 @@ def test_block_size_does_not_change_numerics():
     assert_close(small, whole, 1e-5)
 
 
-class _SplitTiles(BlockwiseKernel):
-    """Different forward and backward tilings, as `default_blocks` gives."""
-
-    def blocks(self, spec, backward=False):
-        return (8, 24) if backward else (24, 8)
+#: Different forward and backward tilings, as `default_blocks` gives.
+SPLIT_TILES = BlockSizes(block_q=24, block_k=8, block_q_bwd=8, block_k_bwd=24)
 
 
 @pytest.mark.parametrize("gqa", [False, True])
@@ -291,13 +289,9 @@ def test_forward_and_backward_tilings_may_differ(gqa):
     ops = [SC, Bias(1, bias.shape, F32), Mask(0, mask.shape, -1e9), Causal(0, -1e9)]
     spec = make_spec(t=37, s=53, hkv=2 if gqa else None, ops=ops, extras=(mask, bias))
     q, k, v = make_qkv(spec)
-    got, want = run_both(spec, q, k, v, (mask, bias), kernel=_SplitTiles())
+    kernel = BlockwiseKernel(block_sizes=SPLIT_TILES)
+    got, want = run_both(spec, q, k, v, (mask, bias), kernel=kernel)
     assert_close(got, want, 1e-5)
-
-
-class _SplitTilesByHead(_SplitTiles):
-    def __init__(self):
-        super().__init__(head_loop=True)
 
 
 @pytest.mark.parametrize("hkv", [4, 2, 1])
@@ -320,9 +314,11 @@ def test_head_loop_matches_the_reference(hkv):
     extras = (bias, key_bias, pad)
     spec = make_spec(t=37, s=53, hkv=hkv, ops=ops, extras=extras)
     q, k, v = make_qkv(spec)
-    got, want = run_both(spec, q, k, v, extras, kernel=_SplitTilesByHead())
+    by_head = BlockwiseKernel(head_loop=True, block_sizes=SPLIT_TILES)
+    got, want = run_both(spec, q, k, v, extras, kernel=by_head)
     assert_close(got, want, 1e-5)
-    plain, _ = run_both(spec, q, k, v, extras, kernel=_SplitTiles(), oracle=False)
+    batched = BlockwiseKernel(block_sizes=SPLIT_TILES)
+    plain, _ = run_both(spec, q, k, v, extras, kernel=batched, oracle=False)
     assert_close(got, plain, 1e-5)
 
 
@@ -497,3 +493,25 @@ def test_bad_inputs_fail_clearly():
         KERNEL.apply(spec, q, k, v, (jnp.ones((B, 2, 1, S), bool),))
     with pytest.raises(ValueError, match="block_q"):
         BlockwiseKernel(block_q=0)
+
+
+def test_block_sizes_are_validated_and_frozen():
+    sizes = BlockSizes(np.int64(32), 16, block_k_bwd=64)
+    assert (sizes.block_q, type(sizes.block_q)) == (32, int)
+    assert sizes.pick((512, 256)) == (32, 16)
+    assert sizes.pick((256, 512), backward=True) == (32, 64)  # block_q_bwd: the forward's
+    assert BlockSizes().pick((256, 512), backward=True) == (256, 512)
+    for bad in (0, -1, 1.5, "16"):
+        with pytest.raises(ValueError, match="block_k_bwd must be a positive int or None"):
+            BlockSizes(block_k_bwd=bad)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        sizes.block_q = 8
+    kernel = BlockwiseKernel(block_sizes=sizes)
+    spec = make_spec()
+    assert (kernel.block_q, kernel.block_k) == (32, 16)
+    assert kernel.blocks(spec) == (32, 16) and kernel.blocks(spec, backward=True) == (32, 64)
+    assert "bwd=32x64" in repr(kernel)
+    with pytest.raises(ValueError, match="not both"):
+        BlockwiseKernel(16, block_sizes=sizes)
+    with pytest.raises(TypeError, match="BlockSizes"):
+        BlockwiseKernel(block_sizes=(16, 16))

@@ -1,0 +1,116 @@
+"""`BlockwiseKernel`: the blockwise kernel's adapter (choices, check, apply)."""
+
+from __future__ import annotations
+
+import jax
+
+from flashpass.spec import AttentionSpec
+
+from .. import _util
+from ..base import CheckContext, Kernel
+from .flash import attention
+from .heads import head_loop_pays, unit_spec
+from .plan import (
+    CPU_MIN_KV_LEN,
+    HEAD_LOOP_BLOCK,
+    BlockSizes,
+    Plan,
+    Plans,
+    default_blocks,
+    make_plan,
+)
+
+
+class BlockwiseKernel(Kernel):
+    """Flash attention written with ``lax`` loops: every platform, any spec.
+
+    ``block_q``/``block_k`` are maximum tile sizes, by default (None) chosen
+    per shape by `default_blocks`; lengths that are not a multiple are padded
+    internally (padded keys get weight exactly 0, padded query rows are
+    dropped).  ``block_sizes`` (a `BlockSizes`, instead of ``block_q`` and
+    ``block_k``) also sets the backward's tiles.  ``head_loop`` runs one
+    (batch, kv head) unit at a time (see `HEAD_LOOP_BLOCK`); None (the
+    default) does so on a single CPU device where `head_loop_pays`.  None of
+    these changes results beyond rounding.
+    """
+
+    name = "blockwise"
+    platforms = ("cpu", "gpu", "tpu")
+
+    def __init__(
+        self,
+        block_q: int | None = None,
+        block_k: int | None = None,
+        head_loop: bool | None = None,
+        *,
+        block_sizes: BlockSizes | None = None,
+    ):
+        if block_sizes is None:
+            block_sizes = BlockSizes(block_q, block_k)
+        elif not isinstance(block_sizes, BlockSizes):
+            raise TypeError(f"block_sizes must be a BlockSizes, got {block_sizes!r}")
+        elif (block_q, block_k) != (None, None):
+            raise ValueError("give either block_q/block_k or block_sizes, not both")
+        if head_loop not in (None, True, False):
+            raise ValueError(f"head_loop must be True, False or None, got {head_loop!r}")
+        self.block_sizes = block_sizes
+        self.head_loop = head_loop
+
+    @property
+    def block_q(self) -> int | None:
+        return self.block_sizes.block_q
+
+    @property
+    def block_k(self) -> int | None:
+        return self.block_sizes.block_k
+
+    def uses_head_loop(self, spec: AttentionSpec) -> bool:
+        """Whether ``spec`` runs unit by unit: as given, else on a single CPU
+        device where it pays.  (With several devices the heads may be sharded,
+        and XLA would all-gather them to slice one head per loop step.)"""
+        if self.head_loop is not None:
+            return self.head_loop
+        single_cpu = jax.default_backend() == "cpu" and jax.device_count() == 1
+        return single_cpu and head_loop_pays(spec)
+
+    def blocks(self, spec: AttentionSpec, backward: bool = False) -> tuple[int, int]:
+        """The maximum tile sizes for ``spec``: the given ones, else `default_blocks`
+        (of one unit, with `HEAD_LOOP_BLOCK` outer blocks, under the head loop)."""
+        if self.uses_head_loop(spec):
+            defaults = default_blocks(unit_spec(spec), backward, outer=HEAD_LOOP_BLOCK)
+        else:
+            defaults = default_blocks(spec, backward)
+        return self.block_sizes.pick(defaults, backward)
+
+    def plan(self, spec: AttentionSpec) -> Plan:
+        """The static tiling of ``spec``'s forward (of one unit under the head
+        loop; exposed for tests and diagnostics)."""
+        tiled = unit_spec(spec) if self.uses_head_loop(spec) else spec
+        return make_plan(tiled, *self.blocks(spec))
+
+    def check(self, spec: AttentionSpec, ctx: CheckContext) -> list[str]:
+        """Reasons not to run ``spec``: platform, and on CPU a too-short sequence."""
+        reasons = self.platform_reasons(ctx)
+        if not ctx.explicit and ctx.platform == "cpu" and spec.kv_len < CPU_MIN_KV_LEN:
+            reasons.append(
+                f"short sequence (kv_len={spec.kv_len} < {CPU_MIN_KV_LEN}): the original "
+                "computation is faster here; name kernel='blockwise' to force the rewrite"
+            )
+        return reasons
+
+    def apply(self, spec: AttentionSpec, q, k, v, extras=(), *, interpret: bool = False):
+        """Attention ``[B, H, T, Dv]`` in ``spec.out_dtype`` (``interpret`` is ignored)."""
+        extras = tuple(extras)
+        _util.check_arrays(self.name, spec, q, k, v, extras)
+        fwd = self.plan(spec)
+        bwd = make_plan(fwd.spec, *self.blocks(spec, backward=True))
+        return attention(Plans(fwd, bwd if bwd != fwd else fwd, spec), q, k, v, extras)
+
+    def __repr__(self) -> str:
+        bq, bk = (b if b is not None else "auto" for b in (self.block_q, self.block_k))
+        loop = "auto" if self.head_loop is None else self.head_loop
+        bwd = ""
+        sizes = self.block_sizes
+        if (sizes.block_q_bwd, sizes.block_k_bwd) != (None, None):
+            bwd = " bwd={}x{}".format(*sizes.pick(("auto", "auto"), backward=True))
+        return f"<flashpass kernel 'blockwise' block_q={bq} block_k={bk}{bwd} head_loop={loop}>"

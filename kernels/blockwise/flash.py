@@ -1,0 +1,316 @@
+"""The blockwise kernel's passes: forward, backward and their ``custom_vjp``.
+
+Forward: for each query block, an online softmax over key blocks (running max
+``m``, row sum ``den``, unnormalised output ``acc``).  Backward: the
+flash-attention-2 recurrence, recomputing each score tile from ``q``, ``k`` and
+the row statistics saved by the forward.  Both run over one `Plan`'s tiles;
+`attention` runs them on the whole batch, or per (batch, kv head) unit through
+the head loop (`heads`) when the `Plans` say so.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.custom_derivatives import SymbolicZero
+
+from .. import _util
+from . import heads
+from .plan import Plan, Plans
+from .tiles import (
+    add_at,
+    bias_indices,
+    bound,
+    dot_operands,
+    extra5,
+    extra_cotangents,
+    grouped,
+    gshape,
+    loop,
+    put_q_tile,
+    q_tile,
+    row_pos,
+    scaled_q,
+    skipped_score_of,
+    slice_s,
+    slice_t,
+    tile_score_fn,
+)
+
+# --------------------------------------------------------------------------- forward
+
+
+def forward(plan: Plan, q, k, v, extras):
+    """Returns ``out5 [B,Hkv,G,Tp,Dv]`` (out dtype) and the softmax statistics
+    ``m`` (row max) and ``den`` (row sum of exp(s - m)), each ``[B,Hkv,G,Tp]``
+    (no G axis when G == 1, see `grouped`)."""
+    spec, cdt, bk = plan.spec, plan.cdt, plan.bk
+    B, Hkv, G, Dv = spec.batch, spec.kv_heads, spec.groups, spec.v_head_dim
+    rows = G * plan.bq
+    tp, sp = plan.nq * plan.bq, plan.nk * bk
+    q5 = _util.pad_axis(grouped(plan, q), -2, tp)
+    kp = _util.pad_axis(k, 2, sp)
+    vp = _util.pad_axis(v, 2, sp)
+    ex5 = [extra5(spec, x, tp, sp) for x in extras]
+    p_dtype = spec.p_dtype
+
+    if plan.skipped_score is not None:
+        # Skipped keys start at a key-block boundary: suffix sums of V's block
+        # sums (padded keys are 0), row j is sum over blocks >= j, row nk is 0.
+        vblocks = vp.astype(cdt).reshape(B, Hkv, plan.nk, bk, Dv).sum(axis=3)
+        suffix = jnp.cumsum(vblocks[:, :, ::-1], axis=2)[:, :, ::-1]
+        vsuffix = jnp.concatenate([suffix, jnp.zeros_like(suffix[:, :, :1])], axis=2)
+        c = skipped_score_of(plan, cdt)
+
+    def q_block(iq, carry):
+        out, ms, dens = carry
+        q_t = scaled_q(plan, q_tile(plan, q5, iq))
+        ex_q = [slice_t(x, iq * plan.bq, plan.bq) for x in ex5]
+        q_pos = row_pos(plan, iq)
+
+        def kv_body(edge):
+            def body(ik, state):
+                m, den, acc = state
+                k_t = lax.dynamic_slice_in_dim(kp, ik * bk, bk, axis=2)
+                v_t = lax.dynamic_slice_in_dim(vp, ik * bk, bk, axis=2)
+                k_pos = ik * bk + jnp.arange(bk)
+                ex_t = [slice_s(x, ik * bk, bk) for x in ex_q]
+                a, b = dot_operands(plan, q_t, k_t)
+                s = jnp.einsum("bhtd,bhsd->bhts", a, b, preferred_element_type=cdt)
+                s = tile_score_fn(plan, ex_t, q_pos, k_pos, edge)(s, {})
+                m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+                # A row with only -inf so far keeps m = -inf; shift by 0 instead
+                # so exp() gives 0, not nan.
+                m_safe = jnp.where(m_new == -jnp.inf, 0, m_new)
+                alpha = jnp.exp(m - m_safe)
+                p = jnp.exp(s - m_safe[..., None])
+                den = den * alpha + jnp.sum(p, axis=-1)
+                pv = jnp.einsum(
+                    "bhts,bhsd->bhtd", p.astype(p_dtype), v_t, preferred_element_type=cdt
+                )
+                return m_new, den, acc * alpha[..., None] + pv
+
+            return body
+
+        state = (
+            jnp.full((B, Hkv, rows), -jnp.inf, cdt),
+            jnp.zeros((B, Hkv, rows), cdt),
+            jnp.zeros((B, Hkv, rows, Dv), cdt),
+        )
+        kfull, kend = bound(plan.kfull, iq), bound(plan.kend, iq)
+        state = loop(0, kfull, kv_body(False), state)
+        m, den, acc = loop(kfull, kend, kv_body(True), state)
+        if plan.skipped_score is not None:
+            # The skipped keys all score c: fold them in as n copies of c with
+            # the suffix sum of their values (a no-op when exp(c - m) == 0).
+            first = bound(plan.kend_key, iq)
+            n = jnp.asarray(spec.kv_len - first).astype(cdt)
+            m_new = jnp.where(n > 0, jnp.maximum(m, c), m)
+            m_safe = jnp.where(m_new == -jnp.inf, 0, m_new)
+            alpha = jnp.exp(m - m_safe)
+            beta = jnp.where(n > 0, jnp.exp(c - m_safe), 0)
+            vsum = lax.dynamic_slice_in_dim(vsuffix, bound(plan.kend, iq), 1, axis=2)
+            den = den * alpha + n * beta
+            beta_p = beta.astype(p_dtype).astype(cdt)  # as the reference rounds p
+            acc = acc * alpha[..., None] + beta_p[..., None] * vsum
+            m = m_new
+        out_t = (acc / den[..., None]).astype(spec.out_dtype)
+        out = put_q_tile(plan, out, out_t, iq)
+        return out, put_q_tile(plan, ms, m, iq, -1), put_q_tile(plan, dens, den, iq, -1)
+
+    stats = jnp.zeros(gshape(spec, tp), cdt)
+    init = (jnp.zeros(gshape(spec, tp, Dv), spec.out_dtype), stats, stats)
+    return loop(0, plan.nq, q_block, init)
+
+
+# --------------------------------------------------------------------------- backward
+
+
+def backward(plan: Plan, q, k, v, extras, out, m, den, dout, wanted):
+    """Flash-attention-2 backward; returns cotangents of (q, k, v, extras).
+
+    ``wanted[i]`` says whether extras[i] needs its cotangent (None if not)."""
+    spec, cdt, bq, bk = plan.spec, plan.cdt, plan.bq, plan.bk
+    B, H, Hkv = spec.batch, spec.heads, spec.kv_heads
+    T, S, D, Dv = spec.q_len, spec.kv_len, spec.head_dim, spec.v_head_dim
+    tp, sp = plan.nq * bq, plan.nk * bk
+    q5 = _util.pad_axis(grouped(plan, q), -2, tp)
+    kp = _util.pad_axis(k, 2, sp)
+    vp = _util.pad_axis(v, 2, sp)
+    do5 = _util.pad_axis(grouped(plan, dout), -2, tp)
+    out5 = _util.pad_axis(grouped(plan, out), -2, tp)
+    ex5 = [extra5(spec, x, tp, sp) for x in extras]
+    bias_idx = tuple(i for i in bias_indices(spec, extras) if wanted[i])
+    p_dtype = spec.p_dtype
+
+    # (An einsum, not sum(do * out, -1): XLA's CPU reduction over a 64-wide
+    # minor axis is ~25x slower than the equivalent batched dot.)
+    delta = jnp.einsum("...td,...td->...t", do5.astype(cdt), out5.astype(cdt))
+    # p = exp(s - m) / den, recomputed as in the forward.  Not exp(s - lse): with
+    # a large finite fill (a fully masked row, m = -1e9) m + log(den) rounds to m
+    # in float32 and every weight of that row would come out wrong.
+    # Padded query rows get m=+inf and 1/den=0, hence p=0 exactly: whatever their
+    # scores, they never leak nan into dk/dv.
+    real = jnp.arange(tp) < T
+    m = jnp.where(real, _util.pad_axis(m, -1, tp), jnp.inf)
+    inv_den = jnp.where(real, 1 / _util.pad_axis(den, -1, tp, value=1), 0)
+    # With e = exp(s - m) (p = e / den):  dV = p^T dO = e^T (dO / den) and
+    # dS = p * (dP - delta) = e * (V (dO / den)^T - delta / den).  Scaling the
+    # [T, Dv] dO and the [T] delta once, instead of every tile, leaves one pass
+    # over each tile less (no p = e / den).
+    do_n = do5.astype(cdt) * inv_den[..., None]
+    delta_n = delta * inv_den
+
+    def k_block(ik, carry):
+        dqt, dk, dv, dbias = carry
+        k_t = lax.dynamic_slice_in_dim(kp, ik * bk, bk, axis=2)
+        v_t = lax.dynamic_slice_in_dim(vp, ik * bk, bk, axis=2)
+        k_pos = ik * bk + jnp.arange(bk)
+        ex_k = [slice_s(x, ik * bk, bk) for x in ex5]
+        # Tiles are key-major here (``[bk, rows]``, the transpose of the
+        # forward's): then every product below contracts the minor axis of its
+        # left operand, the layout XLA's fast CPU matmul path takes; a
+        # transposed left operand (p^T @ dO) falls back to a ~3x slower one.
+        k_dot = dot_operands(plan, k_t, q5)[0]
+        k_tr = jnp.swapaxes(k_dot, 2, 3)  # [B, Hkv, D, bk], once per key block
+
+        def q_body(edge):
+            def body(iq, state):
+                dqt, dk_t, dv_t, dbias = state
+                q_t = scaled_q(plan, q_tile(plan, q5, iq))
+                do_t = q_tile(plan, do_n, iq)
+                m_t, delta_t = (q_tile(plan, x, iq, -1)[:, :, None] for x in stats)
+                ex_t = [slice_t(x, iq * bq, bq) for x in ex_k]
+                b, a = dot_operands(plan, k_t, q_t)
+                st = jnp.einsum("bhsd,bhtd->bhst", b, a, preferred_element_type=cdt)
+                biases = {i: ex_t[i].astype(cdt) for i in bias_idx}
+                scores = tile_score_fn(plan, ex_t, row_pos(plan, iq), k_pos, edge, transposed=True)
+                st, score_vjp = jax.vjp(scores, st, biases)
+                et = jnp.exp(st - m_t)
+                # One exp per tile: without the barrier XLA recomputes it in
+                # the fusion that forms ds.
+                et = lax.optimization_barrier(et)
+                dv_t = dv_t + jnp.einsum(
+                    "bhst,bhtd->bhsd", et.astype(p_dtype), do_t, preferred_element_type=cdt
+                )
+                dpt = jnp.einsum("bhsd,bhtd->bhst", v_t, do_t, preferred_element_type=cdt)
+                dst, dbias_t = score_vjp(et * (dpt - delta_t))
+                # Rows are (group, position): contracting them sums the group.
+                dk_t = dk_t + jnp.einsum("bhst,bhtd->bhsd", dst, a, preferred_element_type=cdt)
+                dq_t = jnp.einsum("bhds,bhst->bhdt", k_tr, dst, preferred_element_type=cdt)
+                dqt = put_q_tile(plan, dqt, q_tile(plan, dqt, iq, -1) + dq_t, iq, -1)
+                dbias = {
+                    i: add_at(dbias[i], g, (3, 4), (iq * bq, ik * bk)) for i, g in dbias_t.items()
+                }
+                return dqt, dk_t, dv_t, dbias
+
+            return body
+
+        state = (
+            dqt,
+            jnp.zeros((B, Hkv, bk, D), cdt),
+            jnp.zeros((B, Hkv, bk, Dv), cdt),
+            dbias,
+        )
+        qstart, qfull = bound(plan.qstart, ik), bound(plan.qfull, ik)
+        state = loop(qstart, qfull, q_body(True), state)
+        dqt, dk_t, dv_t, dbias = loop(qfull, plan.nq, q_body(False), state)
+        dk = lax.dynamic_update_slice_in_dim(dk, dk_t, ik * bk, axis=2)
+        dv = lax.dynamic_update_slice_in_dim(dv, dv_t, ik * bk, axis=2)
+        return dqt, dk, dv, dbias
+
+    stats = (m, delta_n)
+    init = (
+        jnp.zeros((B, Hkv, D) + gshape(spec, tp)[2:], cdt),  # dq^T, see `q_tile`
+        jnp.zeros((B, Hkv, sp, D), cdt),
+        jnp.zeros((B, Hkv, sp, Dv), cdt),
+        {i: jnp.zeros(ex5[i].shape, cdt) for i in bias_idx},
+    )
+    dq, dk, dv, dbias = loop(0, plan.nk, k_block, init)
+    dv = dv[:, :, :S]
+    if plan.skipped_score is not None:
+        dv = dv + _skipped_dv(plan, m, inv_den, do5)
+
+    dq = jnp.moveaxis(dq[..., :T], 2, -1).reshape(B, H, T, D)
+    if plan.q_scale != 1.0:
+        dq = dq * jnp.asarray(plan.q_scale, cdt)  # the chain rule through the fold
+    dq = dq.astype(q.dtype)
+    grads = {i: g[:, :, :, : extras[i].shape[2], : extras[i].shape[3]] for i, g in dbias.items()}
+    dextras = extra_cotangents(extras, wanted, grads)
+    return dq, dk[:, :, :S].astype(k.dtype), dv.astype(v.dtype), dextras
+
+
+def _skipped_dv(plan: Plan, m, inv_den, do5):
+    """dV from skipped keys: every skipped key j of query row i has weight
+    exp(c - m_i) / l_i, so dv[j] sums the weighted dO of every row whose block
+    skips j.  Query block iq skips the key blocks [kend[iq], nk): the sum is one
+    per key block, a static 0/1 matrix times the per-query-block sums."""
+    spec, cdt = plan.spec, plan.cdt
+    B, Hkv, G, Dv = spec.batch, spec.kv_heads, spec.groups, spec.v_head_dim
+    c = skipped_score_of(plan, cdt)
+    w = (jnp.exp(c - m) * inv_den).astype(spec.p_dtype).astype(cdt)  # [B,Hkv,G,Tp]
+    w = w.reshape(B, Hkv, G, plan.nq, plan.bq)
+    do = do5.astype(cdt).reshape(B, Hkv, G, plan.nq, plan.bq, Dv)
+    per_block = jnp.einsum("bhgqt,bhgqtd->bhqd", w, do)
+    skips = np.array([[float(e <= jb) for e in plan.kend] for jb in range(plan.nk)], cdt)
+    per_key_block = jnp.einsum("jq,bhqd->bhjd", skips, per_block)
+    dv = jnp.broadcast_to(per_key_block[:, :, :, None], (B, Hkv, plan.nk, plan.bk, Dv))
+    return dv.reshape(B, Hkv, plan.nk * plan.bk, Dv)[:, :, : spec.kv_len]
+
+
+# --------------------------------------------------------------------------- custom_vjp
+
+
+def _attention_impl(plans: Plans, q, k, v, extras):
+    spec = plans.spec
+    if plans.head_loop:
+        out5, m, den = heads.forward_heads(forward, plans.fwd, spec, q, k, v, extras)
+    else:
+        out5, m, den = forward(plans.fwd, q, k, v, extras)
+    out = out5[..., : spec.q_len, :].reshape(spec.out_shape)
+    # Statistics of the real rows only: the backward pads to its own tiling.
+    return out, (m[..., : spec.q_len], den[..., : spec.q_len])
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def attention(plans, q, k, v, extras):
+    return _attention_impl(plans, q, k, v, extras)[0]
+
+
+@jax.tree_util.register_static
+@dataclasses.dataclass(frozen=True)
+class _Wanted:
+    """Which extras need a cotangent (static, so it rides along the residuals)."""
+
+    extras: tuple[bool, ...]
+
+
+def _attention_fwd(plans, q, k, v, extras):
+    # symbolic_zeros: each array arrives as CustomVJPPrimal(value, perturbed),
+    # which tells us whether a bias gradient is wanted at all.  Without this the
+    # backward would accumulate, e.g., a [1, H, T, S] bias gradient nobody uses
+    # (XLA does not remove it from the loops).
+    wanted = _Wanted(tuple(x.perturbed for x in extras))
+    q, k, v = q.value, k.value, v.value
+    extras = tuple(x.value for x in extras)
+    out, (m, den) = _attention_impl(plans, q, k, v, extras)
+    # Residuals: inputs, output and two [B, H, T] statistics; never a T x S array.
+    return out, (q, k, v, extras, out, m, den, wanted)
+
+
+def _attention_bwd(plans, res, dout):
+    q, k, v, extras, out, m, den, wanted = res
+    if isinstance(dout, SymbolicZero):
+        return None, None, None, tuple(None for _ in extras)
+    args = (q, k, v, extras, out, m, den, dout, wanted.extras)
+    if plans.head_loop:
+        return heads.backward_heads(backward, plans.bwd, plans.spec, *args)
+    return backward(plans.bwd, *args)
+
+
+attention.defvjp(_attention_fwd, _attention_bwd, symbolic_zeros=True)

@@ -1,0 +1,252 @@
+"""The blockwise kernel's static tiling: tuning constants, block sizes, plans.
+
+Everything here is decided from the `AttentionSpec` alone, before tracing:
+tile sizes (`default_blocks`, or a user's `BlockSizes`), and per tile which
+score ops it applies and which causal tiles are skipped (`make_plan`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax.numpy as jnp
+import numpy as np
+
+from flashpass.spec import AttentionSpec, Bias, Causal, Mask, Scale, Softcap
+
+from .. import _util
+
+# Tuning constants.  The measurements behind them (crossover, tile sizes, head
+# loop; machine, dates and commands) are in docs/benchmarks.md, "Tuning" and
+# "Crossover".
+
+#: Below this ``kv_len`` the original (naive) computation is faster on CPU, so
+#: the kernel declines unless named explicitly (`python benchmarks/crossover.py`).
+CPU_MIN_KV_LEN = 1024
+#: Score elements per tile, over all batch rows and heads (a tile is
+#: ``[B, H, block_q, block_k]``): 1M f32 scores, 4 MiB, about the two cores' L2,
+#: so the ~8 XLA kernels a tile runs as stay in cache.
+TILE_ELEMENTS = 1 << 20
+#: The loop over whole blocks (query blocks in the forward, key blocks in the
+#: backward) takes blocks of `OUTER_BLOCK`; the inner loop's tiles are as long
+#: as the budget allows (forward 512 x 256, backward 256 x 512 at 8 heads).
+#: Short sequences get one tile per axis (`split`).
+OUTER_BLOCK, MIN_BLOCK, MAX_INNER_BLOCK = 512, 128, 1024
+#: The head loop (`heads.head_loop_pays`) runs one (batch, kv head) unit at a
+#: time with tiles of `HEAD_LOOP_BLOCK` in both axes: every product is one
+#: ``[G*block_q, D] x [D, block_k]`` matmul, which XLA's CPU dot runs faster
+#: than a batch of smaller ones.  With causal skipping the larger tiles waste
+#: more of the diagonal, so there it starts at `HEAD_LOOP_MIN_CAUSAL_LEN`.
+HEAD_LOOP_BLOCK = 1024
+HEAD_LOOP_MIN_CAUSAL_LEN = 8192
+
+_KNOWN_OPS = (Scale, Bias, Mask, Causal, Softcap)
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+    """Maximum tile sizes of the blockwise kernel (like Pallas' ``BlockSizes``).
+
+    ``block_q`` x ``block_k`` are the forward's tiles, ``block_q_bwd`` x
+    ``block_k_bwd`` the backward's.  None means "chosen per shape"
+    (`default_blocks`); a backward size left None takes the forward's given
+    size, if any.  Lengths that are not a multiple are padded internally, so
+    any positive size is valid; sizes never change results beyond rounding.
+    """
+
+    block_q: int | None = None
+    block_k: int | None = None
+    block_q_bwd: int | None = None
+    block_k_bwd: int | None = None
+
+    def __post_init__(self):
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if value is None:
+                continue
+            if not isinstance(value, int | np.integer) or value < 1:
+                raise ValueError(f"{f.name} must be a positive int or None, got {value!r}")
+            object.__setattr__(self, f.name, int(value))
+
+    def pick(self, defaults: tuple[int, int], backward: bool = False) -> tuple[int, int]:
+        """The ``(block_q, block_k)`` of one pass: the given sizes, else ``defaults``."""
+        bq, bk = self.block_q, self.block_k
+        if backward:
+            bq = bq if self.block_q_bwd is None else self.block_q_bwd
+            bk = bk if self.block_k_bwd is None else self.block_k_bwd
+        return (defaults[0] if bq is None else bq), (defaults[1] if bk is None else bk)
+
+
+def split(n: int, block: int) -> tuple[int, int]:
+    """(tile, count) covering ``n`` with tiles of at most ``block`` rows.
+
+    Tiles are balanced (``n=600, block=512`` gives 2 x 304, not 512 + 88 of
+    which most is padding) and kept a multiple of 8 when ``block`` is.
+    """
+    if n <= block:
+        return n, 1
+    count = -(-n // block)
+    tile = -(-n // count)
+    if block % 8 == 0:
+        tile = _util.round_up(tile, 8)
+    return tile, -(-n // tile)
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """Everything static about one kernel invocation (hashable: a custom_vjp static arg)."""
+
+    spec: AttentionSpec
+    # Leading Scale ops folded into q ((c*q) @ k^T instead of c * (q @ k^T)): one
+    # pass less over every score tile.  1.0 when nothing is folded.
+    q_scale: float
+    ops_edge: tuple  # score ops on tiles that straddle the diagonal or the padding
+    ops_plain: tuple  # score ops on the other tiles: no causal `where`
+    bq: int
+    bk: int
+    nq: int
+    nk: int
+    cdt: np.dtype  # compute dtype, at least float32
+    # Causal block skipping.  Per query block: key tiles [0, kfull) are entirely
+    # kept and unpadded, [kfull, kend) straddle the diagonal or the padding,
+    # [kend, nk) are skipped.  Per key block: query tiles [qstart, qfull) are
+    # edge tiles, [qfull, nq) plain ones.
+    kfull: tuple[int, ...]
+    kend: tuple[int, ...]
+    qstart: tuple[int, ...]
+    qfull: tuple[int, ...]
+    # Final score of a skipped key when it is finite (e.g. a fill of -1e9, or
+    # any fill followed by Softcap): skipped keys then still count, exactly,
+    # through a closed form (all of them share that one score).  None when
+    # skipped keys have score -inf (weight exactly 0) or nothing is skipped.
+    skipped_score: float | None
+
+    @property
+    def padded_k(self) -> bool:
+        return self.nk * self.bk > self.spec.kv_len
+
+    @property
+    def kend_key(self) -> tuple[int, ...]:
+        """First skipped key position per query block (``S`` when none is skipped)."""
+        return tuple(min(e * self.bk, self.spec.kv_len) for e in self.kend)
+
+    def tiles_computed(self) -> int:
+        """Number of (query tile, key tile) pairs the forward computes."""
+        return sum(self.kend)
+
+
+@dataclasses.dataclass(frozen=True)
+class Plans:
+    """The forward's and the backward's tilings (they may differ, see
+    `default_blocks`).  With ``head_loop`` both tile ``unit_spec(spec)`` and
+    run once per (batch, kv head) unit."""
+
+    fwd: Plan
+    bwd: Plan
+    spec: AttentionSpec
+
+    @property
+    def head_loop(self) -> bool:
+        return self.fwd.spec != self.spec
+
+
+def _pow2_floor(n: int) -> int:
+    return 1 << (max(int(n), 1).bit_length() - 1)
+
+
+def default_blocks(
+    spec: AttentionSpec, backward: bool = False, outer: int = OUTER_BLOCK
+) -> tuple[int, int]:
+    """The (maximum) tile sizes ``(block_q, block_k)`` used when none are given.
+
+    A tile holds ``B * H * block_q * block_k`` scores; aim at `TILE_ELEMENTS`.
+    The outer loop's block (``block_q`` in the forward, ``block_k`` in the
+    backward, whose loops are key-major) is ``outer``: it is sliced once
+    per outer iteration and its accumulators stay put; the inner block fills
+    the budget (at most `MAX_INNER_BLOCK`).  Many heads shrink the inner block,
+    then the outer one, to `MIN_BLOCK`.
+    """
+    heads = spec.batch * spec.heads
+    inner = min(_pow2_floor(TILE_ELEMENTS // (heads * outer)), MAX_INNER_BLOCK)
+    if inner < MIN_BLOCK:
+        inner = MIN_BLOCK
+        outer = max(_pow2_floor(TILE_ELEMENTS // (heads * inner)), MIN_BLOCK)
+    return (inner, outer) if backward else (outer, inner)
+
+
+def make_plan(spec: AttentionSpec, block_q: int, block_k: int) -> Plan:
+    """Tile sizes and the per-tile work lists for ``spec``."""
+    for op in spec.score_ops:
+        if not isinstance(op, _KNOWN_OPS):
+            raise TypeError(f"unknown score op {op!r}: the blockwise kernel does not implement it")
+    T, S = spec.q_len, spec.kv_len
+    bq, nq = split(T, block_q)
+    bk, nk = split(S, block_k)
+    padded = nk * bk > S
+    cdt = np.dtype(jnp.promote_types(spec.compute_dtype, jnp.float32))
+
+    # Skipping is exact only when every skipped key has the same final score,
+    # i.e. nothing after the (single) Causal op depends on the key position.
+    ops = spec.score_ops
+    causal_at = [i for i, op in enumerate(ops) if isinstance(op, Causal)]
+    causal = None
+    skipped_score = None
+    if len(causal_at) == 1:
+        post = ops[causal_at[0] + 1 :]
+        if all(isinstance(op, Scale | Softcap) for op in post):
+            c = spec.final_fill(causal_at[0], ops[causal_at[0]].fill)
+            if math.isfinite(c) or c == -math.inf:
+                causal = ops[causal_at[0]]
+                skipped_score = c if math.isfinite(c) else None
+
+    last_plain = nk - 1 if padded else nk  # the padded tile always needs the `where`
+    kfull, kend = [], []
+    for iq in range(nq):
+        if causal is None:
+            kend.append(nk)
+            kfull.append(last_plain)
+            continue
+        first_row = iq * bq
+        last_row = min((iq + 1) * bq, T) - 1
+        keys = min(max(last_row + causal.offset + 1, 0), S)  # keys any real row keeps
+        end = -(-keys // bk)
+        full = min(max((first_row + causal.offset + 1) // bk, 0), end, last_plain)
+        kend.append(end)
+        kfull.append(full)
+    qstart = [next((iq for iq in range(nq) if kend[iq] > ik), nq) for ik in range(nk)]
+    qfull = [next((iq for iq in range(nq) if kfull[iq] > ik), nq) for ik in range(nk)]
+    if skipped_score is not None and all(e == nk for e in kend):
+        skipped_score = None
+
+    # Fold the leading Scales into q when that is exact (a power of two, and q
+    # has float32's exponent range so nothing turns subnormal) or merely moves
+    # one rounding (q already in the compute dtype).
+    lead = next((i for i, op in enumerate(ops) if not isinstance(op, Scale)), len(ops))
+    q_scale = float(np.prod([np.float32(op.value) for op in ops[:lead]], dtype=np.float32))
+    exact = (
+        math.frexp(abs(q_scale))[0] == 0.5
+        and jnp.finfo(spec.q_dtype).minexp <= jnp.finfo(np.float32).minexp
+    )
+    usable = lead and math.isfinite(q_scale) and q_scale != 0
+    if usable and (exact or np.dtype(spec.q_dtype) == cdt):
+        ops = ops[lead:]
+    else:
+        q_scale = 1.0
+    ops_plain = tuple(op for op in ops if op is not causal) if causal is not None else ops
+    return Plan(
+        spec=spec,
+        q_scale=q_scale,
+        ops_edge=ops,
+        ops_plain=ops_plain,
+        bq=bq,
+        bk=bk,
+        nq=nq,
+        nk=nk,
+        cdt=cdt,
+        kfull=tuple(kfull),
+        kend=tuple(kend),
+        qstart=tuple(qstart),
+        qfull=tuple(qfull),
+        skipped_score=skipped_score,
+    )
