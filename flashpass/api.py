@@ -7,7 +7,6 @@ import contextlib
 import dataclasses
 import functools
 import inspect
-import logging
 import numbers
 import threading
 import weakref
@@ -17,20 +16,16 @@ from typing import Any
 import jax
 import numpy as np
 
-from flashpass.kernels import CheckContext, Kernel
+from flashpass.kernels import Kernel
 
-from . import compat
-from .graph import build_scopes
-from .match import find_sites
-from .report import Fallback, Report, Rewrite
-from .rewrite import Plan, PlannedSite, rewrite
-from .select import choose, current_platform, resolve_order
-
-logger = logging.getLogger("flashpass")
+from . import compat, errors, pipeline
+from .report import Report
+from .select import current_platform, resolve_order
 
 #: Options accepted by `optimize` besides the named parameters.
 OPTIONS = {
     "cache_size": "maximum number of input signatures kept (default 32)",
+    "strict": "re-raise the pass's internal errors (default: the FLASHPASS_STRICT env var)",
 }
 DEFAULT_CACHE_SIZE = 32
 PLATFORMS = ("cpu", "gpu", "tpu")
@@ -38,13 +33,12 @@ PLATFORMS = ("cpu", "gpu", "tpu")
 
 @dataclasses.dataclass
 class _Entry:
-    """Everything cached for one input signature."""
+    """Everything the side table keeps for one input signature."""
 
     original: Any  # ClosedJaxpr as traced
     rewritten: Any  # ClosedJaxpr after the pass
     out_tree: Any
     report: Report
-    call: Callable
 
 
 class Optimized:
@@ -52,8 +46,17 @@ class Optimized:
 
     Call it like the original.  ``explain(*args, **kwargs)`` returns the
     `Report` for that input signature; ``rewritten_jaxpr`` / ``original_jaxpr``
-    return the jaxprs (for golden tests).  The first call per input signature
-    traces, matches and rewrites; later calls reuse the cached result.
+    return the jaxprs (for golden tests).
+
+    Calling it is calling a ``jax.jit`` of the rewritten program: the pass
+    runs when ``jit`` traces, once per input signature, and a cached call is
+    ``jit``'s own dispatch.  Whatever the context of the first call (direct,
+    under an outer ``jit``, ``eval_shape``, ``grad``, ``vmap``, a ``scan``
+    body, ``checkpoint`` or a ``shard_map`` body), the pass sees the same
+    program and gives the same report: the function is traced on its own,
+    from the arguments' abstract values, and the pass evaluates nothing on
+    the enclosing trace.  Reports and rewritten programs are kept in a side
+    table of at most ``cache_size`` signatures.
     """
 
     def __init__(
@@ -66,6 +69,7 @@ class Optimized:
         static_argnums=(),
         static_argnames=(),
         cache_size: int = DEFAULT_CACHE_SIZE,
+        strict: bool | None = None,
     ):
         if not callable(fn):
             raise TypeError(f"flashpass.optimize expects a callable, got {type(fn).__name__}")
@@ -73,12 +77,15 @@ class Optimized:
             raise ValueError(f"platform must be one of {PLATFORMS} or None, got {platform!r}")
         if not isinstance(cache_size, int) or isinstance(cache_size, bool) or cache_size < 1:
             raise ValueError(f"cache_size must be a positive int, got {cache_size!r}")
+        if strict is not None and not isinstance(strict, bool):
+            raise TypeError(f"strict must be True, False or None, got {strict!r}")
         self._fn = fn
         self._platform = platform
         if not isinstance(interpret, bool | np.bool_):
             raise TypeError(f"interpret must be True or False, got {interpret!r}")
         self._interpret = bool(interpret)
         self._kernel = kernel
+        self._strict = strict
         # Resolve now so an unknown kernel name fails here, with the known names.
         resolve_order(kernel, platform or "cpu")
         self._static_argnums, self._static_argnames, self._params = _static_args(
@@ -95,32 +102,66 @@ class Optimized:
         self.traces = 0  # number of trace+match+rewrite runs (for tests and tuning)
         # Decorated methods: id(instance) -> (weakref to it, its Optimized).
         self._instances: dict[int, tuple[weakref.ref, Optimized]] = {}
-        functools.update_wrapper(self, fn)
+        # Not its __dict__: an optimized function passed in must keep its own state.
+        functools.update_wrapper(self, fn, updated=())
+
+        this = weakref.ref(self)  # no cycle: the jit below lives in self
+
+        def staged(*args, **kwargs):
+            entry, leaves = this()._entry(args, kwargs)
+            outs = compat.jaxpr_as_fun(entry.rewritten)(*leaves)
+            return jax.tree_util.tree_unflatten(entry.out_tree, outs)
+
+        # The name ``jit`` shows in the caller's jaxpr and in profiles.
+        name = getattr(fn, "__name__", None)
+        staged.__name__ = staged.__qualname__ = name if isinstance(name, str) else "optimized"
+        self._jitted = jax.jit(
+            staged,
+            static_argnums=tuple(sorted(self._static_argnums)),
+            static_argnames=tuple(sorted(self._static_argnames)),
+        )
 
     # ------------------------------------------------------------------ calling
 
     def __call__(self, *args, **kwargs):
-        entry, leaves = self._lookup(args, kwargs)
-        return jax.tree_util.tree_unflatten(entry.out_tree, entry.call(*leaves))
+        try:
+            return self._jitted(*args, **kwargs)
+        except (TypeError, ValueError, OverflowError) as err:
+            # ``jit`` rejected the arguments, or the function raised: say which
+            # argument is wrong and how to pass it, when that is the cause.
+            problem = self._input_problem(args, kwargs)
+            if problem is None or problem is err:
+                raise
+        raise problem
 
     def explain(self, *args, **kwargs) -> Report:
         """The rewrite `Report` for these arguments (nothing is executed)."""
-        return self._lookup(args, kwargs)[0].report
+        return self._entry(args, kwargs)[0].report
 
     def rewritten_jaxpr(self, *args, **kwargs):
         """The rewritten ``ClosedJaxpr`` for these arguments."""
-        return self._lookup(args, kwargs)[0].rewritten
+        return self._entry(args, kwargs)[0].rewritten
 
     def original_jaxpr(self, *args, **kwargs):
         """The ``ClosedJaxpr`` of the original function for these arguments."""
-        return self._lookup(args, kwargs)[0].original
+        return self._entry(args, kwargs)[0].original
+
+    @property
+    def reports(self) -> tuple[Report, ...]:
+        """The reports of the cached input signatures, least recently used first
+        (e.g. ``reports[-1]`` after a call inside ``vmap`` or ``shard_map``,
+        where the signature is the per-example or per-shard one)."""
+        with self._lock:
+            return tuple(e.report for e in self._cache.values())
 
     def cache_info(self) -> dict:
         return {"size": len(self._cache), "max_size": self._cache_size, "traces": self.traces}
 
     def clear_cache(self) -> None:
+        """Drop every cached signature and the compiled programs ``jit`` keeps."""
         with self._lock:
             self._cache.clear()
+            self._jitted.clear_cache()
 
     def __get__(self, obj, objtype=None):
         """Decorated methods: one optimized function (and cache) per instance.
@@ -177,6 +218,7 @@ class Optimized:
             static_argnums=tuple(i - 1 for i in self._static_argnums if i > 0),
             static_argnames=tuple(n for n in self._static_argnames if n != first),
             cache_size=self._cache_size,
+            strict=self._strict,
         )
 
     def __repr__(self) -> str:
@@ -185,23 +227,41 @@ class Optimized:
 
     # ------------------------------------------------------------------ internals
 
-    def _lookup(self, args, kwargs):
+    def _entry(self, args, kwargs) -> tuple[_Entry, list]:
+        """The side-table entry for these arguments (built on a miss) and the
+        dynamic argument leaves; at ``jit`` trace time the leaves are tracers."""
         dyn_args, dyn_kwargs, static_key, rebuild = self._split(args, kwargs)
         leaves, in_tree = jax.tree_util.tree_flatten((dyn_args, dyn_kwargs))
-        key = (in_tree, tuple(map(_leaf_key, leaves)), static_key, compat.context_mesh())
+        avals = tuple(_aval(x, in_tree, i) for i, x in enumerate(leaves))
+        key = (in_tree, avals, static_key, compat.context_mesh())
         with self._lock:
             entry = self._cache.get(key)
             if entry is not None:
                 self._cache.move_to_end(key)
                 return entry, leaves
-        structs = [_struct(x, in_tree, i) for i, x in enumerate(leaves)]
-        entry = self._build(structs, in_tree, rebuild)
+        entry = self._build(avals, in_tree, rebuild)
         with self._lock:
             if not _holds_tracers(entry.rewritten.consts):
                 self._cache[key] = entry
-                while len(self._cache) > self._cache_size:
-                    self._cache.popitem(last=False)
+                if len(self._cache) > self._cache_size:
+                    while len(self._cache) > self._cache_size:
+                        self._cache.popitem(last=False)
+                    # Release the evicted signatures' compiled programs: ``jit``
+                    # keeps one per signature and cannot drop a single one.
+                    self._jitted.clear_cache()
         return entry, leaves
+
+    def _input_problem(self, args, kwargs) -> Exception | None:
+        """The clear error for bad arguments (non-array leaves, unhashable or
+        missing static arguments), or None when the arguments are fine."""
+        try:
+            dyn_args, dyn_kwargs, _, _ = self._split(args, kwargs)
+            leaves, in_tree = jax.tree_util.tree_flatten((dyn_args, dyn_kwargs))
+            for i, x in enumerate(leaves):
+                _aval(x, in_tree, i)
+        except (TypeError, ValueError, OverflowError) as err:
+            return err
+        return None
 
     def _split(self, args, kwargs):
         """``(dynamic args, dynamic kwargs, static key, rebuild)`` of one call.
@@ -260,7 +320,7 @@ class Optimized:
         param = (self._params or {}).get(name)
         return param is not None and param.default is not param.empty
 
-    def _build(self, structs, in_tree, rebuild) -> _Entry:
+    def _build(self, avals, in_tree, rebuild) -> _Entry:
         self.traces += 1
 
         def flat_fn(*leaves):
@@ -268,15 +328,15 @@ class Optimized:
             full_args, full_kwargs = rebuild(d_args, d_kwargs)
             return self._fn(*full_args, **full_kwargs)
 
-        closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*structs)
+        closed, out_shape = pipeline.trace(flat_fn, avals)
         out_tree = jax.tree_util.tree_structure(out_shape)
         platform = self._platform or current_platform()
-        rewritten, report = run_pass(
-            closed, kernel=self._kernel, platform=platform, interpret=self._interpret
-        )
-        _log(report, getattr(self._fn, "__qualname__", "function"))
-        call = jax.jit(compat.jaxpr_as_fun(rewritten))
-        return _Entry(closed, rewritten, out_tree, report, call)
+        with errors.strict_mode(self._strict):
+            rewritten, report = pipeline.run_pass(
+                closed, kernel=self._kernel, platform=platform, interpret=self._interpret
+            )
+        pipeline.log_report(report, getattr(self._fn, "__qualname__", "function"))
+        return _Entry(closed, rewritten, out_tree, report)
 
 
 class _BoundMethod:
@@ -310,168 +370,19 @@ def _forget_instance(instances: dict, key: int, ref) -> None:
         instances.pop(key, None)
 
 
-def run_pass(closed, *, kernel=None, platform: str = "cpu", interpret: bool = False):
-    """Find, choose and rewrite every site of ``closed``: ``(rewritten, Report)``."""
-    kernels, explicit = resolve_order(kernel, platform)
-    ctx = CheckContext(platform=platform, interpret=interpret, explicit=explicit)
-    scopes = build_scopes(closed)
-    where_is = _scope_names(scopes)
-    report = Report(platform=platform, jax_version=jax.__version__)
-    planned: list[PlannedSite] = []
-    for scope in scopes:
-        sites, misses = find_sites(scope)
-        for miss in misses:
-            report.fallbacks.append(Fallback(miss.location, miss.reason, where_is[scope.prefix]))
-        for site in sites:
-            chosen, rejections = choose(site.spec, kernels, ctx)
-            if chosen is None:
-                reason = _rejection_summary(rejections)
-                report.fallbacks.append(
-                    Fallback(
-                        site.location, reason, where_is[scope.prefix], site.pattern, rejections
-                    )
-                )
-                continue
-            planned.append(PlannedSite(site, chosen, interpret, rejections))
-    if not planned:
-        return closed, report
-    plan = Plan(planned, scopes)
-    try:
-        rewritten = rewrite(closed, plan)
-    except Exception as err:  # a rewriter bug must never break the user's program
-        message = (str(err).strip().splitlines() or [""])[0][:300]
-        for p in planned:
-            report.fallbacks.append(
-                Fallback(
-                    p.site.location,
-                    f"rewriting the enclosing body failed: {type(err).__name__}: {message}",
-                    where_is[p.site.scope_prefix],
-                    p.site.pattern,
-                )
-            )
-        return closed, report
-    for p in planned:
-        kept = plan.kept.get(p.site.root.path)  # cannot run per shard (sharding.py)
-        if kept is not None:
-            report.fallbacks.append(
-                Fallback(p.site.location, kept, where_is[p.site.scope_prefix], p.site.pattern)
-            )
-            continue
-        failure = _failure_for(plan, p.site.scope_prefix)
-        if failure is not None:
-            report.fallbacks.append(
-                Fallback(
-                    p.site.location,
-                    f"rewriting the enclosing body failed: {failure}",
-                    where_is[p.site.scope_prefix],
-                    p.site.pattern,
-                )
-            )
-            continue
-        report.rewrites.append(_rewrite_entry(p, where_is[p.site.scope_prefix]))
-    return rewritten, report
-
-
-def _rejection_summary(rejections: dict) -> str:
-    """The fallback reason: the single kernel's first reason, or one per kernel."""
-    if len(rejections) == 1:
-        return next(iter(rejections.values()))[0]
-    return "no kernel accepts this site: " + "; ".join(
-        f"{name}: {reasons[0]}" for name, reasons in rejections.items()
-    )
-
-
-def _failure_for(plan: Plan, prefix: tuple) -> str | None:
-    for failed, error in plan.failed.items():
-        if prefix[: len(failed)] == failed:
-            return error
-    return None
-
-
-def _rewrite_entry(p: PlannedSite, scope_name: str) -> Rewrite:
-    from flashpass.kernels import Bias, Causal, Mask
-
-    spec = p.site.spec
-    kinds = []
-    if spec.ops_of(Causal):
-        kinds.append("causal")
-    if spec.ops_of(Mask):
-        kinds.append("boolean")
-    return Rewrite(
-        pattern=p.site.pattern,
-        kernel=p.kernel.name,
-        location=p.site.location,
-        q_shape=p.site.q.shape,
-        k_shape=p.site.k.shape,
-        v_shape=p.site.v.shape,
-        dtype=np.dtype(spec.q_dtype).name,
-        causal=bool(spec.ops_of(Causal)),
-        mask="+".join(kinds) or "none",
-        bias=bool(spec.ops_of(Bias)),
-        scale=spec.scale,
-        scope=scope_name,
-        spec=spec.describe(),
-        rejected=dict(p.rejected),
-    )
-
-
-def _scope_names(scopes) -> dict:
-    names = {(): "top level"}
-    for scope in scopes:
-        for child in scope.children:
-            loc = child.node.location
-            names[child.prefix] = f"{child.node.prim} body" + (f" at {loc}" if loc else "")
-    return names
-
-
-def _log(report: Report, name: str) -> None:
-    if not logger.isEnabledFor(logging.INFO):
-        return
-    for r in report.rewrites:
-        logger.info(
-            "%s: rewrote attention at %s with %s (%s)", name, r.location, r.kernel, r.pattern
-        )
-    for f in report.fallbacks:
-        logger.info("%s: kept attention at %s as written: %s", name, f.location, f.reason)
-
-
-#: Types seen to be concrete ``jax.Array``s: `_leaf_key` skips the (slow,
-#: abstract-base-class) ``isinstance`` checks for them.
-_CONCRETE_ARRAY_TYPES: set = set()
-
-
-def _leaf_key(x):
-    """Cheap cache-key part of one argument leaf (the hot path of a cached call)."""
-    if type(x) not in _CONCRETE_ARRAY_TYPES:
-        if isinstance(x, jax.core.Tracer):
-            aval = x.aval
-            return (aval.shape, aval.dtype, aval.weak_type, compat.traced_sharding(aval))
-        if isinstance(x, np.ndarray | np.generic):
-            return (np.shape(x), np.dtype(x.dtype), False)
-        if not isinstance(x, jax.Array):
-            return (type(x), getattr(x, "shape", None), getattr(x, "dtype", None))
-        if hasattr(x, "weak_type"):
-            _CONCRETE_ARRAY_TYPES.add(type(x))
-    sharding = x.sharding
-    if not isinstance(sharding, jax.sharding.NamedSharding):
-        sharding = None
-    return (x.shape, x.dtype, getattr(x, "weak_type", False), sharding)
-
-
-def _struct(x, in_tree, index) -> jax.ShapeDtypeStruct:
+def _aval(x, in_tree, index):
+    """The abstract value ``jit`` gives argument leaf ``x`` (``jax.typeof``: for
+    a tracer, its type; for an array, its shape, dtype, weak type and sharding),
+    or a clear error for a leaf that is not an array or number."""
     if isinstance(x, jax.ShapeDtypeStruct):
-        return x
+        return compat.struct_aval(x)
     if isinstance(x, jax.Array | np.ndarray | np.generic) or isinstance(x, jax.core.Tracer):
         if isinstance(x, np.ndarray | np.generic) and not _numeric(x.dtype):
             raise TypeError(
                 f"argument leaf {_leaf_path(in_tree, index)} has dtype {x.dtype}, not a "
                 "number type; pass it through static_argnums/static_argnames, or close over it"
             )
-        aval = compat.get_aval(x)
-        # Keep the sharding: with Explicit mesh axes it is part of the program's types.
-        return jax.ShapeDtypeStruct(
-            aval.shape, aval.dtype, weak_type=aval.weak_type, sharding=compat.traced_sharding(aval)
-        )
+        return jax.typeof(x)
     if isinstance(x, bool | numbers.Number):
         if type(x) is int and not -(2**31) <= x < 2**31 and not jax.config.jax_enable_x64:
             raise TypeError(
@@ -479,8 +390,7 @@ def _struct(x, in_tree, index) -> jax.ShapeDtypeStruct:
                 "array with an explicit dtype (int64 needs jax_enable_x64), or use static_argnums"
                 "/static_argnames"
             )
-        aval = compat.get_aval(jax.numpy.asarray(x))
-        return jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=True)
+        return jax.typeof(x)
     path = _leaf_path(in_tree, index)
     raise TypeError(
         f"argument leaf {path} is a {type(x).__name__}, not an array or number; "
@@ -586,7 +496,9 @@ def optimize(
       interpret: run Pallas kernels in interpret mode (e.g. TPU kernels on CPU).
       static_argnums, static_argnames: arguments that are not arrays (as in
         ``jax.jit``); they are part of the cache key and must be hashable.
-      **options: ``cache_size`` (maximum cached input signatures, default 32).
+      **options: ``cache_size`` (maximum cached input signatures, default 32);
+        ``strict`` (re-raise internal errors of the pass instead of keeping the
+        site and reporting them; default: ``FLASHPASS_STRICT`` in the environment).
     """
     unknown = set(options) - set(OPTIONS)
     if unknown:
@@ -602,6 +514,7 @@ def optimize(
             static_argnums=static_argnums,
             static_argnames=static_argnames,
             cache_size=options.get("cache_size", DEFAULT_CACHE_SIZE),
+            strict=options.get("strict"),
         )
 
     return wrap if fn is None else wrap(fn)

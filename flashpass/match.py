@@ -34,6 +34,7 @@ from flashpass.patterns.products import output_product, score_products
 from flashpass.patterns.softcap import fold_softcap
 from flashpass.patterns.softmax import match_softmax
 
+from . import errors
 from .graph import Const, Scope
 from .site import AttentionSite, ExtraSource, Layout, Operand
 from .spec import (
@@ -57,17 +58,16 @@ def find_sites(scope: Scope) -> tuple[list[AttentionSite], list[Miss]]:
     for node in scope.nodes:
         if node.prim != "exp":
             continue
-        soft = match_softmax(scope, node)
-        if not soft:
-            if soft.relevant:
-                if soft.location is None:
-                    soft.node = node
-                misses.append(soft)
-            continue
         try:
-            site = match_site(scope, soft)
+            soft = match_softmax(scope, node)
+            site = match_site(scope, soft) if soft else soft
         except Exception as err:  # a matcher bug must never break the user's program
-            site = Miss(f"internal matcher error ({type(err).__name__}: {err}){where(node)}", node)
+            if errors.strict():
+                raise
+            text = errors.describe(err)
+            site = Miss(f"internal matcher error ({text}){where(node)}", node, internal=text)
+        if not site and not site.relevant:
+            continue
         if not site:
             if site.location is None:
                 site.node = node

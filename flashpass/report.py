@@ -44,16 +44,38 @@ class Fallback:
         return _jsonable(dataclasses.asdict(self))
 
 
+@dataclasses.dataclass(frozen=True)
+class InternalError:
+    """A site where the pass itself failed (a flashpass bug): kept as written.
+
+    ``stage`` is the pipeline stage that raised ("match", "plan", "rewrite");
+    ``error`` the exception's type and first line; ``hint`` how to report it.
+    """
+
+    location: str | None
+    stage: str
+    error: str
+    scope: str
+    pattern: str | None = None
+    hint: str = ""
+
+    def to_dict(self) -> dict:
+        return _jsonable(dataclasses.asdict(self))
+
+
 @dataclasses.dataclass
 class Report:
     """Per-site result of `flashpass.optimize` for one input signature.
 
     ``rewrites`` lists the sites replaced by a kernel; ``fallbacks`` those kept
-    as written, each with the first condition that failed.
+    as written, each with the first condition that failed; ``errors`` the
+    sites kept because the pass itself failed (`InternalError`, a bug to
+    report; empty in a healthy run).
     """
 
     rewrites: list = dataclasses.field(default_factory=list)
     fallbacks: list = dataclasses.field(default_factory=list)
+    errors: list = dataclasses.field(default_factory=list)
     platform: str = ""
     jax_version: str = ""
 
@@ -67,6 +89,7 @@ class Report:
             "jax_version": self.jax_version,
             "rewrites": [r.to_dict() for r in self.rewrites],
             "fallbacks": [f.to_dict() for f in self.fallbacks],
+            "internal_errors": [e.to_dict() for e in self.errors],
         }
 
     def to_json(self, **kwargs) -> str:
@@ -76,6 +99,7 @@ class Report:
         lines = [
             f"flashpass report ({self.platform}): {len(self.rewrites)} rewritten, "
             f"{len(self.fallbacks)} kept as written"
+            + (f", {len(self.errors)} internal error(s)" if self.errors else "")
         ]
         if self.rewrites:
             rows = [("#", "kernel", "location", "q / k / v", "dtype", "mask", "bias", "scale")]
@@ -100,6 +124,10 @@ class Report:
                 for kernel, reasons in f.rejections.items():
                     for reason in reasons:
                         lines.append(f"        {kernel}: {reason}")
+        if self.errors:
+            lines += ["", "internal errors (kept as written; a flashpass bug, please report):"]
+            for i, e in enumerate(self.errors):
+                lines.append(f"  [{i}] {_short(e.location)}: {e.stage} failed: {e.error}")
         declined = [(i, r) for i, r in enumerate(self.rewrites) if r.rejected]
         if declined:
             lines += ["", "kernels tried first:"]
@@ -109,7 +137,8 @@ class Report:
         return "\n".join(lines)
 
     def __repr__(self) -> str:
-        return f"Report(rewrites={len(self.rewrites)}, fallbacks={len(self.fallbacks)})"
+        errors = f", errors={len(self.errors)}" if self.errors else ""
+        return f"Report(rewrites={len(self.rewrites)}, fallbacks={len(self.fallbacks)}{errors})"
 
 
 def _dims(shape) -> str:

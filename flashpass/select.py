@@ -15,6 +15,7 @@ import jax
 
 from flashpass.kernels import CheckContext, Kernel, default_order, get_kernel, kernel_names
 
+from . import compat
 from .rewrite import kernel_call
 
 #: (kernel name, id(kernel), spec, interpret, platform) -> error string or None
@@ -76,14 +77,16 @@ def _probe(kernel: Kernel, spec, ctx: CheckContext) -> str | None:
     ]
     call = kernel_call(kernel, spec, ctx.interpret)
     try:
-        out = jax.eval_shape(call, *args)
-        if tuple(out.shape) != spec.out_shape or out.dtype != spec.out_dtype:
-            return (
-                f"returned {out.dtype}{list(out.shape)}, expected "
-                f"{spec.out_dtype}{list(spec.out_shape)}"
-            )
-        if ctx.platform == current_platform():
-            call.lower(*args)
+        # Probed on its own, whatever trace or mesh the pass runs under.
+        with compat.outside_mesh():
+            out = jax.eval_shape(call, *args)
+            if tuple(out.shape) != spec.out_shape or out.dtype != spec.out_dtype:
+                return (
+                    f"returned {out.dtype}{list(out.shape)}, expected "
+                    f"{spec.out_dtype}{list(spec.out_shape)}"
+                )
+            if ctx.platform == current_platform():
+                call.lower(*args)
     except Exception as err:  # the kernel failed: the site falls back
         message = str(err).strip().splitlines()[0] if str(err).strip() else ""
         return f"raised {type(err).__name__} while tracing/lowering: {message}"[:500]

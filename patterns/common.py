@@ -6,6 +6,7 @@ import dataclasses
 
 import numpy as np
 
+from flashpass import compat
 from flashpass.graph import Const, Node, Scope
 
 ESCAPE_HINT = (
@@ -23,12 +24,19 @@ class Miss:
     ``exp`` in a GELU is an irrelevant miss and stays silent.
     """
 
-    __slots__ = ("reason", "node", "relevant")
+    __slots__ = ("reason", "node", "relevant", "internal")
 
-    def __init__(self, reason: str, node: Node | None = None, relevant: bool = True):
+    def __init__(
+        self,
+        reason: str,
+        node: Node | None = None,
+        relevant: bool = True,
+        internal: str | None = None,
+    ):
         self.reason = reason
         self.node = node
         self.relevant = relevant
+        self.internal = internal  # the matcher crashed: "Type: message" (see errors.py)
 
     def __bool__(self) -> bool:
         return False
@@ -90,6 +98,9 @@ def profile(scope: Scope, atom, target: tuple[int, ...]) -> Profile:
                     b = dims.index(a)
                     new.append(None if src_shape[b] == 1 and scope.shape(atom)[a] != 1 else b)
             axes, atom = tuple(new), scope.resolve(src)
+            continue
+        if node.prim in compat.VALUE_IDENTITY_PRIMITIVES:  # pvary: a type change only
+            atom = scope.resolve(node.ins[node.outs.index(atom)])
             continue
         if node.prim == "reshape" and node.params.get("dimensions") is None:
             mapped = _unit_reshape_map(scope.shape(node.ins[0]), scope.shape(atom))

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax.numpy as jnp
+
 from flashpass.graph import Node, Scope
 
 from .common import Miss, profile, scalar_value, where
@@ -43,18 +45,21 @@ def match_softmax(scope: Scope, exp: Node) -> Softmax | Miss:
     rank = len(scope.shape(e))
     nodes = {exp}
 
-    # The normaliser: a reduce_sum of this very exp over one axis.
-    sums = [n for n, _ in scope.consumers(e) if n.prim == "reduce_sum"]
+    # The normaliser: a reduce_sum of this very exp over one axis (possibly of
+    # the exp widened first: jnp.sum of bfloat16 accumulates in float32).
+    sums = _sums_of(scope, e)
     if not sums:
         return Miss("exp is not normalised by a sum", exp, relevant=False)
     if len(sums) > 1:
         return Miss("exp is summed more than once", exp, relevant=False)
-    total = sums[0]
+    total, widen = sums[0]
     axes = tuple(total.params["axes"])
     if len(axes) != 1:
         return Miss(f"softmax normalises over several axes {axes}{where(exp)}", exp)
     axis = axes[0] % rank
     nodes.add(total)
+    if widen is not None:
+        nodes.add(widen)
 
     deferred = None
     norm = _find_normalisation(scope, e, total, axis)
@@ -83,6 +88,32 @@ def match_softmax(scope: Scope, exp: Node) -> Softmax | Miss:
         shift, s_in = c, sub.ins[0]
         nodes.add(sub)
     return Softmax(exp, axis, s_in, shift, out, nodes, scope.dtype(e), deferred)
+
+
+def _sums_of(scope: Scope, e) -> list:
+    """``(reduce_sum, widening convert or None)`` for each sum of ``e``."""
+    found = []
+    for node, _ in scope.consumers(e):
+        if node.prim == "reduce_sum":
+            found.append((node, None))
+        elif node.prim == "convert_element_type" and _widens(scope, e, node.out):
+            users = scope.consumers(node.out)
+            if len(users) == 1 and users[0][0].prim == "reduce_sum":
+                found.append((users[0][0], node))
+    return found
+
+
+def _widens(scope: Scope, src, dst) -> bool:
+    """A float-to-float conversion that loses nothing (bfloat16 -> float32...)."""
+    a, b = scope.dtype(src), scope.dtype(dst)
+    if not (_is_float(a) and _is_float(b)):
+        return False
+    fa, fb = jnp.finfo(a), jnp.finfo(b)
+    return a == b or (fb.bits > fa.bits and fb.nmant >= fa.nmant)
+
+
+def _is_float(dtype) -> bool:
+    return jnp.issubdtype(dtype, jnp.floating)
 
 
 def _find_normalisation(scope: Scope, e, total: Node, axis: int):
@@ -158,6 +189,11 @@ def _is_reciprocal(scope: Scope, node: Node) -> bool:
     return node.prim == "div" and scalar_value(scope, node.ins[0]) == 1.0
 
 
+#: Between the sum and the divisor: keepdims spellings, and the cast of a sum
+#: accumulated in a wider float back to the exp's dtype.
+_KEEPDIMS_PRIMS = ("reshape", "broadcast_in_dim", "convert_element_type")
+
+
 def _keepdims_of(scope: Scope, prof, z, axis: int) -> set | None:
     """Nodes between ``z`` and ``prof.base`` if the profile is ``z`` broadcast back
     along ``axis`` (its other axes in order), else None."""
@@ -168,8 +204,10 @@ def _keepdims_of(scope: Scope, prof, z, axis: int) -> set | None:
     base_rank = len(scope.shape(base))
     # keepdims spelled as a unit reshape of z: follow it back.
     node = scope.producer(base)
-    while base != z and node is not None and node.prim in ("reshape", "broadcast_in_dim"):
+    while base != z and node is not None and node.prim in _KEEPDIMS_PRIMS:
         if node.prim == "reshape" and node.params.get("dimensions") is not None:
+            return None
+        if node.prim == "convert_element_type" and not _is_float(scope.dtype(node.out)):
             return None
         helpers.add(node)
         base = scope.resolve(node.ins[0])

@@ -1,6 +1,13 @@
-import jax
-import numpy as np
-import pytest
+import os
+
+# The suite runs strict: an internal error of the pass (a crash in the matcher,
+# planner or rewriter) re-raises and fails the test instead of becoming a
+# fallback.  Tests of the non-strict behaviour say so explicitly.
+os.environ.setdefault("FLASHPASS_STRICT", "1")
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
 
 
 def pytest_addoption(parser):

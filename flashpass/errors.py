@@ -1,0 +1,56 @@
+"""Internal errors: the pass's own failures, kept apart from pattern reasons.
+
+A site the pass *declines* (a pattern condition failed, no kernel fits) is an
+ordinary fallback.  A site where the pass itself *crashed* (an exception in
+the matcher, the sharding planner or the rewriter) is an internal error: the
+original computation is kept, so the user's program still runs, but the
+report lists it in a section of its own and the ``flashpass`` logger warns.
+
+Under the strict switch (``FLASHPASS_STRICT=1`` in the environment, or
+``optimize(..., strict=True)``) internal errors re-raise instead, so a test
+suite can tell "declined" from "crashed".  flashpass's own tests run strict.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import os
+
+STRICT_ENV = "FLASHPASS_STRICT"
+
+#: What the report and the warning tell the user to do about an internal error.
+HOW_TO_REPORT = (
+    "this is a flashpass bug, not a problem with your code: the site was kept as "
+    "written; please report it with this message, report.to_json() and your JAX version "
+    f"(set {STRICT_ENV}=1 to raise it with a traceback)"
+)
+
+_STRICT: contextvars.ContextVar[bool | None] = contextvars.ContextVar(
+    "flashpass_strict", default=None
+)
+
+
+def strict() -> bool:
+    """Whether internal errors re-raise (the `strict_mode` context, else the env var)."""
+    value = _STRICT.get()
+    if value is not None:
+        return value
+    return os.environ.get(STRICT_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+@contextlib.contextmanager
+def strict_mode(enabled: bool | None):
+    """Run the pass with internal errors re-raised (True), reported (False),
+    or as the environment says (None)."""
+    token = _STRICT.set(enabled)
+    try:
+        yield
+    finally:
+        _STRICT.reset(token)
+
+
+def describe(err: BaseException) -> str:
+    """``"TypeError: first line of the message"`` (bounded)."""
+    message = (str(err).strip().splitlines() or [""])[0]
+    return f"{type(err).__name__}: {message}"[:400]

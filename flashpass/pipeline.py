@@ -1,0 +1,241 @@
+"""The pass as data flow: trace → view → match → choose → plan → rewrite → report.
+
+`trace` turns a function into a ``ClosedJaxpr``; `run_pass` does the rest.
+Each stage is a function that returns its result and its failures; the
+report is assembled from them at the end.  Nothing here evaluates on the
+trace that is active around the pass: the only values it computes (constant
+folding in `graph.Scope.fold`, kernel probes in `select.probe`) are computed
+eagerly on concrete values (`compat.compile_time_eval`) or traced abstractly
+on their own.
+
+Internal errors (an exception in a stage, see errors.py) keep the affected
+sites as written, are listed in the report's ``errors`` and warned about on
+the ``flashpass`` logger; under the strict switch they re-raise.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import jax
+import numpy as np
+
+from flashpass.kernels import CheckContext
+
+from . import errors
+from .graph import build_scopes
+from .match import find_sites
+from .report import Fallback, InternalError, Report, Rewrite
+from .rewrite import Plan, PlannedSite, rewrite
+from .select import choose, resolve_order
+
+logger = logging.getLogger("flashpass")
+
+
+def trace(fn, avals):
+    """Stage 1: ``fn``'s ``ClosedJaxpr`` and output shapes for ``avals``.
+
+    ``avals`` are abstract values (``jax.typeof`` of the arguments, or of the
+    tracers of an enclosing trace): their shardings and varying manual axes
+    (inside a user's ``shard_map``) are part of the program's types.
+    """
+    return jax.make_jaxpr(fn, return_shape=True)(*avals)
+
+
+@dataclasses.dataclass
+class _Matched:
+    """Stage 3's result: sites found, per scope, and what was not."""
+
+    sites: list  # (scope, AttentionSite)
+    fallbacks: list  # Fallback
+    errors: list  # InternalError
+
+
+def match(scopes, where_is: dict) -> _Matched:
+    """Stage 3: every site of every scope, and the near misses."""
+    found = _Matched([], [], [])
+    for scope in scopes:
+        sites, misses = find_sites(scope)
+        for miss in misses:
+            scope_name = where_is[scope.prefix]
+            if miss.internal is not None:
+                error = InternalError(
+                    miss.location, "match", miss.internal, scope_name, hint=errors.HOW_TO_REPORT
+                )
+                found.errors.append(error)
+            else:
+                found.fallbacks.append(Fallback(miss.location, miss.reason, scope_name))
+        found.sites.extend((scope, site) for site in sites)
+    return found
+
+
+def choose_kernels(sites, kernels, ctx: CheckContext, interpret: bool, where_is: dict):
+    """Stage 4: ``(planned sites, fallbacks)``: the first kernel that accepts
+    each site, or the reasons every kernel gave."""
+    planned, fallbacks = [], []
+    for scope, site in sites:
+        chosen, rejections = choose(site.spec, kernels, ctx)
+        if chosen is None:
+            fallbacks.append(
+                Fallback(
+                    site.location,
+                    _rejection_summary(rejections),
+                    where_is[scope.prefix],
+                    site.pattern,
+                    rejections,
+                )
+            )
+            continue
+        planned.append(PlannedSite(site, chosen, interpret, rejections))
+    return planned, fallbacks
+
+
+def run_pass(
+    closed, *, kernel=None, platform: str = "cpu", interpret: bool = False
+) -> tuple[object, Report]:
+    """Stages 2-7 on a traced program: ``(rewritten ClosedJaxpr, Report)``."""
+    kernels, explicit = resolve_order(kernel, platform)
+    ctx = CheckContext(platform=platform, interpret=interpret, explicit=explicit)
+    report = Report(platform=platform, jax_version=jax.__version__)
+
+    scopes = build_scopes(closed)  # stage 2: the use-def view
+    where_is = _scope_names(scopes)
+
+    matched = match(scopes, where_is)  # stage 3
+    report.fallbacks += matched.fallbacks
+    report.errors += matched.errors
+
+    planned, unfit = choose_kernels(matched.sites, kernels, ctx, interpret, where_is)  # stage 4
+    report.fallbacks += unfit
+    if not planned:
+        return closed, _logged(report)
+
+    try:
+        plan = Plan(planned, scopes)  # stage 5: sharding, skip/inline sets
+    except Exception as err:
+        if errors.strict():
+            raise
+        _internal(report, planned, where_is, "plan", errors.describe(err))
+        return closed, _logged(report)
+
+    try:
+        rewritten = rewrite(closed, plan)  # stage 6
+    except Exception as err:  # a rewriter bug must never break the user's program
+        if errors.strict():
+            raise
+        _internal(report, planned, where_is, "rewrite", errors.describe(err))
+        return closed, _logged(report)
+
+    for p in planned:  # stage 7: the report
+        scope_name = where_is[p.site.scope_prefix]
+        kept = plan.kept.get(p.site.root.path)  # cannot run per shard (sharding.py)
+        if kept is not None:
+            report.fallbacks.append(Fallback(p.site.location, kept, scope_name, p.site.pattern))
+            continue
+        failure = _failure_for(plan, p.site.scope_prefix)
+        if failure is not None:
+            report.errors.append(
+                InternalError(
+                    p.site.location,
+                    "rewrite",
+                    f"rewriting the enclosing body failed: {failure}",
+                    scope_name,
+                    p.site.pattern,
+                    errors.HOW_TO_REPORT,
+                )
+            )
+            continue
+        report.rewrites.append(_rewrite_entry(p, scope_name))
+    return rewritten, _logged(report)
+
+
+def _internal(report: Report, planned, where_is: dict, stage: str, error: str) -> None:
+    for p in planned:
+        report.errors.append(
+            InternalError(
+                p.site.location,
+                stage,
+                error,
+                where_is[p.site.scope_prefix],
+                p.site.pattern,
+                errors.HOW_TO_REPORT,
+            )
+        )
+
+
+def _logged(report: Report) -> Report:
+    """Warn about internal errors (always: they are bugs the user should see)."""
+    for e in report.errors:
+        logger.warning(
+            "internal error while %s attention at %s: %s; %s",
+            {"match": "matching", "plan": "planning", "rewrite": "rewriting"}.get(e.stage, e.stage),
+            e.location or "?",
+            e.error,
+            e.hint,
+        )
+    return report
+
+
+def _rejection_summary(rejections: dict) -> str:
+    """The fallback reason: the single kernel's first reason, or one per kernel."""
+    if len(rejections) == 1:
+        return next(iter(rejections.values()))[0]
+    return "no kernel accepts this site: " + "; ".join(
+        f"{name}: {reasons[0]}" for name, reasons in rejections.items()
+    )
+
+
+def _failure_for(plan: Plan, prefix: tuple) -> str | None:
+    for failed, error in plan.failed.items():
+        if prefix[: len(failed)] == failed:
+            return error
+    return None
+
+
+def _rewrite_entry(p: PlannedSite, scope_name: str) -> Rewrite:
+    from flashpass.spec import Bias, Causal, Mask
+
+    spec = p.site.spec
+    kinds = []
+    if spec.ops_of(Causal):
+        kinds.append("causal")
+    if spec.ops_of(Mask):
+        kinds.append("boolean")
+    return Rewrite(
+        pattern=p.site.pattern,
+        kernel=p.kernel.name,
+        location=p.site.location,
+        q_shape=p.site.q.shape,
+        k_shape=p.site.k.shape,
+        v_shape=p.site.v.shape,
+        dtype=np.dtype(spec.q_dtype).name,
+        causal=bool(spec.ops_of(Causal)),
+        mask="+".join(kinds) or "none",
+        bias=bool(spec.ops_of(Bias)),
+        scale=spec.scale,
+        scope=scope_name,
+        spec=spec.describe(),
+        rejected=dict(p.rejected),
+    )
+
+
+def _scope_names(scopes) -> dict:
+    names = {(): "top level"}
+    for scope in scopes:
+        for child in scope.children:
+            loc = child.node.location
+            names[child.prefix] = f"{child.node.prim} body" + (f" at {loc}" if loc else "")
+    return names
+
+
+def log_report(report: Report, name: str) -> None:
+    """One INFO line per site (once per input signature)."""
+    if not logger.isEnabledFor(logging.INFO):
+        return
+    for r in report.rewrites:
+        logger.info(
+            "%s: rewrote attention at %s with %s (%s)", name, r.location, r.kernel, r.pattern
+        )
+    for f in report.fallbacks:
+        logger.info("%s: kept attention at %s as written: %s", name, f.location, f.reason)
