@@ -19,7 +19,7 @@ The shardings are read at trace time from the operands' types
 default in JAX 0.10) are in types; for *Auto* axes the partition specs are
 chosen by XLA after tracing, so:
 
-* a kernel XLA can partition (`PARTITIONABLE`: plain JAX, or cuDNN's own
+* a kernel XLA can partition (`Kernel.partitionable`: plain JAX, or cuDNN's own
   ``custom_partitioning``) runs as is and XLA splits it;
 * any other kernel is not used for a site on a mesh with Auto axes: the site
   is kept as written, with the reason in the report.
@@ -50,14 +50,6 @@ from flashpass.spec import Bias, Mask
 from . import compat
 from .graph import Const
 from .site import AttentionSite, Layout
-
-#: Kernels XLA's SPMD partitioner can split along batch and heads (plain JAX,
-#: or a ``custom_partitioning`` rule): usable on meshes with Auto axes.
-PARTITIONABLE = frozenset({"blockwise", "reference", "cudnn"})
-#: Kernels written in plain JAX: they type-check inside a ``shard_map`` body
-#: with ``check_vma=True`` (a Pallas call does not declare varying axes, so
-#: other kernels are traced with the checks off, see `_vma_opaque`).
-PLAIN_JAX = frozenset({"blockwise", "reference"})
 
 _SEQUENCE = {"T": "query", "S": "key"}
 
@@ -120,7 +112,7 @@ def analyze(site: AttentionSite, kernel, aval_of) -> ShardPlan | str | None:
     if mesh is None:
         return None
     kinds = compat.axis_kinds(mesh)
-    if kinds["auto"] and kernel.name not in PARTITIONABLE:
+    if kinds["auto"] and not kernel.partitionable:
         auto = ", ".join(f"{a}={mesh.shape[a]}" for a in kinds["auto"])
         return (
             f"the operands are on a mesh with Auto axes ({auto}): XLA chooses their "
@@ -261,9 +253,10 @@ def run_site(shard: ShardPlan | None, planned, read, compute):
     if shard is None:
         atoms = _atoms(site)
         values = [read(a) for a in atoms]
-        if kernel.name in PLAIN_JAX or not any(map(compat.varying_axes, values)):
+        if kernel.plain_jax or not any(map(compat.varying_axes, values)):
             return compute(site, kernel, interpret, read)
-        # In a shard_map body with check_vma=True: a Pallas call cannot say how
+        # In a shard_map body with check_vma=True: a kernel that is not
+        # `Kernel.plain_jax` (a Pallas call) cannot say how
         # its output varies over the manual axes; type it from the operands.
         return _vma_opaque(lambda *v: compute(site, kernel, interpret, _reader(atoms, v)), values)
     local = localize(site, shard.counts())

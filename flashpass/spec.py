@@ -95,6 +95,20 @@ class Softcap:
 
 ScoreOp = Scale | Bias | Mask | Causal | Softcap
 
+#: What a spec may use beyond plain scaled attention (`AttentionSpec.descriptors`),
+#: with the words docs/kernels.md shows.  Kernels declare the ones they accept
+#: (`Kernel.descriptors`).
+DESCRIPTORS = {
+    "causal": "causal mask (any offset >= 0)",
+    "mask": "boolean mask varying over queries",
+    "key_mask": "key (padding) mask `[B|1, H|1, 1, S]`",
+    "bias": "additive bias",
+    "softcap": "logit soft-cap",
+    "gqa": "GQA / MQA (fewer K/V heads)",
+}
+#: The floating dtypes attention can compute in, by name.
+FLOAT_DTYPES = frozenset({"bfloat16", "float16", "float32", "float64"})
+
 
 def fill_after(fill: float, later_ops) -> float:
     """The score a key excluded with ``fill`` ends with after ``later_ops``, the
@@ -192,6 +206,25 @@ class AttentionSpec:
 
     def ops_of(self, kind: type) -> list:
         return [op for op in self.score_ops if isinstance(op, kind)]
+
+    @property
+    def descriptors(self) -> frozenset[str]:
+        """The `DESCRIPTORS` this spec uses."""
+        found = set()
+        for op in self.score_ops:
+            if isinstance(op, Causal):
+                found.add("causal")
+            elif isinstance(op, Bias):
+                found.add("bias")
+            elif isinstance(op, Softcap):
+                found.add("softcap")
+            elif isinstance(op, Mask):
+                known = 0 <= op.index < len(self.extras)
+                shape = tuple(self.extras[op.index].shape) if known else tuple(op.shape)
+                found.add("key_mask" if len(shape) == 4 and shape[2] == 1 else "mask")
+        if self.groups > 1:
+            found.add("gqa")
+        return frozenset(found)
 
     def final_fill(self, position: int, fill: float) -> float:
         """The score an excluded key ends with when the op at ``position``

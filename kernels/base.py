@@ -12,7 +12,9 @@ from collections.abc import Sequence
 from typing import ClassVar
 
 from flashpass.spec import (
+    DESCRIPTORS,
     EXCLUDING_FILL,
+    FLOAT_DTYPES,
     AttentionSpec,
     Bias,
     Causal,
@@ -56,7 +58,15 @@ class CheckContext:
 
 class Kernel:
     """Base class of kernel adapters.  Subclasses set the class attributes
-    and implement `check` and `apply`."""
+    and implement `check` and `apply`.
+
+    The capability attributes below are the kernel's declarations, in one
+    place: sharding (`partitionable`, `plain_jax`), the conformance suite
+    (every capability against `check`) and the matrix in docs/kernels.md
+    (`flashpass.kernels.matrix`) read them.  `check` stays the authority for
+    a given spec (it also knows limits no capability names, e.g. head dims);
+    it must reject what the declarations leave out.
+    """
 
     #: Registry name, also used in the ``flashpass_<name>`` call in rewritten jaxprs.
     name: ClassVar[str] = ""
@@ -64,8 +74,39 @@ class Kernel:
     platforms: ClassVar[tuple[str, ...]] = ()
     #: Platforms on which ``interpret=True`` lets it run (e.g. a TPU kernel on CPU).
     interpret_platforms: ClassVar[tuple[str, ...]] = ()
-    #: Whether the kernel has a gradient (a ``custom_vjp`` or differentiable code).
-    supports_grad: ClassVar[bool] = True
+    #: Dtypes (names) of the attention it computes: q, k, v, weights and output in
+    #: one of them.  A spec mixing dtypes is `check`'s call.
+    dtypes: ClassVar[frozenset[str]] = FLOAT_DTYPES
+    #: The spec descriptors it accepts (`flashpass.spec.DESCRIPTORS`; see
+    #: `AttentionSpec.descriptors`).
+    descriptors: ClassVar[frozenset[str]] = frozenset(DESCRIPTORS)
+    #: Whether it has reverse-mode gradients (a ``custom_vjp`` or differentiable
+    #: code).  Selection does not read it: the pass rewrites a forward program and
+    #: cannot know whether it will be differentiated; differentiating a kernel
+    #: without gradients raises JAX's error.  (Formerly ``supports_grad``.)
+    grad: ClassVar[bool] = True
+    #: Whether XLA's SPMD partitioner can split it along batch and heads (plain
+    #: JAX, or a ``custom_partitioning`` rule): usable on meshes with Auto axes.
+    partitionable: ClassVar[bool] = False
+    #: Whether it is plain JAX: it type-checks inside a ``shard_map`` body with
+    #: ``check_vma=True`` (a Pallas call does not declare varying axes).
+    plain_jax: ClassVar[bool] = False
+    #: Whether it computes dropout on the weights exactly (no kernel does yet).
+    dropout: ClassVar[bool] = False
+    #: Whether it can run as one step of a ring (context-parallel) attention,
+    #: returning its logsumexp for the merge (no kernel does yet).
+    ring_step: ClassVar[bool] = False
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        # A subclass written against the old name declares `supports_grad`.
+        if "supports_grad" in cls.__dict__ and "grad" not in cls.__dict__:
+            cls.grad = bool(cls.__dict__["supports_grad"])
+
+    @property
+    def supports_grad(self) -> bool:
+        """The old name of `grad`."""
+        return self.grad
 
     def check(self, spec: AttentionSpec, ctx: CheckContext) -> list[str]:
         """Return the reasons this kernel cannot run ``spec`` (empty: it can).

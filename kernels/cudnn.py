@@ -132,7 +132,11 @@ class CudnnKernel(Kernel):
     name = "cudnn"
     platforms = ("gpu",)
     interpret_platforms = ()
-    supports_grad = True
+    dtypes = frozenset({"bfloat16", "float16"})
+    descriptors = frozenset({"causal", "mask", "key_mask", "bias", "gqa"})
+    grad = True
+    partitionable = True  # jax.nn.dot_product_attention's custom_partitioning
+    plain_jax = False
 
     def __init__(self, *, implementation: str = "cudnn"):
         """``implementation="xla"`` calls ``jax.nn.dot_product_attention``'s XLA

@@ -175,7 +175,11 @@ class PallasGpuKernel(Kernel):
     name = "pallas_gpu"
     platforms = ("gpu",)
     interpret_platforms = ("cpu",)
-    supports_grad = True
+    dtypes = frozenset({"bfloat16", "float16", "float32"})
+    descriptors = frozenset({"causal", "key_mask", "gqa"})
+    grad = True
+    partitionable = False  # a Pallas custom call: XLA runs it replicated
+    plain_jax = False
 
     def __init__(self, *, block_q: int = 128, block_k: int = 128, block_bwd: int = 32):
         """Block sizes (powers of two >= 16): forward query/key blocks and the

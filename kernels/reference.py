@@ -11,7 +11,16 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from flashpass.spec import AttentionSpec, Bias, Causal, Mask, Scale, Softcap
+from flashpass.spec import (
+    DESCRIPTORS,
+    FLOAT_DTYPES,
+    AttentionSpec,
+    Bias,
+    Causal,
+    Mask,
+    Scale,
+    Softcap,
+)
 
 from .base import CheckContext, Kernel
 
@@ -76,6 +85,11 @@ class ReferenceKernel(Kernel):
 
     name = "reference"
     platforms = ("cpu", "gpu", "tpu")
+    dtypes = FLOAT_DTYPES
+    descriptors = frozenset(DESCRIPTORS)
+    grad = True
+    partitionable = True  # plain JAX
+    plain_jax = True
 
     def check(self, spec, ctx: CheckContext):
         return self.platform_reasons(ctx)

@@ -166,7 +166,11 @@ class SplashKernel(Kernel):
     name = "splash"
     platforms = ("tpu",)
     interpret_platforms = ("cpu",)
-    supports_grad = True
+    dtypes = frozenset({"bfloat16", "float16", "float32"})  # float16 computed in float32
+    descriptors = frozenset({"causal", "mask", "key_mask", "softcap", "gqa"})
+    grad = True
+    partitionable = False  # a Pallas custom call: XLA runs it replicated
+    plain_jax = False
 
     def __init__(self, *, max_block: int = DEFAULT_MAX_BLOCK):
         """``max_block``: the largest query/key block (a power-of-two multiple of 128)."""

@@ -62,7 +62,11 @@ class TokamaxKernel(Kernel):
     name = "tokamax"
     platforms = ("gpu",)
     interpret_platforms = ()
-    supports_grad = True
+    dtypes = frozenset({"bfloat16", "float16"})
+    descriptors = frozenset({"causal", "mask", "key_mask", "bias", "softcap", "gqa"})
+    grad = True
+    partitionable = False
+    plain_jax = False
 
     def __init__(self, *, implementation=DEFAULT_IMPLEMENTATIONS):
         """``implementation``: passed to ``tokamax.dot_product_attention``."""

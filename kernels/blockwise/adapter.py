@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import jax
 
-from flashpass.spec import AttentionSpec
+from flashpass.spec import DESCRIPTORS, FLOAT_DTYPES, AttentionSpec
 
 from .. import _util
 from ..base import CheckContext, Kernel
@@ -36,6 +36,11 @@ class BlockwiseKernel(Kernel):
 
     name = "blockwise"
     platforms = ("cpu", "gpu", "tpu")
+    dtypes = FLOAT_DTYPES
+    descriptors = frozenset(DESCRIPTORS)
+    grad = True
+    partitionable = True  # plain JAX
+    plain_jax = True
 
     def __init__(
         self,

@@ -4,14 +4,19 @@ Every adapter meets every case (causal, boolean mask, bias, padding, GQA, MQA,
 cross-attention, odd lengths, soft-cap) in float32 and bfloat16.  For each
 (adapter, case, dtype), either
 
-* the adapter's `check` accepts it and its forward output and its gradients
-  (w.r.t. q, k, v and every float extra, one compile) match the float64
-  `reference_attention`, or
-* the combination is in `UNSUPPORTED`, the adapter's declared table below, and
-  `check` rejects it with a non-empty reason containing the table's word.
+* the kernel's declared capabilities (`Kernel.dtypes`, `Kernel.descriptors`)
+  cover the case's dtype and `AttentionSpec.descriptors`, its `check` accepts
+  it, and its forward output (and, where it declares `Kernel.grad`, its
+  gradients w.r.t. q, k, v and every float extra, one compile) match the
+  float64 `reference_attention`, or
+* they do not, and `check` rejects it with a non-empty reason naming each
+  missing capability (`WORDS`).
 
-A combination that starts or stops being supported without the table changing
-fails (`test_check_matches_declared_table`), so support cannot regress silently.
+A combination that starts or stops being supported without the declarations
+changing fails (`test_check_matches_declared_capabilities`), so support cannot
+regress silently, and docs/kernels.md, generated from the same declarations,
+cannot drift from `check`.  The dtypes float16 and float64 are checked too
+(`check` only).
 
 Pallas adapters run in interpret mode on CPU.  ``cudnn`` runs only on a GPU
 (skipped here); its checks run under `compat.assume_cudnn`, and ``cudnn_xla``
@@ -33,6 +38,7 @@ import contextlib
 import dataclasses
 from collections.abc import Callable
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -55,6 +61,7 @@ from flashpass.kernels.pallas_gpu import PallasGpuKernel
 from flashpass.kernels.pallas_tpu import PallasTpuKernel
 from flashpass.kernels.splash import SplashKernel
 from flashpass.kernels.tokamax import TokamaxKernel
+from flashpass.spec import DESCRIPTORS, FLOAT_DTYPES
 
 # --------------------------------------------------------------------------- cases
 
@@ -130,6 +137,8 @@ CASES = {
     "softcap": _softcap,
 }
 DTYPES = {"f32": F32, "bf16": BF16}
+#: `check` is also asked about these (no numerics).
+CHECK_DTYPES = {**DTYPES, "f16": np.dtype(np.float16), "f64": np.dtype(np.float64)}
 TOL = {"f32": 2e-5, "bf16": 3e-2}
 
 # --------------------------------------------------------------------------- adapters
@@ -183,31 +192,34 @@ ADAPTERS = {
     ),
 }
 
-#: Declared-unsupported combinations: (case, dtype) -> a word the rejection
-#: reason must contain ("*" matches any case or dtype).
-UNSUPPORTED = {
-    "blockwise": {},
-    "blockwise_heads": {},
-    "pallas_tpu": {("softcap", "*"): "Softcap"},
-    "splash": {("bias", "*"): "bias"},
-    "pallas_gpu": {
-        ("bias", "*"): "bias",
-        ("bool_mask", "*"): "varies over queries",
-        ("softcap", "*"): "soft-cap",
-    },
-    "cudnn": {("*", "f32"): "float32", ("softcap", "*"): "soft-cap"},
-    "cudnn_xla": {("*", "f32"): "float32", ("softcap", "*"): "soft-cap"},
-    "tokamax": {("*", "f32"): "float32"},
+#: A word the rejection reason must contain for each missing descriptor
+#: (a missing dtype: its name).
+WORDS = {
+    "causal": "causal",
+    "mask": "varies over queries",
+    "key_mask": "mask",
+    "bias": "bias",
+    "softcap": "soft-cap",
+    "gqa": "GQA",
 }
 
 
+def case_spec(case: str, dtype: str):
+    """The case's spec (its arrays in their dtype, float64 included)."""
+    with jax.enable_x64(dtype == "f64"):
+        return CASES[case](CHECK_DTYPES[dtype])[0]
+
+
 def declared(adapter: str, case: str, dtype: str) -> list[str]:
-    """Words the reasons must contain if the combination is declared unsupported."""
-    return [
-        word
-        for (c, d), word in UNSUPPORTED[adapter].items()
-        if c in ("*", case) and d in ("*", dtype)
-    ]
+    """Words the reasons must contain (empty: declared supported): the dtype's
+    name when the kernel does not declare it (adapters reject a dtype before
+    looking further), else one per descriptor the case uses and the kernel
+    does not declare."""
+    kernel = type(ADAPTERS[adapter].make())
+    spec = case_spec(case, dtype)
+    if spec.q_dtype.name not in kernel.dtypes:
+        return [spec.q_dtype.name]
+    return [WORDS[d] for d in sorted(spec.descriptors - kernel.descriptors)]
 
 
 #: The numerics run by default (the rest is marked slow; see module doc):
@@ -235,7 +247,7 @@ DEFAULT_NUMERICS = {
 def _combinations(numerics: bool):
     for adapter in ADAPTERS:
         for case in CASES:
-            for dtype in DTYPES:
+            for dtype in DTYPES if numerics else CHECK_DTYPES:
                 marks = []
                 if numerics and (case, dtype) not in DEFAULT_NUMERICS[adapter]:
                     marks.append(pytest.mark.slow)
@@ -253,10 +265,10 @@ def _check(adapter: str, spec) -> list[str]:
 
 
 @pytest.mark.parametrize("adapter,case,dtype", list(_combinations(numerics=False)))
-def test_check_matches_declared_table(adapter, case, dtype):
-    """check() accepts exactly the combinations not declared unsupported, and
-    rejects the others with a reason that says why."""
-    spec, _ = CASES[case](DTYPES[dtype])
+def test_check_matches_declared_capabilities(adapter, case, dtype):
+    """check() accepts exactly the combinations the kernel's capabilities
+    cover, and rejects the others with a reason that says why."""
+    spec = case_spec(case, dtype)
     reasons = _check(adapter, spec)
     words = declared(adapter, case, dtype)
     if not words:
@@ -272,21 +284,26 @@ def test_check_matches_declared_table(adapter, case, dtype):
 def test_numerics_match_reference(adapter, case, dtype):
     """Forward and gradients against the float64 reference (supported combinations)."""
     if declared(adapter, case, dtype):
-        pytest.skip("declared unsupported (see test_check_matches_declared_table)")
+        pytest.skip("declared unsupported (see test_check_matches_declared_capabilities)")
     a = ADAPTERS[adapter]
     if not a.runs_here():
         pytest.skip(a.skip_reason)
     spec, extras = CASES[case](DTYPES[dtype])
+    kernel = a.make()
     assert _check(adapter, spec) == []
-    run_and_compare(a.make(), spec, extras, tol=TOL[dtype], interpret=a.interpret)
+    run_and_compare(kernel, spec, extras, tol=TOL[dtype], grad=kernel.grad, interpret=a.interpret)
 
 
-def test_tables_name_known_cases():
-    for adapter, table in UNSUPPORTED.items():
-        assert adapter in ADAPTERS
-        for case, dtype in table:
-            assert case == "*" or case in CASES, case
-            assert dtype == "*" or dtype in DTYPES, dtype
+def test_cases_cover_every_descriptor_and_declarations_are_known():
+    used = set().union(*(build(F32)[0].descriptors for build in CASES.values()))
+    assert used == set(DESCRIPTORS) == set(WORDS)
+    for a in ADAPTERS.values():
+        kernel = type(a.make())
+        assert kernel.descriptors <= set(DESCRIPTORS), kernel.name
+        assert kernel.dtypes <= FLOAT_DTYPES, kernel.name
+        assert isinstance(kernel.grad, bool) and isinstance(kernel.partitionable, bool)
+        assert kernel.plain_jax <= kernel.partitionable  # plain JAX: XLA partitions it
+        assert not kernel.dropout and not kernel.ring_step  # none yet: cases to add first
 
 
 @pytest.mark.parametrize(

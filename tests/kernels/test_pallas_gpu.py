@@ -36,7 +36,7 @@ def _shapes(spec):
 
 def test_attributes_and_platforms():
     assert isinstance(KERNEL, PallasGpuKernel)
-    assert (KERNEL.platforms, KERNEL.interpret_platforms, KERNEL.supports_grad) == (
+    assert (KERNEL.platforms, KERNEL.interpret_platforms, KERNEL.grad) == (
         ("gpu",),
         ("cpu",),
         True,

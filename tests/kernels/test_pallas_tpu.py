@@ -462,5 +462,5 @@ def test_kernel_attributes():
         ("tpu",),
         ("cpu",),
     )
-    assert KERNEL.supports_grad
+    assert KERNEL.grad
     assert math.isclose(_plan(make_spec(ops=[Scale(0.5), Scale(0.25)])).sm_scale, 0.125)

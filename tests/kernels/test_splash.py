@@ -34,7 +34,7 @@ def _avals(closed):
 
 def test_attributes_and_platforms():
     assert isinstance(KERNEL, SplashKernel)
-    assert (KERNEL.platforms, KERNEL.interpret_platforms, KERNEL.supports_grad) == (
+    assert (KERNEL.platforms, KERNEL.interpret_platforms, KERNEL.grad) == (
         ("tpu",),
         ("cpu",),
         True,
