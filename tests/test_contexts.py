@@ -18,51 +18,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import PartitionSpec as P
+from contexts import CONTEXTS, in_context
 
 import flashpass
 from flashpass.printer import count_kernel_calls
 
 import spellings
-
-CONTEXTS = ("direct", "jit", "eval_shape", "grad", "vmap", "scan", "checkpoint", "shard_map")
-
-
-def _float_positions(args):
-    return tuple(i for i, a in enumerate(args) if jnp.issubdtype(a.dtype, jnp.floating))
-
-
-def _mesh():
-    return jax.make_mesh((1,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
-
-
-def in_context(context: str, f, args):
-    """``f``'s first call made in ``context``; returns what to compare."""
-    if context == "direct":
-        return f(*args)
-    if context == "jit":
-        return jax.jit(f)(*args)
-    if context == "eval_shape":
-        return jax.eval_shape(f, *args)
-    if context == "grad":
-        diff = _float_positions(args)
-        ct = jnp.asarray(np.random.default_rng(1).standard_normal(jax.eval_shape(f, *args).shape))
-
-        def loss(*a):
-            return jnp.sum(f(*a).astype(jnp.float32) * ct)
-
-        return jax.grad(loss, argnums=diff)(*args)
-    if context == "vmap":
-        return jax.vmap(f)(*(jnp.stack([a, a]) for a in args))
-    if context == "scan":
-        xs = tuple(a[None] for a in args)
-        return jax.lax.scan(lambda c, x: (c, f(*x)), 0.0, xs)[1]
-    if context == "checkpoint":
-        return jax.checkpoint(f)(*args)
-    if context == "shard_map":
-        specs = tuple(P() for _ in args)
-        return jax.jit(jax.shard_map(f, mesh=_mesh(), in_specs=specs, out_specs=P()))(*args)
-    raise ValueError(context)
 
 
 def _tolerance(args):

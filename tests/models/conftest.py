@@ -40,6 +40,12 @@ import pytest  # noqa: E402
 
 import flashpass  # noqa: E402
 
+from contexts import CONTEXTS, in_context  # noqa: E402
+
+#: First-call contexts checked for every model (abstractly: traced, not run);
+#: "direct" is the explain above, and the numerics run under jit(grad).
+MODEL_CONTEXTS = tuple(c for c in CONTEXTS if c != "direct")
+
 
 def _load_coverage():
     # By path, under a private name: a module called ``coverage`` on sys.path
@@ -115,8 +121,24 @@ def check_model(request):
             if scope is not None:
                 assert scope in r.scope, f"scope {r.scope!r} lacks {scope!r}"
 
+        # The first call in every context finds the same sites (traced only).
+        for context in MODEL_CONTEXTS:
+            fresh = flashpass.optimize(fn, kernel="blockwise")
+            args = (params, *inputs)
+            jax.eval_shape(
+                lambda *a, c=context, f=fresh: in_context(
+                    c, f, a, grad_argnums=0, batched=tuple(range(1, len(a)))
+                ),
+                *args,
+            )
+            got = fresh.reports[-1]
+            assert len(got.rewrites) == sites and not got.fallbacks and not got.errors, (
+                f"first call under {context}: expected {sites} rewritten site(s)\n{got}"
+            )
+
         out_ref, g_ref = _value_and_grad(fn, params, inputs)
-        out_opt, g_opt = _value_and_grad(opt, params, inputs)
+        # A fresh optimized function whose first call is jax.jit(value_and_grad(...)).
+        out_opt, g_opt = _value_and_grad(flashpass.optimize(fn, kernel="blockwise"), params, inputs)
         if tol is None:
             tol = BF16_TOL if out_ref.dtype == jnp.bfloat16 else F32_TOL
         assert out_opt.shape == out_ref.shape and out_opt.dtype == out_ref.dtype
