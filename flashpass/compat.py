@@ -4,7 +4,10 @@ flashpass touches JAX internals (jaxpr data structures, source info, DCE) and
 experimental modules (Pallas kernels).  They all go through this module, so a
 JAX upgrade that moves something breaks here, loudly, and nowhere else.
 
-Supported: JAX 0.9.x to 0.11.x (CI runs 0.10.2 and the oldest, 0.9.0).
+Supported: JAX 0.9.x to 0.12.x (CI runs the version in constraints.txt, the
+oldest, 0.9.0, and the newest, 0.12.0.1).  tests/test_compat.py has one test
+per private or experimental API used here: when a JAX release moves one, that
+test names it and the installed version.
 """
 
 from __future__ import annotations
@@ -22,8 +25,15 @@ JAX_VERSION: tuple[int, ...] = tuple(int(p) for p in jax.__version__.split(".")[
 
 # --------------------------------------------------------------------------- jaxpr types
 
-Jaxpr = _core.Jaxpr
-ClosedJaxpr = _core.ClosedJaxpr
+#: JAX 0.11 merged ``ClosedJaxpr`` into ``Jaxpr`` (one class that may carry its
+#: constants; 0.11 kept ``ClosedJaxpr`` as an alias, 0.12 removed the name).
+#: Before, a higher-order primitive's body was either a ``ClosedJaxpr`` or an
+#: *open* ``Jaxpr`` (no constants).  Other modules never test these classes:
+#: they use `is_body`, `bodies_in_params`, `as_closed`, `closed_parts`,
+#: `replace_bodies` and `rebuild_body` below.
+UNIFIED_JAXPR: bool = getattr(_core, "ClosedJaxpr", None) in (None, _core.Jaxpr)
+_ClosedJaxpr = _core.Jaxpr if UNIFIED_JAXPR else _core.ClosedJaxpr
+_BODY_TYPES: tuple = (_core.Jaxpr,) if UNIFIED_JAXPR else (_core.ClosedJaxpr, _core.Jaxpr)
 JaxprEqn = _core.JaxprEqn
 Var = _core.Var
 Literal = _core.Literal
@@ -45,9 +55,107 @@ def get_aval(x):
     return jax.typeof(x)
 
 
+def is_drop_var(var) -> bool:
+    """Whether an equation's output ``var`` is dropped (``_``)."""
+    return isinstance(var, _core.DropVar)
+
+
 def subjaxprs_of_params(params) -> list:
-    """All (Closed)Jaxprs held in an equation's params (any nesting)."""
-    return list(_core.jaxprs_in_params(params))
+    """All bodies (jaxprs) held in an equation's params, as `is_body` values."""
+    return [body for _, _, body in bodies_in_params(params)]
+
+
+def is_body(value) -> bool:
+    """Whether a param value is a jaxpr: the body of a higher-order primitive."""
+    return isinstance(value, _BODY_TYPES)
+
+
+def bodies_in_params(params) -> list[tuple[str, int | None, object]]:
+    """``(param name, index, body)`` for every jaxpr in an equation's params:
+    ``index`` is the position inside a tuple param (``cond``'s ``branches``),
+    else None."""
+    found = []
+    for name, value in params.items():
+        if isinstance(value, tuple):
+            found.extend((name, j, item) for j, item in enumerate(value) if is_body(item))
+        elif is_body(value):
+            found.append((name, None, value))
+    return found
+
+
+def replace_bodies(params, new_bodies: dict) -> dict:
+    """A copy of ``params`` with the bodies at ``{(name, index): body}`` (keys
+    as `bodies_in_params` gives them) replaced."""
+    out = dict(params)
+    for (name, index), body in new_bodies.items():
+        if index is None:
+            out[name] = body
+        else:
+            items = list(out[name])
+            items[index] = body
+            out[name] = tuple(items)
+    return out
+
+
+def closed_jaxpr(jaxpr, consts=()):
+    """``jaxpr`` (an open jaxpr) closed over ``consts``."""
+    return _ClosedJaxpr(jaxpr, list(consts))
+
+
+def as_closed(body):
+    """A body as a closed jaxpr (``.jaxpr``, ``.consts``): open bodies are
+    wrapped with no constants; closed ones (and every body since JAX 0.11)
+    are returned as they are."""
+    if UNIFIED_JAXPR or isinstance(body, _core.ClosedJaxpr):
+        return body
+    return closed_jaxpr(body, ())
+
+
+def closed_parts(closed) -> tuple:
+    """``(jaxpr, consts)`` of a closed jaxpr (or any body): the jaxpr whose
+    ``constvars``/``invars``/``eqns``/``outvars`` to walk, and the constants'
+    values (one per ``constvar``)."""
+    closed = as_closed(closed)
+    if UNIFIED_JAXPR:
+        return closed, list(closed.consts)
+    return closed.jaxpr, list(closed.consts)
+
+
+#: Bodies that a primitive evaluates with its attached constants since JAX 0.11
+#: (``ClosedJaxpr`` params before): a rewritten body there may gain constants.
+#: Any other body (``remat``'s, ``shard_map``'s...) was an open ``Jaxpr`` and
+#: is evaluated with none, so a rewrite must keep it constant-free.
+_CLOSED_BODY_PARAMS = frozenset(
+    {
+        ("scan", "jaxpr"),
+        ("while", "cond_jaxpr"),
+        ("while", "body_jaxpr"),
+        ("cond", "branches"),
+        ("jit", "jaxpr"),
+        ("pjit", "jaxpr"),
+        ("closed_call", "call_jaxpr"),
+        ("core_call", "call_jaxpr"),
+        ("custom_jvp_call", "call_jaxpr"),
+        ("custom_vjp_call", "call_jaxpr"),
+        ("custom_vjp_call_jaxpr", "fun_jaxpr"),
+    }
+)
+
+
+def rebuild_body(eqn, name: str, original, new_closed):
+    """``new_closed`` (a closed jaxpr with ``original``'s signature) in the form
+    ``eqn``'s param ``name`` holds ``original``: closed, or open.  Raises
+    ValueError when an open body would have to close over constants."""
+    if UNIFIED_JAXPR:
+        is_open = not original.consts and (eqn.primitive.name, name) not in _CLOSED_BODY_PARAMS
+    else:
+        is_open = not isinstance(original, _core.ClosedJaxpr)
+    if not is_open:
+        return new_closed
+    jaxpr, consts = closed_parts(new_closed)
+    if consts:
+        raise ValueError("the rewritten body would close over constants")
+    return jaxpr
 
 
 def bind_equation(eqn, invals, params=None) -> list:
@@ -136,8 +244,10 @@ def jaxpr_as_fun(closed_jaxpr):
     equations are re-staged with `bind_equation` (so tracing it under ``jit``
     takes the fast path that re-emits unchanged equations)."""
 
+    jaxpr, consts = closed_parts(closed_jaxpr)
+
     def fun(*args):
-        return _eval_jaxpr(closed_jaxpr.jaxpr, closed_jaxpr.consts, args)
+        return _eval_jaxpr(jaxpr, consts, args)
 
     return fun
 
@@ -160,12 +270,14 @@ def _eval_jaxpr(jaxpr, consts, args) -> list:
     return [read(v) for v in jaxpr.outvars]
 
 
-def dce_closed_jaxpr(closed: ClosedJaxpr) -> ClosedJaxpr:
+def dce_closed_jaxpr(closed):
     """Remove dead equations, keeping every input and output (the signature)."""
+    jaxpr, consts = closed_parts(closed)
     # JAX < 0.10 takes one bool per output (no bare ``True`` shorthand).
-    used = [True] * len(closed.jaxpr.outvars)
-    jaxpr, _ = _pe.dce_jaxpr(closed.jaxpr, used, instantiate=True)
-    return ClosedJaxpr(jaxpr, closed.consts)
+    used = [True] * len(jaxpr.outvars)
+    # Since JAX 0.11 the constants stay attached (constvars are never pruned).
+    new, _ = _pe.dce_jaxpr(jaxpr, used, instantiate=True)
+    return new if UNIFIED_JAXPR else closed_jaxpr(new, consts)
 
 
 # --------------------------------------------------------------------------- source info
@@ -187,9 +299,24 @@ def user_frames(eqn) -> list[tuple[str, int]]:
 # --------------------------------------------------------------------------- evaluation helpers
 
 
+@contextlib.contextmanager
 def compile_time_eval():
-    """Context in which jax ops on concrete values run eagerly even inside a trace."""
-    return jax.ensure_compile_time_eval()
+    """Context in which JAX ops run eagerly on concrete values, whatever trace
+    is active around the pass (an outer ``jit``, ``scan``, ``shard_map``...).
+
+    ``jax.ensure_compile_time_eval`` only folds ops whose operands are all
+    concrete while the outer trace stays current; an equation re-emitted
+    into that trace (`bind_equation`'s fast path, a literal operand) would
+    still be staged.  Making the eager evaluation trace current rules that out.
+    """
+    with _core.set_current_trace(_core.eval_trace), jax.ensure_compile_time_eval():
+        yield
+
+
+def evaluate_equation(eqn, invals) -> list:
+    """``eqn`` evaluated eagerly on concrete ``invals`` (constant folding)."""
+    with compile_time_eval():
+        return bind_equation(eqn, invals)
 
 
 # --------------------------------------------------------------------------- Pallas
@@ -451,12 +578,39 @@ def lower_for_gpu(fn, *args) -> str:
         return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     from jax import export
 
-    exported = export.export(
-        jax.jit(fn),
-        platforms=["cuda"],
-        disabled_checks=[export.DisabledSafetyCheck.custom_call("ALL")],
-    )(*args)
-    return exported.mlir_module()
+    def lower():
+        return export.export(
+            jax.jit(fn),
+            platforms=["cuda"],
+            disabled_checks=[export.DisabledSafetyCheck.custom_call("ALL")],
+        )(*args).mlir_module()
+
+    try:
+        return lower()
+    except RuntimeError as err:
+        # JAX >= 0.11 lowers Pallas Triton kernels for a device it asks for its
+        # compute capability.  (An abstract mesh cannot be set up front: cuDNN
+        # attention refuses to lower under one.)
+        if "AbstractDevice" not in str(err) or gpu_compute_capability() is not None:
+            raise
+    with _abstract_gpu():
+        return lower()
+
+
+#: The GPU `lower_for_gpu` lowers for on a host without one.
+ASSUMED_GPU_KIND = "NVIDIA H100"
+
+
+def _abstract_gpu():
+    """Context that makes ``ASSUMED_GPU_KIND`` the device to lower for, on a
+    host without a GPU: since JAX 0.11 the Pallas Triton lowering asks the
+    device (or the abstract mesh's `jax.sharding.AbstractDevice`) for its
+    compute capability."""
+    device = jax.sharding.AbstractDevice(
+        device_kind=ASSUMED_GPU_KIND, num_cores=None, platform="gpu"
+    )
+    mesh = jax.sharding.AbstractMesh((1,), ("_gpu",), abstract_device=device)
+    return jax.sharding.use_abstract_mesh(mesh)
 
 
 def tokamax_module():
@@ -579,4 +733,23 @@ def equation_context(eqn):
     re-binding it through a public API instead (e.g. `shard_map`)."""
     name_stack = _siu.current_name_stack() + eqn.source_info.name_stack
     with _siu.user_context(eqn.source_info.traceback, name_stack=name_stack), eqn.ctx.manager:
+        yield
+
+
+# --------------------------------------------------------------------------- argument types
+
+
+def struct_aval(struct):
+    """The abstract value ``jit`` gives a `jax.ShapeDtypeStruct` argument."""
+    return _core.shaped_abstractify(struct)
+
+
+@contextlib.contextmanager
+def outside_mesh():
+    """Trace with no mesh context (no manual axes, no varying-axes checks):
+    for work that must not depend on where the pass runs, such as probing a
+    kernel from inside a user's ``shard_map`` body."""
+    from jax._src import mesh as _mesh
+
+    with jax.sharding.use_abstract_mesh(_mesh.empty_abstract_mesh), vma_checks(False):
         yield

@@ -95,14 +95,11 @@ class ChildScope:
         return (*self.node.path, step)
 
 
-_BODY_OR_TUPLE = (compat.ClosedJaxpr, compat.Jaxpr, tuple)
-
-
 class Scope:
     """The view of one jaxpr with transparent calls inlined."""
 
     def __init__(self, closed, prefix: Path = ()):
-        self.closed = closed
+        self.closed = closed = compat.as_closed(closed)
         self.prefix = prefix
         self.nodes: list[Node] = []
         self.children: list[ChildScope] = []
@@ -111,9 +108,9 @@ class Scope:
         self._alias: dict[Key, Key | Const] = {}
         self._avals: dict[Key, Any] = {}
         self._fold_cache: dict[Key, Any] = {}
-        jaxpr = closed.jaxpr
+        jaxpr, consts = compat.closed_parts(closed)
         self.invars = [self._key(prefix, v) for v in jaxpr.invars]
-        for var, value in zip(jaxpr.constvars, closed.consts, strict=True):
+        for var, value in zip(jaxpr.constvars, consts, strict=True):
             self._alias[(prefix, var)] = Const(value, var.aval)
         self._walk(jaxpr, prefix, calls=(), call_eqns=())
         self.outputs = [self.resolve(self._atom(prefix, v)) for v in jaxpr.outvars]
@@ -138,9 +135,7 @@ class Scope:
             if eqn.primitive.name in TRANSPARENT_CALLS and "jaxpr" in eqn.params:
                 self._inline(eqn, path, ins, calls, call_eqns)
                 continue
-            outs = [
-                None if isinstance(v, compat.DropVar) else self._key(inst, v) for v in eqn.outvars
-            ]
+            outs = [None if compat.is_drop_var(v) else self._key(inst, v) for v in eqn.outvars]
             node = Node(path, eqn, ins, outs, len(self.nodes), calls, call_eqns)
             self.nodes.append(node)
             for pos, a in enumerate(ins):
@@ -152,33 +147,23 @@ class Scope:
             self._collect_children(node)
 
     def _inline(self, eqn, path: Path, ins: list, calls: tuple, call_eqns: tuple) -> None:
-        body = eqn.params["jaxpr"]
+        body, consts = compat.closed_parts(eqn.params["jaxpr"])
         inst = (*path, "jaxpr")
-        for var, value in zip(body.jaxpr.constvars, body.consts, strict=True):
+        for var, value in zip(body.constvars, consts, strict=True):
             self._alias[(inst, var)] = Const(value, var.aval)
-        for var, outer in zip(body.jaxpr.invars, ins, strict=True):
+        for var, outer in zip(body.invars, ins, strict=True):
             self._avals.setdefault((inst, var), var.aval)
             self._alias[(inst, var)] = outer
-        self._walk(body.jaxpr, inst, (*calls, path), (*call_eqns, eqn))
-        for outer, inner in zip(eqn.outvars, body.jaxpr.outvars, strict=True):
-            if isinstance(outer, compat.DropVar):
+        self._walk(body, inst, (*calls, path), (*call_eqns, eqn))
+        for outer, inner in zip(eqn.outvars, body.outvars, strict=True):
+            if compat.is_drop_var(outer):
                 continue
             self._avals.setdefault((path[:-1], outer), outer.aval)
             self._alias[(path[:-1], outer)] = self.resolve(self._atom(inst, inner))
 
     def _collect_children(self, node: Node) -> None:
-        for name, value in node.params.items():
-            if not isinstance(value, _BODY_OR_TUPLE):  # most params: fast reject
-                continue
-            items = value if isinstance(value, tuple) else (value,)
-            for j, item in enumerate(items):
-                index = j if isinstance(value, tuple) else None
-                if isinstance(item, compat.ClosedJaxpr):
-                    self.children.append(ChildScope(node, name, index, item))
-                elif isinstance(item, compat.Jaxpr):
-                    self.children.append(
-                        ChildScope(node, name, index, compat.ClosedJaxpr(item, ()))
-                    )
+        for name, index, body in compat.bodies_in_params(node.params):
+            self.children.append(ChildScope(node, name, index, compat.as_closed(body)))
 
     # ------------------------------------------------------------------ queries
 
@@ -284,8 +269,7 @@ class Scope:
             if value is None:
                 return None
             args.append(value)
-        with compat.compile_time_eval():
-            outs = compat.bind_equation(node.eqn, args)
+        outs = compat.evaluate_equation(node.eqn, args)
         for o, value in zip(node.outs, outs, strict=True):
             if o is not None:
                 self._fold_cache[o] = np.asarray(value)

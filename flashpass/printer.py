@@ -15,7 +15,10 @@ import numpy as np
 from . import compat
 from .rewrite import KERNEL_PREFIX
 
-#: Parameters that decide semantics; everything else is omitted.
+#: Parameters that decide semantics; everything else is omitted.  Only params
+#: that every supported JAX spells the same way are listed: ``scan``'s
+#: ``num_consts``/``num_carry`` (JAX < 0.11; ``ft_in``/``ft_out`` since) are left
+#: out, its body's signature and the equation's operands pin the same thing.
 PARAMS = (
     "axes",
     "dimension_numbers",
@@ -33,15 +36,13 @@ PARAMS = (
     "slice_sizes",
     "length",
     "reverse",
-    "num_consts",
-    "num_carry",
     "name",
 )
 
 
 def format_jaxpr(closed) -> str:
     """The stable text of a (Closed)Jaxpr."""
-    jaxpr = closed.jaxpr if isinstance(closed, compat.ClosedJaxpr) else closed
+    jaxpr, _ = compat.closed_parts(closed)
     names: dict = {}
     lines: list[str] = []
     _format(jaxpr, names, lines, indent="")
@@ -52,7 +53,7 @@ def _name(names: dict, var) -> str:
     if compat.is_literal(var):
         value = np.asarray(compat.literal_value(var))
         return f"{value.item() if value.ndim == 0 else value.tolist()}:{_type(var.aval)}"
-    if isinstance(var, compat.DropVar):
+    if compat.is_drop_var(var):
         return "_"
     if var not in names:
         names[var] = f"v{len(names)}"
@@ -83,14 +84,9 @@ def _format(jaxpr, names: dict, lines: list[str], indent: str) -> None:
             continue
         params = _params(eqn.params)
         lines.append(f"{indent}{outs} = {eqn.primitive.name}{params} {args}".rstrip())
-        for key, value in eqn.params.items():
-            items = value if isinstance(value, tuple) else (value,)
-            for i, item in enumerate(items):
-                if isinstance(item, compat.ClosedJaxpr | compat.Jaxpr):
-                    label = f"{key}[{i}]" if isinstance(value, tuple) else key
-                    lines.append(f"{indent}  {label}:")
-                    inner = item.jaxpr if isinstance(item, compat.ClosedJaxpr) else item
-                    _format(inner, names, lines, indent + "    ")
+        for key, index, body in compat.bodies_in_params(eqn.params):
+            lines.append(f"{indent}  {key if index is None else f'{key}[{index}]'}:")
+            _format(compat.closed_parts(body)[0], names, lines, indent + "    ")
     outs = " ".join(_name(names, v) for v in jaxpr.outvars)
     lines.append(f"{indent}out {outs}")
 
@@ -123,7 +119,7 @@ def _looks_like_dtype(value) -> bool:
 def count_kernel_calls(closed, prefix: str = KERNEL_PREFIX) -> dict[str, int]:
     """``{kernel call name: count}`` over a jaxpr and all its nested bodies."""
     counts: dict[str, int] = {}
-    jaxpr = closed.jaxpr if isinstance(closed, compat.ClosedJaxpr) else closed
+    jaxpr, _ = compat.closed_parts(closed)
     for eqn in jaxpr.eqns:
         name = eqn.params.get("name")
         if isinstance(name, str) and name.startswith(prefix):

@@ -91,7 +91,8 @@ def kernel_call(kernel, spec, interpret: bool):
 def rewrite(closed, plan: Plan, prefix: tuple = ()):
     """The rewritten version of ``closed`` (the jaxpr at ``prefix``)."""
     scope = plan.scopes[prefix]
-    avals = [v.aval for v in closed.jaxpr.invars]
+    jaxpr, consts = compat.closed_parts(closed)
+    avals = [v.aval for v in jaxpr.invars]
     structs = [
         jax.ShapeDtypeStruct(
             a.shape,
@@ -103,7 +104,7 @@ def rewrite(closed, plan: Plan, prefix: tuple = ()):
     ]
 
     def run(*args):
-        return _Evaluator(plan, scope).run(closed.jaxpr, closed.consts, args, prefix)
+        return _Evaluator(plan, scope).run(jaxpr, consts, args, prefix)
 
     new = jax.make_jaxpr(run)(*structs)
     return compat.dce_closed_jaxpr(new)
@@ -156,8 +157,8 @@ class _Evaluator:
             if path in plan.inline:
                 # Values inside the site were never computed: pass them on as _MISSING.
                 invals = [self.read(inst, a, _MISSING) for a in eqn.invars]
-                body = eqn.params["jaxpr"]
-                outs = self.run(body.jaxpr, body.consts, invals, (*path, "jaxpr"))
+                body, consts = compat.closed_parts(eqn.params["jaxpr"])
+                outs = self.run(body, consts, invals, (*path, "jaxpr"))
             else:
                 invals = [self.read(inst, a) for a in eqn.invars]
                 if path not in plan.holders:
@@ -169,7 +170,7 @@ class _Evaluator:
                 else:
                     outs = compat.bind_equation(eqn, invals, self._params(eqn, path))
             for var, value in zip(eqn.outvars, outs, strict=True):
-                if not isinstance(var, compat.DropVar) and value is not _MISSING:
+                if not compat.is_drop_var(var) and value is not _MISSING:
                     self.write((inst, var), value)
 
     def _replace(self, eqn, inst, planned: PlannedSite) -> None:
@@ -178,23 +179,17 @@ class _Evaluator:
         self.write((inst, eqn.outvars[0]), out)
 
     def _params(self, eqn, path):
-        """``eqn.params`` with every body that holds sites rewritten."""
-        params = None
-        for name, value in eqn.params.items():
-            items = value if isinstance(value, tuple) else (value,)
-            new_items = list(items)
-            for j, item in enumerate(items):
-                if not isinstance(item, compat.ClosedJaxpr | compat.Jaxpr):
-                    continue
-                step = f"{name}[{j}]" if isinstance(value, tuple) else name
-                prefix = (*path, step)
-                if not self.plan.touches(prefix):
-                    continue
-                new_items[j] = _rewrite_body(item, self.plan, prefix)
-            if new_items != list(items):
-                params = dict(eqn.params) if params is None else params
-                params[name] = tuple(new_items) if isinstance(value, tuple) else new_items[0]
-        return params
+        """``eqn.params`` with every body that holds sites rewritten (None when
+        none is)."""
+        new_bodies = {}
+        for name, index, body in compat.bodies_in_params(eqn.params):
+            prefix = (*path, name if index is None else f"{name}[{index}]")
+            if not self.plan.touches(prefix):
+                continue
+            new = _rewrite_body(eqn, name, body, self.plan, prefix)
+            if new is not body:
+                new_bodies[(name, index)] = new
+        return compat.replace_bodies(eqn.params, new_bodies) if new_bodies else None
 
 
 def _kernel_output(site, kernel, interpret: bool, read):
@@ -211,17 +206,15 @@ def _run_body(plan: Plan, prefix: tuple, jaxpr, args) -> list:
     return _Evaluator(plan, plan.scopes[prefix]).run(jaxpr, (), args, prefix)
 
 
-def _rewrite_body(item, plan: Plan, prefix: tuple):
-    """Rewrite one nested body; on failure keep it and record why."""
-    is_open = isinstance(item, compat.Jaxpr)
-    closed = compat.ClosedJaxpr(item, ()) if is_open else item
+def _rewrite_body(eqn, name: str, item, plan: Plan, prefix: tuple):
+    """Rewrite one nested body (``eqn``'s param ``name``, or an item of it);
+    on failure keep it and record why."""
     try:
-        new = rewrite(closed, plan, prefix)
-        if is_open:
-            if new.consts:
-                raise RewriteError("the rewritten body would close over constants")
-            return new.jaxpr
-        return new
+        new = rewrite(compat.as_closed(item), plan, prefix)
+        try:
+            return compat.rebuild_body(eqn, name, item, new)
+        except ValueError as err:
+            raise RewriteError(str(err)) from None
     except Exception as err:  # keep the original body: its sites fall back
         plan.failed[prefix] = f"{type(err).__name__}: {err}"
         return item

@@ -37,11 +37,11 @@ def test_golden_mismatch_prints_a_diff(tmp_path):
     path = tmp_path / "g.txt"
     assert_golden(opt, *args, path=path, update=True)
     assert path.read_text().startswith("# jax ")
-    assert_golden(opt, *args, path=path)  # round trip
+    assert_golden(opt, *args, path=path, update=False)  # round trip
     text = path.read_text().replace("flashpass_blockwise", "flashpass_other")
     path.write_text(text)
     with pytest.raises(AssertionError, match=r"(?s)differs.*-.*flashpass_other.*\+.*blockwise"):
-        assert_golden(opt, *args, path=path)
+        assert_golden(opt, *args, path=path, update=False)
 
 
 def test_golden_notices_a_stopped_rewrite(tmp_path):
@@ -52,13 +52,13 @@ def test_golden_notices_a_stopped_rewrite(tmp_path):
     # same model, but now nothing is rewritten (as after an upgrade that breaks a pattern)
     unrewritten = flashpass.optimize(fn)  # short sequence: default keeps the original
     with pytest.raises(AssertionError, match="stopped or added a rewrite"):
-        assert_golden(unrewritten, *args, path=path)
+        assert_golden(unrewritten, *args, path=path, update=False)
 
 
 def test_missing_golden_is_an_error(tmp_path):
     fn, make = spellings.POSITIVE["matmul_bnth"]
     with pytest.raises(AssertionError, match="does not exist"):
-        assert_golden(fn, *make(np.random.default_rng(0)), path=tmp_path / "none.txt")
+        assert_golden(fn, *make(np.random.default_rng(0)), path=tmp_path / "none.txt", update=False)
 
 
 def test_golden_text_has_no_source_info():
