@@ -335,7 +335,9 @@ class Optimized:
             rewritten, report = pipeline.run_pass(
                 closed, kernel=self._kernel, platform=platform, interpret=self._interpret
             )
-        pipeline.log_report(report, getattr(self._fn, "__qualname__", "function"))
+        name = getattr(self._fn, "__qualname__", "function")
+        pipeline.log_report(report, name)
+        pipeline.dump(name, closed, rewritten, report)
         return _Entry(closed, rewritten, out_tree, report)
 
 

@@ -16,7 +16,11 @@ the ``flashpass`` logger; under the strict switch they re-raise.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
+import os
+import pathlib
+import re
 
 import jax
 import numpy as np
@@ -239,3 +243,28 @@ def log_report(report: Report, name: str) -> None:
         )
     for f in report.fallbacks:
         logger.info("%s: kept attention at %s as written: %s", name, f.location, f.reason)
+
+
+#: Debug switch: ``FLASHPASS_DUMP=<folder>`` writes, for every pass run, the
+#: traced program, the rewritten program and the report (text and JSON) to
+#: ``<folder>/<function>-<n>/``; ``FLASHPASS_DUMP_FILTER=<substring>`` limits it
+#: to functions whose qualified name contains the substring.
+DUMP_ENV = "FLASHPASS_DUMP"
+DUMP_FILTER_ENV = "FLASHPASS_DUMP_FILTER"
+_DUMP_COUNTER = itertools.count()
+
+
+def dump(name: str, closed, rewritten, report: Report) -> pathlib.Path | None:
+    """Write each stage's program and the report when the debug switch is on."""
+    folder = os.environ.get(DUMP_ENV)
+    if not folder or os.environ.get(DUMP_FILTER_ENV, "") not in name:
+        return None
+    safe = re.sub(r"[^A-Za-z0-9_.-]+", "_", name)[:80] or "function"
+    out = pathlib.Path(folder) / f"{safe}-{next(_DUMP_COUNTER)}"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "1-traced.jaxpr.txt").write_text(str(closed) + "\n")
+    (out / "2-rewritten.jaxpr.txt").write_text(str(rewritten) + "\n")
+    (out / "report.txt").write_text(str(report) + "\n")
+    (out / "report.json").write_text(report.to_json(indent=2) + "\n")
+    logger.info("flashpass: wrote the stages of %s to %s", name, out)
+    return out

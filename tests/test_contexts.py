@@ -18,12 +18,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from contexts import CONTEXTS, in_context
 
 import flashpass
 from flashpass.printer import count_kernel_calls
 
 import spellings
+from contexts import CONTEXTS, in_context
 
 
 def _tolerance(args):
@@ -192,3 +192,23 @@ def test_rewrite_failure_is_an_internal_error(monkeypatch, rng):
 def test_strict_must_be_a_bool():
     with pytest.raises(TypeError, match="strict must be"):
         flashpass.optimize(spellings.matmul_bnth, strict="yes")
+
+
+def test_debug_dump(monkeypatch, tmp_path, rng):
+    monkeypatch.setenv("FLASHPASS_DUMP", str(tmp_path))
+    monkeypatch.setenv("FLASHPASS_DUMP_FILTER", "matmul_bnth")
+    args = spellings.bnth(rng)
+    flashpass.optimize(spellings.matmul_bnth, kernel="blockwise").explain(*args)
+    flashpass.optimize(spellings.einsum_btnh, kernel="blockwise").explain(*spellings.btnh(rng))
+    (folder,) = tmp_path.iterdir()  # the filter left einsum_btnh out
+    assert folder.name.startswith("matmul_bnth-")
+    files = {p.name: p.read_text() for p in folder.iterdir()}
+    assert set(files) == {
+        "1-traced.jaxpr.txt",
+        "2-rewritten.jaxpr.txt",
+        "report.txt",
+        "report.json",
+    }
+    assert "flashpass_blockwise" in files["2-rewritten.jaxpr.txt"]
+    assert "flashpass_blockwise" not in files["1-traced.jaxpr.txt"]
+    assert "1 rewritten" in files["report.txt"]
