@@ -63,3 +63,32 @@ def test_site_inside_shard_map(kernel, mesh_shape, qshape, explicit):
         got, orig = run(opt, args), run(fn, args)
     ref = run(functools.partial(unsharded_model, mesh_shape[1]), unsharded(args))
     assert_like_original(got, orig, ref)
+
+
+@pytest.mark.parametrize(
+    "kernel, mesh_shape, qshape, explicit",
+    [
+        pytest.param(*BLOCKWISE, True, id="blockwise-explicit_axes"),
+        pytest.param(*BLOCKWISE, False, id="blockwise-auto_axes"),
+        pytest.param(*PALLAS, False, id="pallas_tpu-auto_axes"),
+    ],
+)
+def test_optimized_function_called_inside_shard_map(kernel, mesh_shape, qshape, explicit):
+    """The user's shard_map calls the optimized layer (not the other way round):
+    the pass sees per-shard shapes with varying manual axes and rewrites there."""
+    m = mesh(mesh_shape, ("data", "model"), explicit=explicit)
+    opt_layer = flashpass.optimize(layer, kernel=kernel, interpret=kernel == "pallas_tpu")
+
+    def opt_model(q, k, v):
+        return jax.shard_map(opt_layer, mesh=m, in_specs=SPEC, out_specs=SPEC)(q, k, v)
+
+    args = [put(m, SPEC, normal(i, qshape)) for i in range(3)]
+    with jax.set_mesh(m):
+        got, orig = run(opt_model, args), run(functools.partial(model, m), args)
+    (report,) = opt_layer.reports
+    assert report.kernels == [kernel] and not report.fallbacks and not report.errors, str(report)
+    b, t, h, d = qshape
+    local = (b // mesh_shape[0], t, h // mesh_shape[1], d)
+    assert report.rewrites[0].q_shape == local  # per-shard shapes
+    ref = run(functools.partial(unsharded_model, mesh_shape[1]), unsharded(args))
+    assert_like_original(got, orig, ref)
