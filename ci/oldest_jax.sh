@@ -5,10 +5,11 @@
 #
 #   ci/oldest_jax.sh            # from the repository root or anywhere
 #
-# Runs the core tests (matching, near misses, API, bad input), the golden jaxprs
-# and the property tests on the `quick` hypothesis profile: about two minutes.
-# The sharding, kernel-conformance, model and benchmark tests run on the pinned
-# versions only.
+# Runs the core tests (matching, near misses, API, bad input), the golden jaxprs,
+# the compat self-test and the property tests on the `quick` hypothesis profile:
+# about two minutes.  The kernel-conformance and model-free integration tests run
+# on the newest JAX (ci/newest_jax.sh) and the pinned versions; the sharding,
+# model and benchmark tests on the pinned versions only.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 venv=.ci-venv-oldest
@@ -19,4 +20,4 @@ python3 -m venv "$venv"
 "$venv/bin/python" -c 'import jax; print("oldest-JAX leg: jax", jax.__version__)'
 FLASHPASS_HYPOTHESIS_PROFILE=quick "$venv/bin/python" -m pytest -q -p no:cacheprovider \
     tests/test_matching.py tests/test_negative.py tests/test_api.py tests/test_bad_input.py \
-    tests/test_golden.py tests/fuzz
+    tests/test_golden.py tests/test_compat.py tests/fuzz

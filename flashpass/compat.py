@@ -17,9 +17,15 @@ import functools
 import inspect
 
 import jax
-from jax._src import core as _core
-from jax._src import source_info_util as _siu
-from jax._src.interpreters import partial_eval as _pe
+
+try:
+    from jax._src import core as _core
+    from jax._src import source_info_util as _siu
+    from jax._src.interpreters import partial_eval as _pe
+except ImportError as err:  # pragma: no cover - a JAX that moved its internals
+    raise ImportError(
+        f"flashpass supports JAX 0.9 to 0.12; JAX {jax.__version__} has no {err.name}"
+    ) from err
 
 JAX_VERSION: tuple[int, ...] = tuple(int(p) for p in jax.__version__.split(".")[:3] if p.isdigit())
 

@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# The JAX version matrix's third leg: the newest supported JAX (the top of the
+# range in pyproject.toml, pinned in ci/constraints-newest.txt), in a virtual
+# environment of its own on Python 3.12 (JAX 0.11+ wheels need it); the main
+# suite runs on the versions in constraints.txt.
+#
+#   ci/newest_jax.sh            # from the repository root or anywhere
+#
+# Python 3.12 is `python3.12` on PATH, else the newest 3.12.x that pyenv
+# manages (PYENV_VERSION=3.12.x python3.12).  With neither, the leg says so and
+# is skipped (exit status 0).  No model libraries are installed: it runs the
+# core tests, the golden jaxprs, the compat self-test, the kernel conformance
+# tests (Pallas in interpret mode), and the model-free integration tests
+# (kernels end to end, lowering, jax.nn.dot_product_attention): about five minutes.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+venv=.ci-venv-newest
+
+python312=()
+if python3.12 -c 'import sys' >/dev/null 2>&1; then
+    python312=(python3.12)
+elif command -v pyenv >/dev/null 2>&1; then
+    version=$(pyenv versions --bare 2>/dev/null | grep -E '^3\.12(\.[0-9]+)?$' | sort -V | tail -n 1 || true)
+    if [ -n "$version" ] && PYENV_VERSION="$version" python3.12 -c 'import sys' >/dev/null 2>&1; then
+        python312=(env PYENV_VERSION="$version" python3.12)
+    fi
+fi
+if [ ${#python312[@]} -eq 0 ]; then
+    echo "newest-JAX leg: SKIPPED, no Python 3.12 found (neither python3.12 on PATH nor"
+    echo "a 3.12.x under pyenv); JAX 0.11+ needs Python 3.12, so the newest JAX is untested."
+    exit 0
+fi
+
+"${python312[@]}" -m venv "$venv"
+"$venv/bin/python" -m pip install --quiet --upgrade pip
+# No [test] extra: the model libraries are tested on constraints.txt only.
+"$venv/bin/python" -m pip install --quiet -e . pytest hypothesis -c ci/constraints-newest.txt
+"$venv/bin/python" -c 'import sys, jax; print("newest-JAX leg: jax", jax.__version__, "on Python", sys.version.split()[0])'
+FLASHPASS_HYPOTHESIS_PROFILE=quick "$venv/bin/python" -m pytest -q -p no:cacheprovider \
+    tests/test_matching.py tests/test_negative.py tests/test_api.py tests/test_bad_input.py \
+    tests/test_golden.py tests/test_compat.py \
+    tests/kernels tests/test_kernel_integration.py tests/test_lowering.py \
+    tests/models/test_jax_nn.py

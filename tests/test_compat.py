@@ -1,0 +1,309 @@
+"""One test per private or experimental JAX API that flashpass/compat.py uses.
+
+flashpass reaches into JAX internals (jaxpr classes, tracing, DCE, source info,
+``shard_map`` equations) and experimental modules (Pallas kernels).  When a JAX
+release moves or changes one of them, the pass must not quietly degrade (keep
+every site, take a slow path, lose report locations): the test of that API
+fails here, naming it and the installed JAX version.  The fix goes in
+compat.py; nothing else imports these APIs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import inspect
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from flashpass import compat
+
+
+@contextlib.contextmanager
+def uses(api: str):
+    """Re-raise any failure in the block as an AssertionError naming ``api``
+    and the installed JAX version."""
+    try:
+        yield
+    except Exception as err:  # every failure names the API
+        raise AssertionError(
+            f"JAX {jax.__version__}: {api} moved or changed ({type(err).__name__}: {err}); "
+            "update flashpass/compat.py"
+        ) from err
+
+
+def _scan_jaxpr():
+    def f(x, w):
+        def body(c, y):
+            return c * w + y, c
+
+        return jax.lax.scan(body, x, jnp.ones((2, *x.shape)))
+
+    return jax.make_jaxpr(f)(jnp.ones(3), jnp.ones(3))
+
+
+# --------------------------------------------------------------------------- jaxpr classes
+
+
+def test_jaxpr_classes():
+    with uses("jax._src.core.Jaxpr / ClosedJaxpr (one class since JAX 0.11)"):
+        closed = _scan_jaxpr()
+        assert compat.is_body(closed)
+        jaxpr, consts = compat.closed_parts(closed)
+        assert [e.primitive.name for e in jaxpr.eqns][-1] == "scan"
+        assert len(consts) == len(jaxpr.constvars)
+        rebuilt = compat.closed_jaxpr(jaxpr, consts)
+        assert compat.closed_parts(rebuilt)[0].eqns == jaxpr.eqns
+        # a scan body is found, named and replaceable in its equation's params
+        scan = jaxpr.eqns[-1]
+        [(name, index, body)] = compat.bodies_in_params(scan.params)
+        assert (name, index) == ("jaxpr", None) and compat.is_body(body)
+        assert compat.subjaxprs_of_params(scan.params) == [body]
+        new = compat.replace_bodies(scan.params, {(name, index): compat.as_closed(body)})
+        assert compat.is_body(new["jaxpr"]) and new["length"] == scan.params["length"]
+        assert compat.rebuild_body(scan, name, body, compat.as_closed(body)) is not None
+
+
+def test_open_bodies():
+    """``remat``'s body is evaluated without constants: it stays constant-free."""
+    with uses("jax._src.core.Jaxpr (open bodies: remat)"):
+        closed = jax.make_jaxpr(jax.checkpoint(lambda x: jnp.sin(x) * 2))(jnp.ones(3))
+        [eqn] = compat.closed_parts(closed)[0].eqns
+        [(name, index, body)] = compat.bodies_in_params(eqn.params)
+        assert index is None
+        no_consts = compat.closed_jaxpr(compat.closed_parts(body)[0], ())
+        assert compat.rebuild_body(eqn, name, body, no_consts) is not None
+        c = jnp.arange(3.0)
+        with_consts = jax.make_jaxpr(lambda x: jnp.sin(x) * c)(jnp.ones(3))
+        assert compat.closed_parts(with_consts)[1]
+        with pytest.raises(ValueError, match="close over constants"):
+            compat.rebuild_body(eqn, name, body, with_consts)
+
+
+def test_literals_and_dropped_outputs():
+    with uses("jax._src.core.Literal / DropVar / Var"):
+        closed = jax.make_jaxpr(lambda x: x * 2.0)(jnp.ones(3))
+        [eqn] = compat.closed_parts(closed)[0].eqns
+        literals = [a for a in eqn.invars if compat.is_literal(a)]
+        assert literals and float(compat.literal_value(literals[0])) == 2.0
+        assert not compat.is_literal(eqn.invars[0])
+        assert compat.is_drop_var(compat.DropVar(eqn.outvars[0].aval))
+        assert not compat.is_drop_var(eqn.outvars[0])
+
+
+def test_eval_jaxpr():
+    with uses("jax._src.core.eval_jaxpr"):
+        closed = jax.make_jaxpr(lambda x: jnp.sin(x) + 1)(jnp.ones(3))
+        jaxpr, consts = compat.closed_parts(closed)
+        [out] = compat.eval_jaxpr(jaxpr, consts, jnp.zeros(3))
+        np.testing.assert_allclose(out, np.ones(3))
+
+
+# --------------------------------------------------------------------------- tracing
+
+
+def test_bind_with_params():
+    """The general path: `Primitive.get_bind_params`, the equation's context."""
+    with uses("jax._src.core.Primitive.get_bind_params / JaxprEqn.ctx"):
+        closed = _scan_jaxpr()
+        scan = compat.closed_parts(closed)[0].eqns[-1]
+        invals = [jnp.ones(v.aval.shape, v.aval.dtype) for v in scan.invars]
+        out = compat.bind_equation(scan, invals, dict(scan.params))
+        again = compat.bind_equation(scan, invals)
+        for a, b in zip(out, again, strict=True):
+            np.testing.assert_allclose(a, b)
+
+
+def test_emit_fast_path():
+    """Re-staging an unchanged equation skips ``bind`` (3x faster re-tracing)."""
+    with uses("jax._src.interpreters.partial_eval.DynamicJaxprTrace.emit_eqn"):
+        assert compat._CAN_EMIT, "emit_eqn's signature changed"
+    with uses("jax._src.interpreters.partial_eval.DynamicJaxprTracer(trace, aval, val...)"):
+        assert compat._CAN_EMIT_LITERALS, "DynamicJaxprTracer's signature changed"
+    closed = jax.make_jaxpr(lambda x: jnp.sin(x) * 2.0)(jnp.ones(3))
+    sin, mul = compat.closed_parts(closed)[0].eqns
+    emitted = []
+
+    def retrace(x):
+        [y] = compat._emit_unchanged(sin, [x])
+        emitted.append(compat._emit_unchanged(mul, [y, compat.literal_value(mul.invars[1])]))
+        return emitted[-1][0]
+
+    with uses("jax._src.core.trace_ctx.trace / DynamicJaxprTrace.emit_eqn"):
+        again = jax.make_jaxpr(retrace)(jnp.ones(3))
+        assert emitted[0] is not None
+        assert [e.primitive.name for e in compat.closed_parts(again)[0].eqns] == ["sin", "mul"]
+
+
+def test_compile_time_eval():
+    """Constant folding inside an outer trace: `_core.set_current_trace` and
+    `_core.eval_trace` make the eager evaluation trace current."""
+    closed = jax.make_jaxpr(lambda x: x * 2.0)(jnp.ones(3))
+    [mul] = compat.closed_parts(closed)[0].eqns
+    results = []
+
+    @jax.jit
+    def outer(y):
+        two = compat.literal_value(mul.invars[1])
+        results.extend(compat.evaluate_equation(mul, [np.ones(3, np.float32), two]))
+        return y
+
+    with uses("jax._src.core.set_current_trace / jax._src.core.eval_trace"):
+        outer(jnp.ones(2))
+        [value] = results
+        assert not isinstance(value, jax.core.Tracer), type(value)
+        np.testing.assert_allclose(np.asarray(value), np.full(3, 2.0))
+
+
+def test_dce():
+    with uses("jax._src.interpreters.partial_eval.dce_jaxpr"):
+        c = jnp.arange(3.0)  # closed over: a constant
+
+        def f(x):
+            jnp.cos(x)  # dead
+            return jnp.sin(x) + c
+
+        closed = jax.make_jaxpr(f)(jnp.ones(3))
+        new = compat.dce_closed_jaxpr(closed)
+        jaxpr, consts = compat.closed_parts(new)
+        names = [e.primitive.name for e in jaxpr.eqns]
+        assert "cos" not in names and "sin" in names
+        old_jaxpr, old_consts = compat.closed_parts(closed)
+        assert len(jaxpr.invars) == len(old_jaxpr.invars)
+        assert len(consts) == len(old_consts) == len(jaxpr.constvars) == 1
+
+
+def test_source_info():
+    with uses("jax._src.source_info_util.user_frame / user_frames / user_context"):
+        closed = jax.make_jaxpr(lambda x: jnp.sin(x))(jnp.ones(3))  # this line
+        [eqn] = compat.closed_parts(closed)[0].eqns
+        line = inspect.currentframe().f_lineno - 2
+        assert compat.user_location(eqn) == f"{__file__}:{line}"
+        assert compat.user_frames(eqn)[0] == (__file__, line)
+        with compat.equation_context(eqn):
+            again = jax.make_jaxpr(lambda x: compat.bind_equation(eqn, [x]))(jnp.ones(3))
+        [eqn2] = compat.closed_parts(again)[0].eqns
+        assert compat.user_location(eqn2) == f"{__file__}:{line}"
+
+
+# --------------------------------------------------------------------------- sharding
+
+
+def _shard_map_eqn(seen: dict):
+    from jax.sharding import Mesh
+    from jax.sharding import PartitionSpec as P
+
+    mesh = Mesh(np.array(jax.devices()[:1]), ("x",))
+
+    def body(x):
+        seen["varying"] = compat.varying_axes(x)
+        return x * 2
+
+    fn = compat.shard_map(
+        body, mesh=mesh, in_specs=(P("x"),), out_specs=P("x"), axis_names={"x"}, check_vma=True
+    )
+    closed = jax.make_jaxpr(fn)(jnp.ones(4))
+    return compat.closed_parts(closed)[0].eqns[0]
+
+
+def test_shard_map_params():
+    with uses("shard_map equation params (mesh, in_specs, out_specs, newly_manual_axes, ...)"):
+        eqn = _shard_map_eqn({})
+        assert compat.is_shard_map(eqn)
+        p = compat.shard_map_params(eqn)
+        assert p["axis_names"] == frozenset({"x"}) and p["check_vma"] is True
+        assert compat.is_body(p["body"]) and len(p["in_specs"]) == 1
+
+
+def test_varying_manual_axes():
+    with uses("ShapedArray.vma (varying manual axes in shard_map bodies)"):
+        seen: dict = {}
+        _shard_map_eqn(seen)
+        assert seen["varying"] == frozenset({"x"})
+        assert compat.varying_axes(jnp.ones(2)) == frozenset()
+
+
+def test_vma_checks():
+    with uses("jax._src.config._check_vma"):
+        from jax._src import config
+
+        with compat.vma_checks(False):
+            assert config._check_vma.value is False
+        with compat.vma_checks(True):
+            assert config._check_vma.value is True
+
+
+# --------------------------------------------------------------------------- Pallas
+
+
+def test_pallas_tpu_flash_attention_module():
+    with uses("jax.experimental.pallas.ops.tpu.flash_attention"):
+        fa = compat.tpu_flash_attention_module()
+        for name in ("flash_attention", "BlockSizes", "SegmentIds"):
+            assert hasattr(fa, name), name
+
+
+def test_pallas_tpu_interpret_mode():
+    with uses("jax.experimental.pallas.tpu.force_tpu_interpret_mode"), compat.tpu_interpret_mode():
+        pass
+
+
+def test_splash_attention_module():
+    with uses("jax.experimental.pallas.ops.tpu.splash_attention"):
+        sa = compat.splash_attention_module()
+        for name in ("make_splash_mha", "BlockSizes", "SegmentIds", "FullMask", "CausalMask"):
+            assert hasattr(sa, name), name
+        mask = sa.MultiHeadMask([sa.CausalMask((128, 128))])
+        kernel = compat.make_splash_kernel(mask, head_shards=1, q_seq_shards=1)
+        assert kernel.fwd_mask_info.is_dynamic_mask is False
+
+
+def test_pallas_gpu_attention_module():
+    with uses("jax.experimental.pallas.ops.gpu.attention"):
+        ga = compat.gpu_attention_module()
+        assert callable(ga.mha)
+        fields = set(inspect.signature(ga.BlockSizes).parameters)
+        assert {"block_q", "block_k", "block_q_dkv", "block_kv_dkv"} <= fields, fields
+
+
+def test_pallas_triton_lowers_without_a_gpu():
+    """`lower_for_gpu`: JAX >= 0.11 asks the (abstract) device for its compute
+    capability when lowering Pallas Triton kernels."""
+    shape = jax.ShapeDtypeStruct((1, 128, 1, 64), jnp.float16)  # [B, T, H, D]
+
+    def fn(q, k, v):
+        return compat.gpu_attention_module().mha(q, k, v, None)
+
+    with uses("Pallas Triton lowering for cuda (jax.sharding.AbstractDevice)"):
+        text = compat.lower_for_gpu(fn, shape, shape, shape)
+        assert "__gpu$xla.gpu.triton" in text
+
+
+# --------------------------------------------------------------------------- lowering, cuDNN
+
+
+def test_mlir_context():
+    with uses("jax._src.interpreters.mlir.make_ir_context / jaxlib.mlir.ir"):
+        lowered = jax.jit(lambda x: jnp.sin(x)).lower(jnp.ones(3))
+        module = compat.parse_stablehlo(lowered.as_text())
+        ops = compat.stablehlo_ops(module)
+        assert any(name == "stablehlo.sine" for name, _, _ in ops), ops
+
+
+def test_cudnn_version_hook():
+    with uses("jax._src.cudnn.fused_attention_stablehlo.check_cudnn_version"):
+        module = compat._cudnn_attention_module()
+        assert callable(module.check_cudnn_version)
+        with compat.assume_cudnn(91000):
+            assert module.check_cudnn_version() == 91000
+            assert compat.cudnn_version() == 91000
+
+
+def test_cuda_versions():
+    with uses("jax._src.lib.cuda_versions"):
+        importlib.import_module("jax._src.lib").cuda_versions  # noqa: B018 - None without CUDA
+        version = compat.cudnn_version()
+        assert version is None or version > 0
