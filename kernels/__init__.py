@@ -20,7 +20,7 @@ from flashpass.spec import (
     Softcap,
 )
 
-from .base import CheckContext, Kernel
+from .base import CheckContext, Kernel, PlainJaxKernel
 
 __all__ = [
     "EXCLUDING_FILL",
@@ -31,6 +31,7 @@ __all__ = [
     "ExtraSpec",
     "Kernel",
     "Mask",
+    "PlainJaxKernel",
     "Scale",
     "ScoreOp",
     "Softcap",

@@ -11,21 +11,48 @@ Library kernels (splash, cuDNN, the Pallas GPU kernel, tokamax) compute::
 exactly, and says in words why not when it cannot.  Moving a Scale that
 follows a Softcap in front of it is exact algebra:
 ``c * cap * tanh(x / cap) == (c * cap) * tanh(c * x / (c * cap))``.
+
+Also here: the checks and array helpers the adapters share, and what the two
+Pallas TPU adapters share (block sizes, `TpuKernel`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
+from collections.abc import Callable
 
 import jax.numpy as jnp
 import numpy as np
 
-from flashpass.spec import EXCLUDING_FILL, AttentionSpec, Bias, Causal, Mask, Scale, Softcap
+from flashpass.spec import (
+    EXCLUDING_FILL,
+    AttentionSpec,
+    Bias,
+    Causal,
+    Mask,
+    Scale,
+    Softcap,
+    excludes,
+)
+
+from .base import CheckContext, Kernel
 
 BF16 = np.dtype(jnp.bfloat16)
 F16 = np.dtype(np.float16)
 F32 = np.dtype(np.float32)
+
+#: The Pallas TPU kernels (flash attention, splash): key blocks are multiples of
+#: the lane width, 128 (their MIN_BLOCK_SIZE), as are head dims above it.
+TPU_LANES = 128
+#: Query lengths are padded to a multiple of this.  Besides sublane tiling, an
+#: even block_q sidesteps an off-by-one in the TPU flash kernel's causal block
+#: skipping, ``(r + 1) * block_q - 1 > c * block_k``: a block whose last row
+#: equals the first key is skipped (e.g. block_q == 1 with several key blocks
+#: loses row 0).
+TPU_Q_MULTIPLE = 16
+#: Default largest block (VMEM-friendly on every TPU generation).  Query
+#: lengths up to the largest block are one block, padded to `TPU_Q_MULTIPLE` only.
+TPU_MAX_BLOCK = 512
 
 
 def round_up(x: int, m: int) -> int:
@@ -36,22 +63,28 @@ def next_pow2(x: int) -> int:
     return 1 << max(0, (int(x) - 1).bit_length())
 
 
-def final_fill(spec: AttentionSpec, position: int, fill: float) -> float:
-    """The score an excluded key ends with after the ops that follow position
-    ``position`` (later Scales multiply it, a later Softcap squashes it; a later
-    Bias is assumed not to lift it back, the assumption `EXCLUDING_FILL` makes)."""
-    with np.errstate(all="ignore"):
-        value = np.float64(fill)
-        for op in spec.score_ops[position + 1 :]:
-            if isinstance(op, Scale):
-                value = value * op.value
-            elif isinstance(op, Softcap):
-                value = op.cap * np.tanh(value / op.cap)
-    return float(value)
+def largest_block(length: int, max_block: int) -> int:
+    """Largest power-of-two multiple of 128, at most ``max_block``, dividing
+    ``length`` (a multiple of 128)."""
+    block = TPU_LANES
+    while block * 2 <= max_block and length % (block * 2) == 0:
+        block *= 2
+    return block
 
 
-def excludes(value: float) -> bool:
-    return value == -math.inf or value <= EXCLUDING_FILL
+def tpu_query_tiling(q_len: int, max_block: int, multiple: int = TPU_Q_MULTIPLE):
+    """``(padded q_len, block_q)`` for the Pallas TPU kernels: one block padded
+    to ``multiple`` up to ``max_block``, else blocks of `largest_block`."""
+    if q_len <= max_block:
+        padded = round_up(q_len, multiple)
+        return padded, padded
+    padded = round_up(q_len, TPU_LANES)
+    return padded, largest_block(padded, max_block)
+
+
+def tpu_head_dim(d: int) -> int:
+    """A head dim as the Pallas TPU kernels take it: above 128, a multiple of 128."""
+    return round_up(d, TPU_LANES) if d > TPU_LANES else d
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,6 +101,26 @@ class LinearForm:
     causal_offset: int | None
     #: why the spec does not have this form (empty: it does).
     reasons: tuple[str, ...]
+
+
+def exclusion_reasons(spec: AttentionSpec, position: int) -> list[str]:
+    """Why the Mask or Causal op at ``position`` does not exclude keys the way a
+    kernel's own masking does (exactly zero weight), or leaves rows empty."""
+    op = spec.score_ops[position]
+    reasons = []
+    value = spec.final_fill(position, op.fill)
+    if not excludes(value):
+        kind = "mask" if isinstance(op, Mask) else "causal mask"
+        reasons.append(
+            f"{kind} fill {op.fill} ends as score {value:.6g} after the ops that "
+            f"follow it, which does not exclude keys (needs <= {EXCLUDING_FILL} or "
+            "-inf; a soft-cap after the mask turns any fill into about -cap): masked "
+            "keys would keep a non-zero weight; use a fill such as -1e9 or -inf "
+            "applied after the soft-cap, or the 'blockwise' kernel"
+        )
+    if isinstance(op, Causal) and op.offset < 0:
+        reasons.append(f"causal offset {op.offset} < 0 leaves query rows with no key to attend to")
+    return reasons
 
 
 def linear_form(spec: AttentionSpec) -> LinearForm:
@@ -101,23 +154,10 @@ def linear_form(spec: AttentionSpec) -> LinearForm:
                 reasons.append(f"soft-cap {op.cap} is not positive")
             cap = op.cap
         elif isinstance(op, Mask | Causal):
-            kind = "mask" if isinstance(op, Mask) else "causal mask"
-            value = final_fill(spec, position, op.fill)
-            if not excludes(value):
-                reasons.append(
-                    f"{kind} fill {op.fill} ends as score {value:.6g} after the ops that "
-                    f"follow it, which does not exclude keys (needs <= {EXCLUDING_FILL} or "
-                    "-inf; a soft-cap after the mask turns any fill into about -cap): masked "
-                    "keys would keep a non-zero weight; use a fill such as -1e9 or -inf "
-                    "applied after the soft-cap, or the 'blockwise' kernel"
-                )
+            reasons += exclusion_reasons(spec, position)
             if isinstance(op, Mask):
                 masks.append(op.index)
-            elif op.offset < 0:
-                reasons.append(
-                    f"causal offset {op.offset} < 0 leaves query rows with no key to attend to"
-                )
-            else:
+            elif op.offset >= 0:
                 offsets.append(op.offset)
         else:
             reasons.append(f"unknown score op {type(op).__name__}")
@@ -193,6 +233,29 @@ def extra_reasons(spec: AttentionSpec) -> list[str]:
     return reasons
 
 
+def input_reasons(spec: AttentionSpec, kernel: str) -> list[str]:
+    """What every library adapter checks first: empty arrays, dtypes, extras."""
+    return empty_reasons(spec) + float_dtype_reasons(spec, kernel) + extra_reasons(spec)
+
+
+def linear_reasons(spec: AttentionSpec, kernel: str, *, bias_instead: str | None = None):
+    """``(reasons, form)`` of an adapter built on `linear_form`: `input_reasons`,
+    then (if there are none) the spec's `LinearForm` and its reasons.  With
+    ``bias_instead`` the kernel takes no bias, and the reason names that kernel
+    instead.  ``form`` is None when the inputs fail (it would read missing extras)."""
+    reasons = input_reasons(spec, kernel)
+    if reasons:
+        return reasons, None
+    form = linear_form(spec)
+    reasons = list(form.reasons)
+    if bias_instead is not None and form.biases:
+        reasons.append(
+            f"{kernel} takes no bias (additive mask or position bias); use the "
+            f"'{bias_instead}' kernel, which adds biases, or 'blockwise'"
+        )
+    return reasons, form
+
+
 def empty_reasons(spec: AttentionSpec) -> list[str]:
     if min(spec.batch, spec.heads, spec.q_len, spec.kv_len, spec.head_dim, spec.v_head_dim) <= 0:
         return ["empty q/k/v (a zero-sized dimension) is not supported"]
@@ -241,11 +304,30 @@ def float_dtype_reasons(spec: AttentionSpec, kernel: str, allowed=(BF16, F16, F3
     return reasons
 
 
-def check_max_block(max_block: int, lanes: int = 128) -> int:
-    """``max_block`` for the Pallas TPU kernels: a power-of-two multiple of 128."""
-    if max_block < lanes or max_block & (max_block - 1):
-        raise ValueError(f"max_block must be a power-of-two multiple of 128, got {max_block}")
-    return max_block
+class TpuKernel(Kernel):
+    """Base of the adapters of JAX's Pallas TPU kernels (``pallas_tpu``,
+    ``splash``): they run on TPU, or on CPU with ``interpret=True`` (slow; for
+    tests), with reverse-mode gradients.  A Pallas call is a custom call: XLA's
+    SPMD partitioner runs it replicated, and it does not type-check inside
+    ``shard_map`` with ``check_vma``.  Subclasses set ``spec_reasons``, the
+    static reasons (platform aside) they cannot run a spec."""
+
+    platforms = ("tpu",)
+    interpret_platforms = ("cpu",)
+    grad = True
+    partitionable = False
+    plain_jax = False
+    spec_reasons: Callable[[AttentionSpec], list[str]]
+
+    def __init__(self, *, max_block: int = TPU_MAX_BLOCK):
+        """``max_block``: the largest query/key block (a power-of-two multiple of 128)."""
+        if max_block < TPU_LANES or max_block & (max_block - 1):
+            raise ValueError(f"max_block must be a power-of-two multiple of 128, got {max_block}")
+        self.max_block = max_block
+
+    def check(self, spec: AttentionSpec, ctx: CheckContext) -> list[str]:
+        """Reasons this kernel cannot run ``spec`` on ``ctx.platform`` (static)."""
+        return self.platform_reasons(ctx) + self.spec_reasons(spec)
 
 
 def pad_axis(x, axis: int, size: int, *, front: int = 0, value=0):

@@ -2,7 +2,7 @@
 
 Kernels receive one canonical `AttentionSpec` per attention site; the spec,
 its score ops and their exact semantics live in the engine (`flashpass.spec`)
-and are re-exported here and by `flashpass.kernels`.
+and are re-exported by `flashpass.kernels`.
 """
 
 from __future__ import annotations
@@ -11,34 +11,7 @@ import dataclasses
 from collections.abc import Sequence
 from typing import ClassVar
 
-from flashpass.spec import (
-    DESCRIPTORS,
-    EXCLUDING_FILL,
-    FLOAT_DTYPES,
-    AttentionSpec,
-    Bias,
-    Causal,
-    ExtraSpec,
-    Mask,
-    Scale,
-    ScoreOp,
-    Softcap,
-)
-
-__all__ = [
-    "EXCLUDING_FILL",
-    "AttentionSpec",
-    "Bias",
-    "Causal",
-    "CheckContext",
-    "ExtraSpec",
-    "Kernel",
-    "Mask",
-    "Scale",
-    "ScoreOp",
-    "Softcap",
-]
-
+from flashpass.spec import DESCRIPTORS, FLOAT_DTYPES, AttentionSpec
 
 # --------------------------------------------------------------------------- kernels
 
@@ -147,3 +120,17 @@ class Kernel:
 
     def __repr__(self) -> str:
         return f"<flashpass kernel {self.name!r}>"
+
+
+class PlainJaxKernel(Kernel):
+    """Base of the kernels written in plain JAX that implement every spec
+    (``blockwise``, ``reference``): they run on every platform in any float
+    dtype, JAX differentiates them (or their own ``custom_vjp``), XLA's SPMD
+    partitioner splits them, and they type-check inside ``shard_map``."""
+
+    platforms = ("cpu", "gpu", "tpu")
+    dtypes = FLOAT_DTYPES
+    descriptors = frozenset(DESCRIPTORS)
+    grad = True
+    partitionable = True
+    plain_jax = True

@@ -38,7 +38,6 @@ reference's result when the excluded keys share one finite fill).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -88,9 +87,7 @@ def _plan(spec: AttentionSpec) -> _Plan:
 
 
 def _reasons(spec: AttentionSpec) -> list[str]:
-    reasons = _util.empty_reasons(spec)
-    reasons += _util.float_dtype_reasons(spec, "cuDNN attention")
-    reasons += _util.extra_reasons(spec)
+    reasons = _util.input_reasons(spec, "cuDNN attention")
     if reasons:
         return reasons
     plan = _plan(spec)
@@ -157,16 +154,7 @@ class CudnnKernel(Kernel):
             ]
         return _reasons(spec)
 
-    def apply(
-        self,
-        spec: AttentionSpec,
-        q,
-        k,
-        v,
-        extras: Sequence = (),
-        *,
-        interpret: bool = False,
-    ):
+    def apply(self, spec: AttentionSpec, q, k, v, extras=(), *, interpret: bool = False):
         if interpret and self.implementation == "cudnn":
             raise ValueError("the cudnn kernel has no interpret mode (it only runs on a GPU)")
         reasons = _reasons(spec)

@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -82,18 +81,10 @@ class _Plan:
 
 
 def _reasons(spec: AttentionSpec) -> list[str]:
-    reasons = _util.empty_reasons(spec)
-    reasons += _util.float_dtype_reasons(spec, "the Pallas GPU attention kernel")
-    reasons += _util.extra_reasons(spec)
-    if reasons:
+    label = "the Pallas GPU attention kernel"
+    reasons, form = _util.linear_reasons(spec, label, bias_instead="cudnn")
+    if form is None:
         return reasons
-    form = _util.linear_form(spec)
-    reasons += form.reasons
-    if form.biases:
-        reasons.append(
-            "the Pallas GPU attention kernel takes no bias (additive mask or position "
-            "bias); use the 'cudnn' kernel, which adds biases, or 'blockwise'"
-        )
     if form.softcap is not None:
         reasons.append(
             "logit soft-capping is not supported by the Pallas GPU attention kernel; "
@@ -204,16 +195,7 @@ class PallasGpuKernel(Kernel):
                 )
         return reasons
 
-    def apply(
-        self,
-        spec: AttentionSpec,
-        q,
-        k,
-        v,
-        extras: Sequence = (),
-        *,
-        interpret: bool = False,
-    ):
+    def apply(self, spec: AttentionSpec, q, k, v, extras=(), *, interpret: bool = False):
         reasons = _reasons(spec)
         self.require(reasons)
         plan = self._plan(spec)

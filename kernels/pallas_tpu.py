@@ -46,7 +46,7 @@ Differences from `reference_attention`, by design:
   reference: NaN), and their gradients are not the reference's.
 * Precision: the kernel always accumulates and normalises in float32; a spec
   computing in bfloat16/float16 gets a more precise result, not the same
-  rounding.  q, k, v and p are cast to one kernel dtype (`_kernel_dtype`),
+  rounding.  q, k, v and p are cast to one kernel dtype (`_util.kernel_dtype`),
   bfloat16 only where the spec itself keeps no more precision.
 * A Bias after a Mask/Causal is assumed not to lift an excluded score (fill
   + bias) back into range, the same assumption `EXCLUDING_FILL` makes.
@@ -62,33 +62,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from flashpass import compat
-from flashpass.spec import EXCLUDING_FILL, AttentionSpec, Bias, Causal, Mask, Scale, Softcap
+from flashpass.spec import AttentionSpec, Bias, Causal, Mask, Scale, Softcap
 
 from . import _util
-from .base import CheckContext, Kernel
 
-#: Key blocks must be multiples of this (the kernel's lane width / MIN_BLOCK_SIZE).
-_LANES = 128
-#: Query lengths are padded to a multiple of this.  Besides sublane tiling, an
-#: even block_q sidesteps an off-by-one in the kernel's causal block skipping,
-#: ``(r + 1) * block_q - 1 > c * block_k``: a block whose last row equals the
-#: first key is skipped (e.g. block_q == 1 with several key blocks loses row 0).
-_Q_MULTIPLE = 16
-#: Default largest block (VMEM-friendly on every TPU generation).  Query
-#: lengths up to the largest block are one block, padded to `_Q_MULTIPLE` only.
-DEFAULT_MAX_BLOCK = 512
-
-_BF16 = np.dtype(jnp.bfloat16)
-_F32 = np.dtype(np.float32)
-
-
-def _largest_block(length: int, max_block: int) -> int:
-    """Largest power-of-two multiple of 128, at most ``max_block``, dividing
-    ``length`` (a multiple of 128)."""
-    block = _LANES
-    while block * 2 <= max_block and length % (block * 2) == 0:
-        block *= 2
-    return block
+#: Default largest query/key block (see `_util.TPU_MAX_BLOCK`).
+DEFAULT_MAX_BLOCK = _util.TPU_MAX_BLOCK
 
 
 def _is_power_of_two(x: float) -> bool:
@@ -104,15 +83,6 @@ def _biases_with_scale_before(spec: AttentionSpec) -> list[tuple[Bias, float]]:
         elif isinstance(op, Bias):
             out.append((op, c_before))
     return out
-
-
-def _effective_fill(spec: AttentionSpec, position: int, fill: float) -> float:
-    """The score an excluded key has at the end of the score ops (later Scales
-    multiply it; a later Bias is assumed not to matter, see module doc)."""
-    for op in spec.score_ops[position + 1 :]:
-        if isinstance(op, Scale):
-            fill *= op.value
-    return fill
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,23 +120,6 @@ class _Plan:
         )
 
 
-def _kernel_dtype(spec: AttentionSpec) -> np.dtype:
-    """One dtype for q, k, v and the kernel output.
-
-    bfloat16 only when it loses nothing the spec keeps: the spec computes in
-    bfloat16 (its q/k/p/out are rounded to it anyway) or every operand and the
-    output are bfloat16.  Otherwise float32 (upcasts are exact; the kernel's
-    output dtype is q's, so a bf16 q would round a float32 result).  Mixed
-    q/v dtypes are avoided: the backward's ``do @ v^T`` would mix them.
-    """
-    if spec.compute_dtype == _BF16:
-        return _BF16
-    dtypes = (spec.q_dtype, spec.k_dtype, spec.v_dtype, spec.p_dtype, spec.out_dtype)
-    if all(d == _BF16 for d in dtypes):
-        return _BF16
-    return _F32
-
-
 def _masked_value(sm_scale: float) -> float:
     # After the kernel multiplies by sm_scale this is -2**126 * min(sm_scale, 1):
     # finite (even plus the kernel's own -0.7 * f32_max), yet below any real score.
@@ -175,8 +128,7 @@ def _masked_value(sm_scale: float) -> float:
 
 def _spec_reasons(spec: AttentionSpec) -> list[str]:
     """Static reasons this adapter cannot run ``spec`` exactly (platform aside)."""
-    reasons = _util.float_dtype_reasons(spec, "the TPU flash kernel")
-    reasons += _util.empty_reasons(spec) + _util.extra_reasons(spec)
+    reasons = _util.input_reasons(spec, "the TPU flash kernel")
     for position, op in enumerate(spec.score_ops):
         if isinstance(op, Softcap):
             reasons.append(
@@ -189,32 +141,20 @@ def _spec_reasons(spec: AttentionSpec) -> list[str]:
                     f"score scale {op.value} is not positive; the adapter folds masks "
                     "into large negative biases, which a non-positive scale would flip"
                 )
-        elif isinstance(op, Mask) and 0 <= op.index < len(spec.extras):  # else see extra_reasons
-            fill = _effective_fill(spec, position, op.fill)
-            if not fill <= EXCLUDING_FILL:
-                reasons.append(
-                    f"mask fill {op.fill} (score {fill} after later scales) does not "
-                    f"exclude keys (needs <= {EXCLUDING_FILL} or -inf): masked keys keep "
-                    "a non-zero weight that a bias cannot reproduce; use a fill such as "
-                    "-1e9 or -inf, or the 'blockwise' kernel"
-                )
-        elif isinstance(op, Causal):
-            fill = _effective_fill(spec, position, op.fill)
-            if op.offset < 0:
-                reasons.append(
-                    f"causal offset {op.offset} < 0 leaves query rows with no key to attend to"
-                )
-            if not fill <= EXCLUDING_FILL:
-                reasons.append(
-                    f"causal fill {op.fill} (score {fill} after later scales) does not "
-                    f"exclude keys (needs <= {EXCLUDING_FILL} or -inf); the kernel's causal "
-                    "mask gives excluded keys zero weight"
-                )
+        elif isinstance(op, Causal) or (
+            isinstance(op, Mask) and 0 <= op.index < len(spec.extras)  # else see extra_reasons
+        ):
+            # Masks become a -2**126 bias (a weight a finite fill would not give);
+            # the kernel's causal mask gives excluded keys zero weight.
+            reasons += _util.exclusion_reasons(spec, position)
     return reasons
 
 
 def _plan(spec: AttentionSpec, max_block: int = DEFAULT_MAX_BLOCK) -> _Plan:
-    kernel_dtype = _kernel_dtype(spec)
+    # bfloat16 only when it loses nothing the spec keeps (the kernel's output
+    # dtype is q's, so a bf16 q would round a float32 result); one dtype for q,
+    # k and v: the backward's ``do @ v^T`` would mix them.
+    kernel_dtype = _util.kernel_dtype(spec)
     sm_scale = spec.scale
 
     offsets = [op.offset for op in spec.ops_of(Causal)]
@@ -228,27 +168,20 @@ def _plan(spec: AttentionSpec, max_block: int = DEFAULT_MAX_BLOCK) -> _Plan:
     # bfloat16 as the spec adds it, and `bias / c` is exact (c a power of two).
     ab_dtype = None
     if spec.ops_of(Bias) or spec.ops_of(Mask) or fold_offset is not None:
-        ab_dtype = _F32
+        ab_dtype = _util.F32
         biases = _biases_with_scale_before(spec)
-        if kernel_dtype == _BF16 and len(biases) <= 1:
+        bf16 = _util.BF16
+        if kernel_dtype == bf16 and len(biases) <= 1:
             if all(
-                (spec.compute_dtype == _BF16 or np.dtype(op.dtype) == _BF16) and _is_power_of_two(c)
+                (spec.compute_dtype == bf16 or np.dtype(op.dtype) == bf16) and _is_power_of_two(c)
                 for op, c in biases
             ):
-                ab_dtype = _BF16
+                ab_dtype = bf16
 
-    if spec.q_len <= max_block:
-        q_len = _util.round_up(spec.q_len, _Q_MULTIPLE)
-        block_q = q_len
-    else:
-        q_len = _util.round_up(spec.q_len, _LANES)
-        block_q = _largest_block(q_len, max_block)
-    kv_len = _util.round_up(spec.kv_len, _LANES)
-
-    head_dim = max(spec.head_dim, spec.v_head_dim)
-    if head_dim > _LANES:
-        # The kernel tiles head dims above 128 in lanes of 128.
-        head_dim = _util.round_up(head_dim, _LANES)
+    q_len, block_q = _util.tpu_query_tiling(spec.q_len, max_block)
+    kv_len = _util.round_up(spec.kv_len, _util.TPU_LANES)
+    # The kernel tiles head dims above 128 in lanes of 128.
+    head_dim = _util.tpu_head_dim(max(spec.head_dim, spec.v_head_dim))
 
     # Top-left causal with T <= S already excludes every padded key (j >= S > i).
     pad_keys = kv_len > spec.kv_len and not (causal and spec.q_len <= spec.kv_len)
@@ -264,7 +197,7 @@ def _plan(spec: AttentionSpec, max_block: int = DEFAULT_MAX_BLOCK) -> _Plan:
         head_dim=head_dim,
         pad_keys=pad_keys,
         block_q=block_q,
-        block_k=_largest_block(kv_len, max_block),
+        block_k=_util.largest_block(kv_len, max_block),
     )
 
 
@@ -285,9 +218,7 @@ def _build_ab(spec: AttentionSpec, plan: _Plan, extras: Sequence):
         mask = extras[op.index].astype(bool)
         keep = mask if keep is None else keep & mask
     if plan.fold_offset is not None:
-        rows = np.arange(spec.q_len)[:, None]
-        cols = np.arange(spec.kv_len)[None, :]
-        causal = jnp.asarray((cols <= rows + plan.fold_offset)[None, None])
+        causal = jnp.asarray(_util.causal_keep(spec, plan.fold_offset))
         keep = causal if keep is None else keep & causal
     masked = jnp.asarray(plan.masked_value, plan.ab_dtype)
     if ab is None:
@@ -301,15 +232,7 @@ def _build_ab(spec: AttentionSpec, plan: _Plan, extras: Sequence):
     return jnp.broadcast_to(ab, (spec.batch, spec.heads, spec.q_len, spec.kv_len))
 
 
-def _pad_to(x, axis: int, size: int):
-    if x.shape[axis] == size:
-        return x
-    widths = [(0, 0)] * x.ndim
-    widths[axis] = (0, size - x.shape[axis])
-    return jnp.pad(x, widths)
-
-
-class PallasTpuKernel(Kernel):
+class PallasTpuKernel(_util.TpuKernel):
     """JAX's Pallas TPU flash attention (``pallas.ops.tpu.flash_attention``).
 
     Runs on TPU, or on CPU with ``interpret=True`` (slow; for tests).  Supports
@@ -321,46 +244,18 @@ class PallasTpuKernel(Kernel):
     """
 
     name = "pallas_tpu"
-    platforms = ("tpu",)
-    interpret_platforms = ("cpu",)
     dtypes = frozenset({"bfloat16", "float16", "float32"})
     descriptors = frozenset({"causal", "mask", "key_mask", "bias", "gqa"})
-    grad = True
-    partitionable = False  # a Pallas custom call: XLA runs it replicated
-    plain_jax = False
+    spec_reasons = staticmethod(_spec_reasons)
 
-    def __init__(self, *, max_block: int = DEFAULT_MAX_BLOCK):
-        """``max_block``: the largest query/key block (a power-of-two multiple of 128)."""
-        self.max_block = _util.check_max_block(max_block, _LANES)
-
-    def check(self, spec: AttentionSpec, ctx: CheckContext) -> list[str]:
-        """Reasons this kernel cannot run ``spec`` on ``ctx.platform`` (static)."""
-        return self.platform_reasons(ctx) + _spec_reasons(spec)
-
-    def apply(
-        self,
-        spec: AttentionSpec,
-        q,
-        k,
-        v,
-        extras: Sequence = (),
-        *,
-        interpret: bool = False,
-    ):
+    def apply(self, spec: AttentionSpec, q, k, v, extras=(), *, interpret: bool = False):
         """Attention ``[B, H, T, Dv]`` in ``spec.out_dtype`` via the TPU kernel.
 
         ``interpret=True`` runs the kernel (forward and backward) in Pallas TPU
         interpret mode, e.g. on CPU.
         """
-        reasons = _spec_reasons(spec)
-        self.require(reasons)
-        for name, x, shape in (
-            ("q", q, spec.q_shape),
-            ("k", k, spec.k_shape),
-            ("v", v, spec.v_shape),
-        ):
-            if tuple(x.shape) != shape:
-                raise ValueError(f"{name} has shape {tuple(x.shape)}, the spec says {shape}")
+        self.require(_spec_reasons(spec))
+        _util.check_arrays(self.name, spec, q, k, v)
         plan = _plan(spec, self.max_block)
         fa = compat.tpu_flash_attention_module()
 
@@ -374,14 +269,14 @@ class PallasTpuKernel(Kernel):
         if spec.groups > 1:
             k = jnp.repeat(k, spec.groups, axis=1)
             v = jnp.repeat(v, spec.groups, axis=1)
-        q = _pad_to(_pad_to(q, 3, plan.head_dim), 2, plan.q_len)
-        k = _pad_to(_pad_to(k, 3, plan.head_dim), 2, plan.kv_len)
-        v = _pad_to(_pad_to(v, 3, plan.head_dim), 2, plan.kv_len)
+        q = _util.pad_axis(_util.pad_axis(q, 3, plan.head_dim), 2, plan.q_len)
+        k = _util.pad_axis(_util.pad_axis(k, 3, plan.head_dim), 2, plan.kv_len)
+        v = _util.pad_axis(_util.pad_axis(v, 3, plan.head_dim), 2, plan.kv_len)
         args = [q, k, v]
         ab = _build_ab(spec, plan, extras)
         if ab is not None:
             # Padded query rows get 0 (finite), padded keys are excluded by segment ids.
-            args.append(_pad_to(_pad_to(ab, 2, plan.q_len), 3, plan.kv_len))
+            args.append(_util.pad_axis(_util.pad_axis(ab, 2, plan.q_len), 3, plan.kv_len))
 
         segment_ids = None
         if plan.pad_keys:

@@ -11,18 +11,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from flashpass.spec import (
-    DESCRIPTORS,
-    FLOAT_DTYPES,
-    AttentionSpec,
-    Bias,
-    Causal,
-    Mask,
-    Scale,
-    Softcap,
-)
+from flashpass.spec import AttentionSpec, Bias, Causal, Mask, Scale, Softcap
 
-from .base import CheckContext, Kernel
+from .base import CheckContext, PlainJaxKernel
 
 
 def apply_score_ops(spec: AttentionSpec, s, extras, q_pos=None, k_pos=None):
@@ -79,17 +70,12 @@ def reference_attention(spec: AttentionSpec, q, k, v, extras=(), *, dtype=None):
     return out.astype(spec.out_dtype if dtype is None else cdt)
 
 
-class ReferenceKernel(Kernel):
+class ReferenceKernel(PlainJaxKernel):
     """Naive XLA attention on the canonical layout.  Not in any default order:
-    it exists to test the matcher (its numerics equal the original code's)."""
+    it exists to test the matcher (its numerics equal the original code's).
+    Capabilities: every spec, as a `PlainJaxKernel`."""
 
     name = "reference"
-    platforms = ("cpu", "gpu", "tpu")
-    dtypes = FLOAT_DTYPES
-    descriptors = frozenset(DESCRIPTORS)
-    grad = True
-    partitionable = True  # plain JAX
-    plain_jax = True
 
     def check(self, spec, ctx: CheckContext):
         return self.platform_reasons(ctx)

@@ -47,7 +47,6 @@ Differences from `reference_attention`, by design:
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -57,18 +56,9 @@ from flashpass import compat
 from flashpass.spec import AttentionSpec
 
 from . import _util
-from .base import CheckContext, Kernel
 
-_LANES = 128
-_Q_MULTIPLE = 16
-DEFAULT_MAX_BLOCK = 512
-
-
-def _largest_block(length: int, max_block: int) -> int:
-    block = _LANES
-    while block * 2 <= max_block and length % (block * 2) == 0:
-        block *= 2
-    return block
+#: Default largest query/key block (see `_util.TPU_MAX_BLOCK`).
+DEFAULT_MAX_BLOCK = _util.TPU_MAX_BLOCK
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,19 +77,7 @@ class _Plan:
 
 
 def _reasons(spec: AttentionSpec) -> list[str]:
-    reasons = _util.empty_reasons(spec)
-    reasons += _util.float_dtype_reasons(spec, "splash attention")
-    reasons += _util.extra_reasons(spec)
-    if reasons:
-        return reasons
-    form = _util.linear_form(spec)
-    reasons += form.reasons
-    if form.biases:
-        reasons.append(
-            "splash attention takes no bias (additive mask or position bias); use the "
-            "'pallas_tpu' kernel, which adds biases, or 'blockwise'"
-        )
-    return reasons
+    return _util.linear_reasons(spec, "splash attention", bias_instead="pallas_tpu")[0]
 
 
 def _plan(spec: AttentionSpec, max_block: int) -> _Plan:
@@ -110,29 +88,20 @@ def _plan(spec: AttentionSpec, max_block: int) -> _Plan:
         (key_masks if shape[1] == 1 and shape[2] == 1 else dynamic_masks).append(index)
     if dynamic_masks:  # one mechanism: all masks go into the dynamic mask
         dynamic_masks, key_masks = list(form.masks), []
-    kv_len = _util.round_up(spec.kv_len, _LANES)
+    kv_len = _util.round_up(spec.kv_len, _util.TPU_LANES)
     # Segment ids (key masks, key padding) need query blocks of 128 in the dK/dV kernel.
     segments = bool(key_masks) or (kv_len > spec.kv_len and not dynamic_masks)
-    q_multiple = _LANES if segments else _Q_MULTIPLE
-    if spec.q_len <= max_block:
-        q_len = _util.round_up(spec.q_len, q_multiple)
-        block_q = q_len
-    else:
-        q_len = _util.round_up(spec.q_len, _LANES)
-        block_q = _largest_block(q_len, max_block)
-
-    def head(d: int) -> int:
-        return _util.round_up(d, _LANES) if d > _LANES else d
-
+    q_multiple = _util.TPU_LANES if segments else _util.TPU_Q_MULTIPLE
+    q_len, block_q = _util.tpu_query_tiling(spec.q_len, max_block, q_multiple)
     return _Plan(
         form=form,
         kernel_dtype=_util.kernel_dtype(spec, narrow=(_util.BF16,)),
         q_len=q_len,
         kv_len=kv_len,
-        head_dim=head(spec.head_dim),
-        v_head_dim=head(spec.v_head_dim),
+        head_dim=_util.tpu_head_dim(spec.head_dim),
+        v_head_dim=_util.tpu_head_dim(spec.v_head_dim),
         block_q=block_q,
-        block_kv=_largest_block(kv_len, max_block),
+        block_kv=_util.largest_block(kv_len, max_block),
         key_masks=tuple(key_masks),
         dynamic_masks=tuple(dynamic_masks),
         segment_ids=segments,
@@ -154,7 +123,7 @@ def _block_sizes(plan: _Plan):
     )
 
 
-class SplashKernel(Kernel):
+class SplashKernel(_util.TpuKernel):
     """JAX's splash attention (``pallas.ops.tpu.splash_attention``).
 
     Runs on TPU, or on CPU with ``interpret=True`` (slow; for tests).  Supports
@@ -164,33 +133,12 @@ class SplashKernel(Kernel):
     """
 
     name = "splash"
-    platforms = ("tpu",)
-    interpret_platforms = ("cpu",)
     dtypes = frozenset({"bfloat16", "float16", "float32"})  # float16 computed in float32
     descriptors = frozenset({"causal", "mask", "key_mask", "softcap", "gqa"})
-    grad = True
-    partitionable = False  # a Pallas custom call: XLA runs it replicated
-    plain_jax = False
+    spec_reasons = staticmethod(_reasons)
 
-    def __init__(self, *, max_block: int = DEFAULT_MAX_BLOCK):
-        """``max_block``: the largest query/key block (a power-of-two multiple of 128)."""
-        self.max_block = _util.check_max_block(max_block, _LANES)
-
-    def check(self, spec: AttentionSpec, ctx: CheckContext) -> list[str]:
-        return self.platform_reasons(ctx) + _reasons(spec)
-
-    def apply(
-        self,
-        spec: AttentionSpec,
-        q,
-        k,
-        v,
-        extras: Sequence = (),
-        *,
-        interpret: bool = False,
-    ):
-        reasons = _reasons(spec)
-        self.require(reasons)
+    def apply(self, spec: AttentionSpec, q, k, v, extras=(), *, interpret: bool = False):
+        self.require(_reasons(spec))
         plan = _plan(spec, self.max_block)
         form = plan.form
         kdt = plan.kernel_dtype

@@ -21,8 +21,6 @@ TF32 on recent GPUs).  Unverified here: no GPU and no tokamax in CI.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import jax.numpy as jnp
 
 from flashpass import compat
@@ -37,17 +35,13 @@ DEFAULT_IMPLEMENTATIONS = ("mosaic", "triton")
 
 
 def _reasons(spec: AttentionSpec) -> list[str]:
-    reasons = _util.empty_reasons(spec)
-    reasons += _util.float_dtype_reasons(spec, "tokamax attention")
-    reasons += _util.extra_reasons(spec)
-    if reasons:
-        return reasons
-    if _util.kernel_dtype(spec, narrow=(_util.BF16, _util.F16)) == _util.F32:
-        reasons.append(
+    reasons, form = _util.linear_reasons(spec, "tokamax attention")
+    if form is not None and _util.kernel_dtype(spec, narrow=(_util.BF16, _util.F16)) == _util.F32:
+        reasons.insert(
+            0,
             "this attention keeps float32 precision; tokamax's kernels use the default "
-            "(TF32) matmul precision for float32: use 'pallas_gpu' or 'blockwise'"
+            "(TF32) matmul precision for float32: use 'pallas_gpu' or 'blockwise'",
         )
-    reasons += _util.linear_form(spec).reasons
     return reasons
 
 
@@ -80,16 +74,7 @@ class TokamaxKernel(Kernel):
             return ["the optional 'tokamax' package is not installed (pip install tokamax)"]
         return _reasons(spec)
 
-    def apply(
-        self,
-        spec: AttentionSpec,
-        q,
-        k,
-        v,
-        extras: Sequence = (),
-        *,
-        interpret: bool = False,
-    ):
+    def apply(self, spec: AttentionSpec, q, k, v, extras=(), *, interpret: bool = False):
         reasons = _reasons(spec)
         tokamax = compat.tokamax_module()
         if tokamax is None:

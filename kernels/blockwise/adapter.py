@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import jax
 
-from flashpass.spec import DESCRIPTORS, FLOAT_DTYPES, AttentionSpec
+from flashpass.spec import AttentionSpec
 
 from .. import _util
-from ..base import CheckContext, Kernel
+from ..base import CheckContext, PlainJaxKernel
 from .flash import attention
 from .heads import head_loop_pays, unit_spec
 from .plan import (
@@ -21,7 +21,7 @@ from .plan import (
 )
 
 
-class BlockwiseKernel(Kernel):
+class BlockwiseKernel(PlainJaxKernel):
     """Flash attention written with ``lax`` loops: every platform, any spec.
 
     ``block_q``/``block_k`` are maximum tile sizes, by default (None) chosen
@@ -31,16 +31,11 @@ class BlockwiseKernel(Kernel):
     ``block_k``) also sets the backward's tiles.  ``head_loop`` runs one
     (batch, kv head) unit at a time (see `HEAD_LOOP_BLOCK`); None (the
     default) does so on a single CPU device where `head_loop_pays`.  None of
-    these changes results beyond rounding.
+    these changes results beyond rounding.  Capabilities: every spec, as a
+    `PlainJaxKernel`.
     """
 
     name = "blockwise"
-    platforms = ("cpu", "gpu", "tpu")
-    dtypes = FLOAT_DTYPES
-    descriptors = frozenset(DESCRIPTORS)
-    grad = True
-    partitionable = True  # plain JAX
-    plain_jax = True
 
     def __init__(
         self,

@@ -430,7 +430,7 @@ REJECTED = {
     "mask_fill_not_excluding": (make_spec(ops=[_m_bad], extras=[_me_bad]), "fill"),
     "mask_fill_scaled_down": (
         make_spec(ops=[_m_scaled, Scale(0.125)], extras=[_me_scaled]),
-        "after later scales",
+        "after the ops that follow it",
     ),
     "causal_fill_not_excluding": (make_spec(ops=[Causal(0, -5.0)]), "fill"),
     "negative_causal_offset": (make_spec(ops=[Causal(-1, -1e9)]), "offset"),
@@ -443,6 +443,22 @@ REJECTED = {
     ),
     "missing_extra": (make_spec(ops=[Bias(0, (1, 1, 1, 128), F32)]), "extra #0"),
 }
+
+
+def test_fill_reasons_count_a_later_softcap():
+    """A soft-cap after a mask or causal mask turns any fill into about -cap.
+    The fill reasons used to count only later Scales: the spec was rejected for
+    its soft-cap, but the reasons claimed the fills still excluded keys."""
+    m, me = mask_op(0, (1, 1, 128, 128), fill=-1e9)
+    ops = [Scale(0.125), m, Causal(0, -1e9), Softcap(30.0)]
+    reasons = KERNEL.check(make_spec(ops=ops, extras=[me]), CPU_INTERPRET)
+    assert any("soft-capping" in r for r in reasons), reasons
+    assert any(r.startswith("mask fill -1000000000.0 ends as score -30 ") for r in reasons)
+    assert any(r.startswith("causal mask fill -1000000000.0 ends as score -30 ") for r in reasons)
+    # Applied after the soft-cap, the same fills exclude keys: only the soft-cap is in the way.
+    ops = [Scale(0.125), Softcap(30.0), m, Causal(0, -1e9)]
+    (reason,) = KERNEL.check(make_spec(ops=ops, extras=[me]), CPU_INTERPRET)
+    assert "soft-capping" in reason
 
 
 @pytest.mark.parametrize("name", list(REJECTED))
