@@ -18,33 +18,22 @@ The anchor is the softmax (found from its ``exp``).  From there:
 from __future__ import annotations
 
 import jax.numpy as jnp
-import numpy as np
 
 from flashpass.patterns import chain as chain_mod
 from flashpass.patterns.common import ESCAPE_HINT, Miss, profile, where
-from flashpass.patterns.masks import (
-    additive_select,
-    and_factors,
-    causal_offset,
-    excluding,
-    symbolic_causal_offset,
-)
-from flashpass.patterns.probabilities import KnownMask
 from flashpass.patterns.products import output_product, score_products
-from flashpass.patterns.softcap import fold_softcap
 from flashpass.patterns.softmax import match_softmax
 
 from . import errors
+from .builder import SiteBuilder
 from .graph import Const, Scope
 from .site import AttentionSite, ExtraSource, Layout, Operand
 from .spec import (
-    EXCLUDING_FILL,
     AttentionSpec,
     Bias,
-    Causal,
     ExtraSpec,
     Mask,
-    Scale,
+    excludes,
     fill_after,
 )
 
@@ -90,8 +79,9 @@ def match_site(scope: Scope, soft) -> AttentionSite | Miss:
     # Which dot output axis is the softmax axis?  Follow transposes forward.
     positions = list(range(len(scope.shape(dot.out))))
     for step in chain.steps:
-        if step.kind == "transpose":
-            positions = [positions[p] for p in step.data["perm"]]
+        perm = step.permutation()
+        if perm is not None:
+            positions = [positions[p] for p in perm]
     readings = score_products(scope, dot, positions[soft.axis])
     if not readings:
         return readings
@@ -107,83 +97,16 @@ def match_site(scope: Scope, soft) -> AttentionSite | Miss:
 
 def _build_site(scope: Scope, soft, chain, sp) -> AttentionSite | Miss:
     dot = chain.dot
-    roles = list(sp.roles)
-    nodes = {dot, *soft.nodes}
-    ops: list = []
-    extras: list = []
-    q_scales: list = []  # traced scalars folded into q: (atom, invert)
-    demote: dict = {}  # id(Causal op) -> how to express it as a literal mask/bias instead
-    tanh = object()
+    nodes = {dot, *soft.nodes, *(step.node for step in chain.steps)}
     q_shape, k_shape = scope.shape(sp.q), scope.shape(sp.k)
     sizes = {r: q_shape[a] for r, a in sp.q_axes.items() if r != "D"}
     sizes["S"] = k_shape[sp.k_axes["S"]]
     layout = Layout(sizes)
-
-    def add_extra(prof, transform, dtype):
-        axes = {roles[t]: prof.axes[t] for t in range(len(roles))}
-        extras.append(ExtraSource(prof.base, axes, transform, dtype))
-        shape4 = layout.extra_shape({r: a is not None for r, a in axes.items()})
-        return len(extras) - 1, shape4
-
-    for step in chain.steps:
-        nodes.add(step.node)
-        if step.kind == "transpose":
-            roles = [roles[p] for p in step.data["perm"]]
-        elif step.kind == "scale":
-            ops.append(Scale(step.data["value"]))
-        elif step.kind == "traced_scale":
-            if any(not isinstance(op, Scale) for op in ops):
-                return Miss(
-                    f"scores scaled by a traced value after a bias or mask{where(step.node)}",
-                    step.node,
-                )
-            q_scales.append((step.data["atom"], step.data["invert"]))
-        elif step.kind == "tanh":
-            ops.append(tanh)
-        elif step.kind == "mask" or (step.kind == "bias" and _as_mask(scope, step, roles)):
-            if step.kind == "bias":
-                pred, keep_when, fill = _as_mask(scope, step, roles)
-            else:
-                pred, keep_when, fill = (step.data[k] for k in ("profile", "keep_when", "fill"))
-            for factor in and_factors(scope, pred):
-                causal = _folded_causal(scope, factor, roles, keep_when=keep_when, fill=fill)
-                if causal == "all":
-                    continue  # keeps every score: no-op
-                if isinstance(causal, Causal):
-                    ops.append(causal)
-                    demote[id(causal)] = ("mask", factor, keep_when, fill, tuple(roles))
-                    continue
-                index, shape4 = add_extra(factor, None if keep_when else "not", np.bool_)
-                ops.append(Mask(index, shape4, fill))
-        elif step.kind == "bias":
-            prof, sign = step.data["profile"], step.data["sign"]
-            causal = _folded_causal(scope, prof, roles, additive=True, sign=sign)
-            if isinstance(causal, Causal):
-                ops.append(causal)
-                demote[id(causal)] = ("bias", prof, sign)
-                continue
-            dtype = scope.dtype(prof.base)
-            if not jnp.issubdtype(dtype, jnp.floating):
-                return Miss(f"scores biased by a {dtype} tensor{where(step.node)}", step.node)
-            index, shape4 = add_extra(prof, "neg" if sign < 0 else None, dtype)
-            ops.append(Bias(index, shape4, dtype))
-    ops = fold_softcap(ops, tanh)
-    if isinstance(ops, str):
-        return Miss(ops + where(dot), dot)
-    # A causal op may be skipped by kernels only if its fill still excludes keys
-    # after the ops that follow it (a later scale or soft-cap can undo that).
-    for i, op in enumerate(ops):
-        if isinstance(op, Causal) and not excluding(fill_after(op.fill, ops[i + 1 :])):
-            kind, prof, *rest = demote[id(op)]
-            if kind == "bias":
-                index, shape4 = add_extra(
-                    prof, "neg" if rest[0] < 0 else None, scope.dtype(prof.base)
-                )
-                ops[i] = Bias(index, shape4, scope.dtype(prof.base))
-            else:
-                keep_when, fill, _ = rest
-                index, shape4 = add_extra(prof, None if keep_when else "not", np.bool_)
-                ops[i] = Mask(index, shape4, fill)
+    build = SiteBuilder(scope, sp.roles, layout)
+    problem = build.build_ops(chain.steps)
+    if problem is not None:
+        return problem
+    ops, extras, roles = build.ops, build.extras, build.roles
 
     if roles[soft.axis] != "S":
         return Miss(
@@ -192,7 +115,7 @@ def _build_site(scope: Scope, soft, chain, sp) -> AttentionSite | Miss:
             soft.exp,
         )
     ignore = frozenset() if soft.deferred is None else {scope.producer(soft.deferred)}
-    known = _known_masks(scope, ops, extras, demote)
+    known = build.known_masks()
     out = output_product(scope, soft.out, roles, ignore, known)
     if not out:
         return out
@@ -213,7 +136,7 @@ def _build_site(scope: Scope, soft, chain, sp) -> AttentionSite | Miss:
         else:  # "row_any": zero the rows a Mask op masks entirely
             (index,) = data
             mask = next(op for op in ops if isinstance(op, Mask) and op.index == index)
-            if not excluding(fill_after(mask.fill, ops[ops.index(mask) + 1 :])):
+            if not excludes(fill_after(mask.fill, ops[ops.index(mask) + 1 :])):
                 return Miss(
                     f"probabilities re-masked after a non-excluding mask{where(root)}", root
                 )
@@ -265,7 +188,7 @@ def _build_site(scope: Scope, soft, chain, sp) -> AttentionSite | Miss:
         extras=tuple(extras),
         layout=layout,
         out_roles=tuple(out.roles),
-        q_scales=tuple(q_scales),
+        q_scales=tuple(build.q_scales),
         post_ops=tuple(post),
         spec=spec,
         pattern="softmax(QKᵀ)V" + (f" [{', '.join(pieces)}]" if pieces else ""),
@@ -292,44 +215,6 @@ def _deferred_division(scope: Scope, pv, total, score_roles: list, out_roles: li
     helpers = scope.backward_cone([div.ins[1]], stop={scope.producer(total)})
     helpers.discard(scope.producer(total))
     return div, {div, *helpers}
-
-
-def _as_mask(scope: Scope, step, roles):
-    """A bias step that is a *constant* additive mask ``select(pred, 0, -huge)``
-    (Hugging Face's causal attention bias), as (pred Profile, keep_when, fill).
-
-    Only constant masks whose factors are causal: every row then keeps a key, so
-    ``s + fill`` and ``where(pred, s, fill)`` agree in value *and* gradient.  A
-    data-dependent (padding) bias stays a `Bias`: for a fully padded row the
-    original's gradient flows through ``s + fill``, which a mask would not do.
-    """
-    if step.data["sign"] < 0:
-        return None
-    found = additive_select(scope, step.data["profile"])
-    if found is None:
-        return None
-    pred, keep_when, fill = found
-    for factor in and_factors(scope, pred):
-        kind = _folded_causal(scope, factor, roles, keep_when=keep_when, fill=fill)
-        if kind != "all" and not isinstance(kind, Causal):
-            return None
-    return found
-
-
-def _known_masks(scope: Scope, ops: list, extras: list, demote: dict) -> list:
-    """Masks applied to the scores, for recognising them again on the probabilities."""
-    known = []
-    for op in ops:
-        if isinstance(op, Mask):
-            src = extras[op.index]
-            axes = tuple(sorted(((r, a) for r, a in src.axes.items() if a is not None), key=str))
-            known.append(KnownMask(scope.resolve(src.atom), axes, src.transform != "not", op.index))
-        elif isinstance(op, Causal) and demote.get(id(op), ("bias",))[0] == "mask":
-            _, prof, keep_when, _, roles = demote[id(op)]
-            pairs = ((roles[t], a) for t, a in enumerate(prof.axes) if a is not None)
-            axes = tuple(sorted(pairs, key=str))
-            known.append(KnownMask(scope.resolve(prof.base), axes, keep_when, None))
-    return known
 
 
 def _role_name(role) -> str:
@@ -365,48 +250,6 @@ def _check_closed(scope: Scope, dot, root, nodes: set) -> Miss | None:
                         node,
                     )
     return None
-
-
-def _folded_causal(scope, prof, roles, *, keep_when=True, fill=None, additive=False, sign=1):
-    """Classify a constant mask/bias: a `Causal` op, "all" (keeps everything) or None."""
-    if not additive and fill is not None and excluding(fill):
-        offset = symbolic_causal_offset(scope, prof, roles, keep_when)
-        if offset is not None:
-            return Causal(offset, fill)
-    base = scope.fold(prof.base)
-    if base is None:
-        return None
-    role_axes = {roles[t]: prof.axes[t] for t in range(len(roles))}
-    if role_axes.get("T") is None or role_axes.get("S") is None:
-        if additive or not np.all(np.asarray(base) == keep_when):
-            return None
-        return "all"
-    t_axis, s_axis = role_axes["T"], role_axes["S"]
-    arr = np.asarray(base)
-    others = [a for a in range(arr.ndim) if a not in (t_axis, s_axis)]
-    arr = np.transpose(arr, [*others, t_axis, s_axis])
-    arr = arr.reshape(-1, arr.shape[-2], arr.shape[-1])
-    if not np.all(arr == arr[:1]):
-        return None
-    mat = arr[0]
-    if additive:
-        mat = mat * sign
-        keep = mat == 0
-        masked = mat[~keep]
-        if masked.size == 0 or not np.all(masked <= EXCLUDING_FILL):
-            return None
-        fill_value = float(masked.max())
-    else:
-        keep = mat == keep_when
-        if keep.all():
-            return "all"
-        fill_value = fill
-        if fill_value is None or not excluding(fill_value):
-            return None
-    offset = causal_offset(keep)
-    if offset is None:
-        return None
-    return Causal(offset, fill_value)
 
 
 __all__ = ["find_sites", "match_site", "Const"]

@@ -10,8 +10,9 @@ Whether a constant additive mask is causal is decided later, by value
 
 from __future__ import annotations
 
-from .chain import Step, rule
+from .chain import rule
 from .common import profile
+from .masks import BiasStep
 
 
 def _bias_readings(scope, node, pairs, sign):
@@ -23,7 +24,7 @@ def _bias_readings(scope, node, pairs, sign):
         prof = profile(scope, side, shape)
         # Prefer the reading whose side operand broadcasts (is "smaller").
         rank = 0 if any(a is None for a in prof.axes) or scope.fold(prof.base) is not None else 1
-        readings.append((rank, Step(node, "bias", chain, {"profile": prof, "sign": sign})))
+        readings.append((rank, BiasStep(node, chain, prof, sign)))
     return [s for _, s in sorted(readings, key=lambda r: r[0])]
 
 

@@ -20,22 +20,30 @@ from .common import Miss, where
 
 @dataclasses.dataclass
 class Step:
-    """One recognised equation of the score chain.
+    """One recognised equation of the score chain (a typed piece).
 
-    ``kind`` is one of "cast", "transpose", "scale", "bias", "mask", "tanh",
-    "identity"; ``chain_in`` the operand carrying the scores; ``data`` the
-    kind-specific payload (a scale value, a side-operand `Profile`, a fill...).
+    Each piece module defines its own subclasses with typed fields (a scale
+    value, a side-operand `Profile`, a fill...).  ``chain_in`` is the operand
+    carrying the scores.  The site builder (flashpass/builder.py) is a loop:
+    it calls every step's `apply`, which adds the step's score ops, extras or
+    axis permutation to the site being built, or returns a `Miss`.
     """
 
     node: Node
-    kind: str
     chain_in: object
-    data: dict = dataclasses.field(default_factory=dict)
 
     @property
     def side(self) -> list:
         """Side operands (must not depend on the scores)."""
         return [a for a in self.node.ins if a is not self.chain_in]
+
+    def permutation(self) -> tuple | None:
+        """The axis permutation this step applies to the scores, if any."""
+        return None
+
+    def apply(self, build) -> Miss | None:
+        """Add this step to ``build`` (a `flashpass.builder.SiteBuilder`)."""
+        return None
 
 
 Rule = Callable[[Scope, Node, object], "list[Step] | Miss"]

@@ -7,6 +7,8 @@ computes; casts fix the softmax dtype, transposes move axis roles.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax.numpy as jnp
 import numpy as np
 
@@ -14,19 +16,44 @@ from .chain import Step, rule
 from .common import Miss, where
 
 
+@dataclasses.dataclass
+class Cast(Step):
+    """A float-to-float cast: fixes the softmax dtype, no score op."""
+
+    dtype: np.dtype
+
+
+@dataclasses.dataclass
+class Transpose(Step):
+    """A permutation of the score axes: moves axis roles."""
+
+    perm: tuple
+
+    def permutation(self) -> tuple:
+        return self.perm
+
+    def apply(self, build) -> None:
+        build.permute(self.perm)
+
+
+@dataclasses.dataclass
+class Identity(Step):
+    """A value-preserving copy."""
+
+
 @rule("convert_element_type")
 def _cast(scope, node, out):
     src, dst = scope.dtype(node.ins[0]), np.dtype(node.params["new_dtype"])
     if not (jnp.issubdtype(src, jnp.floating) and jnp.issubdtype(dst, jnp.floating)):
         return Miss(f"scores converted from {src} to {dst}{where(node)}", node)
-    return [Step(node, "cast", node.ins[0], {"dtype": dst})]
+    return [Cast(node, node.ins[0], dst)]
 
 
 @rule("transpose")
 def _transpose(scope, node, out):
-    return [Step(node, "transpose", node.ins[0], {"perm": tuple(node.params["permutation"])})]
+    return [Transpose(node, node.ins[0], tuple(node.params["permutation"]))]
 
 
 @rule("copy", "copy_p")
 def _copy(scope, node, out):
-    return [Step(node, "identity", node.ins[0])]
+    return [Identity(node, node.ins[0])]

@@ -13,12 +13,156 @@
 
 from __future__ import annotations
 
+import dataclasses
+
+import jax.numpy as jnp
 import numpy as np
 
-from flashpass.spec import EXCLUDING_FILL
+from flashpass.spec import EXCLUDING_FILL, Bias, Causal, Mask, excludes
 
 from .chain import Step, rule
-from .common import Miss, profile, scalar_value, where
+from .common import Miss, Profile, profile, scalar_value, where
+
+
+@dataclasses.dataclass
+class MaskStep(Step):
+    """``where(pred, s, fill)`` with a scalar ``fill``; ``keep_when`` is the
+    value of ``pred`` that keeps the scores."""
+
+    profile: Profile
+    keep_when: bool
+    fill: float
+
+    def apply(self, build) -> None:
+        add_mask(build, self.profile, self.keep_when, self.fill)
+
+
+@dataclasses.dataclass
+class BiasStep(Step):
+    """``s + bias`` (``sign`` +1) or ``s - bias`` (-1)."""
+
+    profile: Profile
+    sign: int
+
+    def apply(self, build) -> Miss | None:
+        scope = build.scope
+        found = additive_mask(scope, self.profile, self.sign, build.roles)
+        if found is not None:
+            add_mask(build, *found)
+            return None
+        prof, sign = self.profile, self.sign
+        causal = classify(scope, prof, build.roles, additive=True, sign=sign)
+        if isinstance(causal, Causal):
+            build.add_causal(causal, CausalSource("bias", prof, sign=sign))
+            return None
+        dtype = scope.dtype(prof.base)
+        if not jnp.issubdtype(dtype, jnp.floating):
+            return Miss(f"scores biased by a {dtype} tensor{where(self.node)}", self.node)
+        index, shape4 = build.add_extra(prof, "neg" if sign < 0 else None, dtype)
+        build.ops.append(Bias(index, shape4, dtype))
+        return None
+
+
+@dataclasses.dataclass(frozen=True)
+class CausalSource:
+    """Where a `Causal` op came from, to express it as the literal mask or bias
+    it was written as when a later op undoes its exclusion (see builder.py)."""
+
+    kind: str  # "mask" or "bias"
+    profile: Profile
+    keep_when: bool = True
+    fill: float | None = None
+    sign: int = 1
+    roles: tuple = ()
+
+    def literal(self, build):
+        """The `Mask` or `Bias` op (and its extra) equal to the causal op."""
+        scope, prof = build.scope, self.profile
+        if self.kind == "bias":
+            dtype = scope.dtype(prof.base)
+            index, shape4 = build.add_extra(prof, "neg" if self.sign < 0 else None, dtype)
+            return Bias(index, shape4, dtype)
+        index, shape4 = build.add_extra(prof, None if self.keep_when else "not", np.bool_)
+        return Mask(index, shape4, self.fill)
+
+
+def add_mask(build, pred: Profile, keep_when: bool, fill: float) -> None:
+    """One score op per factor of ``pred``: `Causal` when the factor is a
+    constant causal mask, nothing when it keeps everything, else a `Mask`."""
+    for factor in and_factors(build.scope, pred):
+        causal = classify(build.scope, factor, build.roles, keep_when=keep_when, fill=fill)
+        if causal == "all":
+            continue  # keeps every score: no-op
+        if isinstance(causal, Causal):
+            source = CausalSource("mask", factor, keep_when, fill, roles=tuple(build.roles))
+            build.add_causal(causal, source)
+            continue
+        index, shape4 = build.add_extra(factor, None if keep_when else "not", np.bool_)
+        build.ops.append(Mask(index, shape4, fill))
+
+
+def additive_mask(scope, prof: Profile, sign: int, roles):
+    """A bias that is a *constant* additive mask ``select(pred, 0, -huge)``
+    (Hugging Face's causal attention bias), as (pred Profile, keep_when, fill).
+
+    Only constant masks whose factors are causal: every row then keeps a key, so
+    ``s + fill`` and ``where(pred, s, fill)`` agree in value *and* gradient.  A
+    data-dependent (padding) bias stays a `Bias`: for a fully padded row the
+    original's gradient flows through ``s + fill``, which a mask would not do.
+    """
+    if sign < 0:
+        return None
+    found = additive_select(scope, prof)
+    if found is None:
+        return None
+    pred, keep_when, fill = found
+    for factor in and_factors(scope, pred):
+        kind = classify(scope, factor, roles, keep_when=keep_when, fill=fill)
+        if kind != "all" and not isinstance(kind, Causal):
+            return None
+    return found
+
+
+def classify(scope, prof, roles, *, keep_when=True, fill=None, additive=False, sign=1):
+    """Classify a constant mask/bias: a `Causal` op, "all" (keeps everything) or None."""
+    if not additive and fill is not None and excludes(fill):
+        offset = symbolic_causal_offset(scope, prof, roles, keep_when)
+        if offset is not None:
+            return Causal(offset, fill)
+    base = scope.fold(prof.base)
+    if base is None:
+        return None
+    role_axes = {roles[t]: prof.axes[t] for t in range(len(roles))}
+    if role_axes.get("T") is None or role_axes.get("S") is None:
+        if additive or not np.all(np.asarray(base) == keep_when):
+            return None
+        return "all"
+    t_axis, s_axis = role_axes["T"], role_axes["S"]
+    arr = np.asarray(base)
+    others = [a for a in range(arr.ndim) if a not in (t_axis, s_axis)]
+    arr = np.transpose(arr, [*others, t_axis, s_axis])
+    arr = arr.reshape(-1, arr.shape[-2], arr.shape[-1])
+    if not np.all(arr == arr[:1]):
+        return None
+    mat = arr[0]
+    if additive:
+        mat = mat * sign
+        keep = mat == 0
+        masked = mat[~keep]
+        if masked.size == 0 or not np.all(masked <= EXCLUDING_FILL):
+            return None
+        fill_value = float(masked.max())
+    else:
+        keep = mat == keep_when
+        if keep.all():
+            return "all"
+        fill_value = fill
+        if fill_value is None or not excludes(fill_value):
+            return None
+    offset = causal_offset(keep)
+    if offset is None:
+        return None
+    return Causal(offset, fill_value)
 
 
 @rule("select_n")
@@ -36,19 +180,8 @@ def _select(scope, node, out):
         fill = scalar_value(scope, fill_prof.base)
         if fill is None:
             return Miss(f"masked scores are filled with a traced value{where(node)}", node)
-        readings.append(
-            Step(
-                node,
-                "mask",
-                chain,
-                {
-                    "profile": profile(scope, pred, shape),
-                    "fill": fill,
-                    # select_n picks cases[pred]: the scores survive where pred == chain_pos.
-                    "keep_when": bool(chain_pos),
-                },
-            )
-        )
+        # select_n picks cases[pred]: the scores survive where pred == chain_pos.
+        readings.append(MaskStep(node, chain, profile(scope, pred, shape), bool(chain_pos), fill))
     if not readings:
         return Miss(f"masked scores are filled with a non-scalar value{where(node)}", node)
     return readings
@@ -129,11 +262,6 @@ def causal_offset(keep: np.ndarray) -> int | None:
         return None
     expect = np.arange(s)[None, :] <= (np.arange(t)[:, None] + offset)
     return offset if np.array_equal(keep, expect) else None
-
-
-def excluding(fill: float) -> bool:
-    """Whether masked keys get exactly zero weight (see flashpass.spec.EXCLUDING_FILL)."""
-    return fill <= EXCLUDING_FILL
 
 
 # --------------------------------------------------------------------------- symbolic masks

@@ -10,8 +10,39 @@ before any bias or mask.
 
 from __future__ import annotations
 
+import dataclasses
+
+from flashpass.spec import Scale
+
 from .chain import Step, rule
 from .common import Miss, profile, scalar_value, where
+
+
+@dataclasses.dataclass
+class ConstantScale(Step):
+    """``s * value`` with a constant ``value``."""
+
+    value: float
+
+    def apply(self, build) -> None:
+        build.ops.append(Scale(self.value))
+
+
+@dataclasses.dataclass
+class TracedScale(Step):
+    """``s * t`` (or ``s / t``) with a traced scalar ``t``: folded into q."""
+
+    atom: object
+    invert: bool
+
+    def apply(self, build) -> Miss | None:
+        if any(not isinstance(op, Scale) for op in build.ops):
+            return Miss(
+                f"scores scaled by a traced value after a bias or mask{where(self.node)}",
+                self.node,
+            )
+        build.q_scales.append((self.atom, self.invert))
+        return None
 
 
 def _scale_reading(scope, node, chain, side, invert):
@@ -20,10 +51,10 @@ def _scale_reading(scope, node, chain, side, invert):
         return None
     value = scalar_value(scope, prof.base)
     if value is None:  # a traced scalar: folded into q by the site
-        return Step(node, "traced_scale", chain, {"atom": prof.base, "invert": invert})
+        return TracedScale(node, chain, prof.base, invert)
     if value == 0.0 or value != value:
         return Miss(f"scores scaled by {value}{where(node)}", node)
-    return Step(node, "scale", chain, {"value": 1.0 / value if invert else value})
+    return ConstantScale(node, chain, 1.0 / value if invert else value)
 
 
 @rule("mul")

@@ -6,15 +6,28 @@ triple into one `Softcap(c)` op.  A ``tanh`` in any other position is a miss.
 
 from __future__ import annotations
 
+import dataclasses
+
 from .chain import Step, rule
+
+#: Placeholder score op for a ``tanh`` until `fold_softcap` pairs it with its scales.
+TANH = object()
+
+
+@dataclasses.dataclass
+class Tanh(Step):
+    """``tanh(s)``: the middle of a soft-cap ``c * tanh(s / c)``."""
+
+    def apply(self, build) -> None:
+        build.ops.append(TANH)
 
 
 @rule("tanh")
 def _tanh(scope, node, out):
-    return [Step(node, "tanh", node.ins[0])]
+    return [Tanh(node, node.ins[0])]
 
 
-def fold_softcap(ops: list, tanh_marker) -> list | str:
+def fold_softcap(ops: list, tanh_marker=TANH) -> list | str:
     """Replace ``[Scale(1/c), tanh, Scale(c)]`` by ``Softcap(c)``; a reason on failure."""
     from flashpass.spec import Scale, Softcap
 
