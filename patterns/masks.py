@@ -86,9 +86,25 @@ class CausalSource:
         return Mask(index, shape4, self.fill)
 
 
+#: Structured-mask recognisers, tried in order on each mask factor that is not
+#: a constant causal mask: ``recognise(build, factor, keep_when, fill)``
+#: returns True after adding its descriptor op(s) to ``build`` (a window, kv
+#: lengths, segment ids...), or False to leave the factor to the next one and,
+#: last, to a dense `Mask`.  A recogniser must prove its descriptor equals the
+#: factor for every index (by value or symbolically), never assume it.
+MASK_RECOGNISERS: list = []
+
+
+def mask_recogniser(fn):
+    """Register a structured-mask recogniser (see `MASK_RECOGNISERS`)."""
+    MASK_RECOGNISERS.append(fn)
+    return fn
+
+
 def add_mask(build, pred: Profile, keep_when: bool, fill: float) -> None:
     """One score op per factor of ``pred``: `Causal` when the factor is a
-    constant causal mask, nothing when it keeps everything, else a `Mask`."""
+    constant causal mask, nothing when it keeps everything, a descriptor when a
+    registered recogniser proves one, else a dense `Mask`."""
     for factor in and_factors(build.scope, pred):
         causal = classify(build.scope, factor, build.roles, keep_when=keep_when, fill=fill)
         if causal == "all":
@@ -96,6 +112,8 @@ def add_mask(build, pred: Profile, keep_when: bool, fill: float) -> None:
         if isinstance(causal, Causal):
             source = CausalSource("mask", factor, keep_when, fill, roles=tuple(build.roles))
             build.add_causal(causal, source)
+            continue
+        if any(recognise(build, factor, keep_when, fill) for recognise in MASK_RECOGNISERS):
             continue
         index, shape4 = build.add_extra(factor, None if keep_when else "not", np.bool_)
         build.ops.append(Mask(index, shape4, fill))
