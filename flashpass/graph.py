@@ -28,6 +28,11 @@ from . import compat
 #: Calls whose bodies are inlined into the enclosing scope's view.
 TRANSPARENT_CALLS = frozenset({"jit", "pjit", "closed_call", "core_call"})
 
+#: Name prefix of the kernel calls the pass emits (a ``jit`` named
+#: ``flashpass_<kernel>``, see rewrite.py).  They are opaque: never inlined,
+#: never matched again, so the pass is idempotent.
+KERNEL_PREFIX = "flashpass_"
+
 #: Largest intermediate (in elements) constant folding will materialise.
 FOLD_LIMIT = 1 << 27
 
@@ -132,7 +137,12 @@ class Scope:
         for i, eqn in enumerate(jaxpr.eqns):
             path = (*inst, i)
             ins = [self.resolve(self._atom(inst, a)) for a in eqn.invars]
-            if eqn.primitive.name in TRANSPARENT_CALLS and "jaxpr" in eqn.params:
+            kernel_call = is_kernel_call(eqn)
+            if (
+                not kernel_call
+                and eqn.primitive.name in TRANSPARENT_CALLS
+                and "jaxpr" in eqn.params
+            ):
                 self._inline(eqn, path, ins, calls, call_eqns)
                 continue
             outs = [None if compat.is_drop_var(v) else self._key(inst, v) for v in eqn.outvars]
@@ -144,7 +154,8 @@ class Scope:
             for o in outs:
                 if o is not None:
                     self._producer[o] = node
-            self._collect_children(node)
+            if not kernel_call:
+                self._collect_children(node)
 
     def _inline(self, eqn, path: Path, ins: list, calls: tuple, call_eqns: tuple) -> None:
         body, consts = compat.closed_parts(eqn.params["jaxpr"])
@@ -274,6 +285,12 @@ class Scope:
             if o is not None:
                 self._fold_cache[o] = np.asarray(value)
         return self._fold_cache[key]
+
+
+def is_kernel_call(eqn) -> bool:
+    """Whether ``eqn`` is a kernel call the pass emitted (`KERNEL_PREFIX`)."""
+    name = eqn.params.get("name")
+    return isinstance(name, str) and name.startswith(KERNEL_PREFIX)
 
 
 def build_scopes(closed) -> list[Scope]:

@@ -24,10 +24,9 @@ import functools
 
 import jax
 
-from . import compat, sharding
-from .graph import Const, Scope
+from . import compat, errors, sharding
+from .graph import KERNEL_PREFIX, Const, Scope
 
-KERNEL_PREFIX = "flashpass_"
 _MISSING = object()
 
 
@@ -92,21 +91,14 @@ def rewrite(closed, plan: Plan, prefix: tuple = ()):
     """The rewritten version of ``closed`` (the jaxpr at ``prefix``)."""
     scope = plan.scopes[prefix]
     jaxpr, consts = compat.closed_parts(closed)
+    # Re-traced on the inputs' own types: shardings and, inside a user's
+    # shard_map, varying manual axes included.
     avals = [v.aval for v in jaxpr.invars]
-    structs = [
-        jax.ShapeDtypeStruct(
-            a.shape,
-            a.dtype,
-            weak_type=getattr(a, "weak_type", False),
-            sharding=compat.traced_sharding(a),
-        )
-        for a in avals
-    ]
 
     def run(*args):
         return _Evaluator(plan, scope).run(jaxpr, consts, args, prefix)
 
-    new = jax.make_jaxpr(run)(*structs)
+    new = jax.make_jaxpr(run)(*avals)
     return compat.dce_closed_jaxpr(new)
 
 
@@ -216,5 +208,7 @@ def _rewrite_body(eqn, name: str, item, plan: Plan, prefix: tuple):
         except ValueError as err:
             raise RewriteError(str(err)) from None
     except Exception as err:  # keep the original body: its sites fall back
-        plan.failed[prefix] = f"{type(err).__name__}: {err}"
+        if errors.strict():
+            raise
+        plan.failed[prefix] = errors.describe(err)
         return item

@@ -47,7 +47,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from flashpass.spec import Bias, Mask
 
-from . import compat
+from . import compat, errors
 from .graph import Const
 from .site import AttentionSite, Layout
 
@@ -410,5 +410,7 @@ def rebind_shard_map(eqn, invals, plan, prefix: tuple, run_body) -> list:
         with compat.equation_context(eqn):
             return list(fn(*invals))
     except Exception as err:  # keep the body as written: its sites fall back
-        plan.failed[prefix] = f"{type(err).__name__}: {err}"
+        if errors.strict():
+            raise
+        plan.failed[prefix] = errors.describe(err)
         return compat.bind_equation(eqn, invals)
