@@ -27,7 +27,7 @@ import numpy as np
 
 from flashpass.kernels import CheckContext
 
-from . import errors
+from . import errors, sharding
 from .graph import build_scopes
 from .match import find_sites
 from .report import Fallback, InternalError, Report, Rewrite
@@ -115,13 +115,23 @@ def run_pass(
     if not planned:
         return closed, _logged(report)
 
-    try:
-        plan = Plan(planned, scopes)  # stage 5: sharding, skip/inline sets
+    try:  # stage 5: how sharded sites run per shard; those that cannot are kept
+        shards, kept = sharding.plan_sites(planned, {s.prefix: s for s in scopes})
     except Exception as err:
         if errors.strict():
             raise
         _internal(report, planned, where_is, "plan", errors.describe(err))
         return closed, _logged(report)
+    for p in planned:
+        reason = kept.get(p.site.root.path)
+        if reason is not None:
+            report.fallbacks.append(
+                Fallback(p.site.location, reason, where_is[p.site.scope_prefix], p.site.pattern)
+            )
+    planned = [p for p in planned if p.site.root.path not in kept]
+    if not planned:
+        return closed, _logged(report)
+    plan = Plan(planned, scopes, shards)
 
     try:
         rewritten = rewrite(closed, plan)  # stage 6
@@ -133,10 +143,6 @@ def run_pass(
 
     for p in planned:  # stage 7: the report
         scope_name = where_is[p.site.scope_prefix]
-        kept = plan.kept.get(p.site.root.path)  # cannot run per shard (sharding.py)
-        if kept is not None:
-            report.fallbacks.append(Fallback(p.site.location, kept, scope_name, p.site.pattern))
-            continue
         failure = _failure_for(plan, p.site.scope_prefix)
         if failure is not None:
             report.errors.append(
@@ -198,12 +204,14 @@ def _failure_for(plan: Plan, prefix: tuple) -> str | None:
 
 
 def _rewrite_entry(p: PlannedSite, scope_name: str) -> Rewrite:
-    from flashpass.spec import Bias, Causal, Mask
+    from flashpass.spec import Bias, Causal, KvLengths, Mask
 
     spec = p.site.spec
     kinds = []
     if spec.ops_of(Causal):
         kinds.append("causal")
+    if spec.ops_of(KvLengths):
+        kinds.append("kv_lengths")
     if spec.ops_of(Mask):
         kinds.append("boolean")
     return Rewrite(

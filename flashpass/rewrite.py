@@ -20,12 +20,12 @@ yields the rewritten ``ClosedJaxpr``.
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
 
 from . import compat, errors, sharding
-from .graph import KERNEL_PREFIX, Const, Scope
+from .calls import KERNEL_PREFIX, kernel_call
+from .graph import Const, Scope
 
 _MISSING = object()
 
@@ -45,12 +45,11 @@ class RewriteError(Exception):
 class Plan:
     """Which equations to skip, replace and inline, per global path."""
 
-    def __init__(self, planned: list[PlannedSite], scopes: list[Scope]):
+    def __init__(self, planned: list[PlannedSite], scopes: list[Scope], shards: dict):
+        """``planned``: the sites to rewrite; ``shards``: root path -> how a
+        sharded site runs per shard (`sharding.plan_sites`, the stage before)."""
         self.scopes = {s.prefix: s for s in scopes}
-        # Sharded operands: root path -> how the site runs per shard; sites that
-        # cannot run per shard are kept as written: root path -> reason.
-        self.shards, self.kept = sharding.plan_sites(planned, self.scopes)
-        self.planned = planned = [p for p in planned if p.site.root.path not in self.kept]
+        self.shards = shards
         self.by_root = {p.site.root.path: p for p in planned}
         self.skip = set()
         self.inline = set()
@@ -70,21 +69,6 @@ class Plan:
     def touches(self, prefix: tuple) -> bool:
         n = len(prefix)
         return any(sp[:n] == prefix for sp in self.site_prefixes)
-
-
-@functools.lru_cache(maxsize=256)
-def kernel_call(kernel, spec, interpret: bool):
-    """A jitted, named call of ``kernel`` for ``spec``: ``flashpass_<name>``.
-
-    Cached, so identical sites (every layer of a model) share one ``jit`` and
-    its trace cache: the kernel is traced once, not once per layer.
-    """
-
-    def call(q, k, v, *extras):
-        return kernel.apply(spec, q, k, v, extras, interpret=interpret)
-
-    call.__name__ = call.__qualname__ = f"{KERNEL_PREFIX}{kernel.name}"
-    return jax.jit(call)
 
 
 def rewrite(closed, plan: Plan, prefix: tuple = ()):

@@ -16,7 +16,7 @@ import jax
 from flashpass.kernels import CheckContext, Kernel, default_order, get_kernel, kernel_names
 
 from . import compat
-from .rewrite import kernel_call
+from .calls import kernel_call
 
 #: (kernel name, id(kernel), spec, interpret, platform) -> error string or None
 _PROBES: collections.OrderedDict = collections.OrderedDict()

@@ -31,8 +31,7 @@ import pytest
 from jax import lax
 
 import flashpass
-from flashpass import rewrite as rewrite_mod
-from flashpass import select
+from flashpass import calls, select
 
 N_SIGNATURES = 1000
 
@@ -169,7 +168,7 @@ def test_module_level_caches_are_bounded(monkeypatch):
         q = np.zeros((1, 2, t, 4), np.float32)
         assert len(opt.explain(q, *QKV[1:], _signature(1)).rewrites) == 1
         assert len(select._PROBES) <= 8
-    info = rewrite_mod.kernel_call.cache_info()
+    info = calls.kernel_call.cache_info()
     assert info.maxsize is not None and info.currsize <= info.maxsize
 
 
