@@ -156,7 +156,8 @@ def run_pass(
                 )
             )
             continue
-        report.rewrites.append(_rewrite_entry(p, scope_name))
+        shard = shards.get(p.site.root.path)
+        report.rewrites.append(_rewrite_entry(p, scope_name, ring=bool(shard and shard.ring)))
     return rewritten, _logged(report)
 
 
@@ -203,7 +204,7 @@ def _failure_for(plan: Plan, prefix: tuple) -> str | None:
     return None
 
 
-def _rewrite_entry(p: PlannedSite, scope_name: str) -> Rewrite:
+def _rewrite_entry(p: PlannedSite, scope_name: str, ring: bool = False) -> Rewrite:
     from flashpass.spec import Bias, Causal, KvLengths, Mask
 
     spec = p.site.spec
@@ -216,7 +217,7 @@ def _rewrite_entry(p: PlannedSite, scope_name: str) -> Rewrite:
         kinds.append("boolean")
     return Rewrite(
         pattern=p.site.pattern,
-        kernel=p.kernel.name,
+        kernel="ring" if ring else p.kernel.name,  # a sequence-sharded site (ring.py)
         location=p.site.location,
         q_shape=p.site.q.shape,
         k_shape=p.site.k.shape,

@@ -47,7 +47,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from flashpass.spec import Bias, Mask
 
-from . import compat, errors
+from . import compat, errors, ring
 from .graph import Const
 from .site import AttentionSite, Layout
 
@@ -69,6 +69,8 @@ class ShardPlan:
     in_specs: tuple
     out_spec: PartitionSpec
     root_spec: PartitionSpec | None  # the original output's spec, when it differs
+    ring: tuple | None = None  # mesh axes of a sharded sequence: run as a ring (ring.py)
+    site: AttentionSite | None = None  # the site as planned (k/v read before a gather)
 
     @property
     def axis_names(self) -> frozenset:
@@ -88,12 +90,37 @@ def plan_sites(planned, scopes: dict) -> tuple[dict, dict]:
     shards, kept = {}, {}
     for p in planned:
         scope = scopes[p.site.scope_prefix]
-        result = analyze(p.site, p.kernel, scope.aval)
+        result = analyze(_before_gather(p.site, scope), p.kernel, scope.aval)
         if isinstance(result, str):
             kept[p.site.root.path] = result
         elif result is not None:
             shards[p.site.root.path] = result
     return shards, kept
+
+
+def _before_gather(site: AttentionSite, scope) -> AttentionSite:
+    """With Explicit mesh axes, code attending a sequence-sharded q to k/v
+    must gather k and v itself (``jax.sharding.reshard(k, P())``): read them
+    from before that gather, so the site sees them sequence-sharded like q and
+    runs as a ring; the gathers, then unused, are removed with the dead code."""
+    q_sharding = compat.named_sharding_of(scope.aval(site.q.atom))
+    if q_sharding is None:
+        return site
+    q_axes = _entries(q_sharding.spec, len(site.q.shape))
+    if not q_axes[site.q.axes["T"]]:
+        return site
+    replaced = {}
+    for name in ("k", "v"):
+        operand = getattr(site, name)
+        node = scope.producer(operand.atom)
+        if node is None or node.prim != "reshard":
+            continue
+        source = node.ins[0]
+        src = compat.named_sharding_of(scope.aval(source))
+        if src is None or not _entries(src.spec, len(operand.shape))[operand.axes["S"]]:
+            continue
+        replaced[name] = dataclasses.replace(operand, atom=scope.resolve(source))
+    return dataclasses.replace(site, **replaced) if replaced else site
 
 
 def analyze(site: AttentionSite, kernel, aval_of) -> ShardPlan | str | None:
@@ -131,13 +158,6 @@ def analyze(site: AttentionSite, kernel, aval_of) -> ShardPlan | str | None:
             names = entries[axis]
             if not names:
                 continue
-            if role in _SEQUENCE:
-                return (
-                    f"sequence-sharded: {name}'s {_SEQUENCE[role]} sequence axis is sharded "
-                    f"over mesh axis {'x'.join(names)} (sequence parallelism); a kernel needs "
-                    "whole sequences on each device (a ring or all-gather strategy is not "
-                    "implemented), so the attention is kept as written"
-                )
             if role in ("D", "Dv"):
                 return (
                     f"{name}'s head dim is sharded over mesh axis {'x'.join(names)}; a kernel "
@@ -152,6 +172,11 @@ def analyze(site: AttentionSite, kernel, aval_of) -> ShardPlan | str | None:
         specs.append((atom, roles, ndim))
     if not axes:
         return None
+    ring_axes = None
+    if "T" in axes or "S" in axes:
+        ring_axes = _ring_axes(site, axes)
+        if isinstance(ring_axes, str):
+            return ring_axes
     for role, names in axes.items():
         n = math.prod(mesh.shape[a] for a in names)
         if site.layout.sizes[role] % n:
@@ -173,7 +198,7 @@ def analyze(site: AttentionSite, kernel, aval_of) -> ShardPlan | str | None:
         if _find(atoms, atom) is None:
             atoms.append(atom)
             in_specs.append(PartitionSpec())
-    out_spec = _spec([None if r in ("T", "Dv") else axes.get(r) for r in site.out_roles])
+    out_spec = _spec([None if r == "Dv" else axes.get(r) for r in site.out_roles])
     root = compat.named_sharding_of(site.root.eqn.outvars[0].aval)
     root_spec = None
     if root is not None:
@@ -181,7 +206,27 @@ def analyze(site: AttentionSite, kernel, aval_of) -> ShardPlan | str | None:
         wanted = _spec(_entries(root.spec, ndim))
         if _entries(wanted, ndim) != _entries(out_spec, ndim):
             root_spec = wanted
-    return ShardPlan(mesh, axes, tuple(atoms), tuple(in_specs), out_spec, root_spec)
+    plan = ShardPlan(mesh, axes, tuple(atoms), tuple(in_specs), out_spec, root_spec, ring_axes)
+    return dataclasses.replace(plan, site=site)
+
+
+def _ring_axes(site: AttentionSite, axes: dict) -> tuple | str:
+    """The mesh axes a sequence-sharded site runs its ring over, or why it can't."""
+    t, s = axes.get("T"), axes.get("S")
+    if t != s:
+        if t is not None:
+            first = f"q's query sequence axis is sharded over mesh axis {'x'.join(t)}"
+        else:
+            first = f"k's key sequence axis is sharded over mesh axis {'x'.join(s)}"
+        other = "not sharded" if t is None or s is None else f"sharded over {'x'.join(s)}"
+        return (
+            f"sequence-sharded: {first}, the other sequence axis is {other}; a ring needs q "
+            "and k/v sharded alike along their sequences, so the attention is kept as written"
+        )
+    problem = ring.unsupported(site.spec)
+    if problem is not None:
+        return f"sequence-sharded over mesh axis {'x'.join(t)}: {problem}; kept as written"
+    return t
 
 
 def _operands(site: AttentionSite) -> list:
@@ -259,11 +304,22 @@ def run_site(shard: ShardPlan | None, planned, read, compute):
         # `Kernel.plain_jax` (a Pallas call) cannot say how
         # its output varies over the manual axes; type it from the operands.
         return _vma_opaque(lambda *v: compute(site, kernel, interpret, _reader(atoms, v)), values)
+    site = shard.site or site
     local = localize(site, shard.counts())
     values = [
         _with_spec(read(atom), shard.mesh, spec)
         for atom, spec in zip(shard.atoms, shard.in_specs, strict=True)
     ]
+    if shard.ring is not None:
+        n = math.prod(shard.mesh.shape[a] for a in shard.ring)
+        name = shard.ring[0] if len(shard.ring) == 1 else shard.ring
+
+        def compute(site, kernel, interpret, read):  # noqa: F811 - the ring replaces the kernel
+            q, k, v, extras = site.to_kernel(read)
+            with jax.named_scope("flashpass_ring"):
+                out = ring.ring_attention(q, k, v, site.spec, name, n)
+            return site.from_kernel(out, read, extras)
+
     out = compat.shard_map(
         lambda *v: compute(local, kernel, interpret, _reader(shard.atoms, v)),
         mesh=shard.mesh,
@@ -379,6 +435,8 @@ def localize(site: AttentionSite, counts: dict) -> AttentionSite:
         batch=layout.batch,
         heads=layout.heads,
         kv_heads=layout.kv_heads,
+        q_len=layout.sizes["T"],
+        kv_len=layout.sizes["S"],
         score_ops=ops,
         extras=tuple(dataclasses.replace(e, shape=shape4(e.shape)) for e in spec.extras),
     )
