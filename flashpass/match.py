@@ -30,7 +30,6 @@ from .graph import Const, Scope
 from .site import AttentionSite, ExtraSource, Layout, Operand
 from .spec import (
     AttentionSpec,
-    Bias,
     ExtraSpec,
     Mask,
     excludes,
@@ -197,7 +196,8 @@ def _build_site(scope: Scope, soft, chain, sp) -> AttentionSite | Miss:
 
 
 def _ops_extras(ops, extras):
-    by_index = {op.index: op for op in ops if isinstance(op, Bias | Mask)}
+    # Every op reading an extra has an ``index`` (Bias, Mask, descriptors such as KvLengths).
+    by_index = {op.index: op for op in ops if isinstance(getattr(op, "index", None), int)}
     return [(by_index[i], e) for i, e in enumerate(extras)]
 
 

@@ -87,13 +87,34 @@ class Causal:
 
 
 @dataclasses.dataclass(frozen=True)
+class KvLengths:
+    """``s = where(j < L + shift, s, fill)`` for key ``j``, ``L = extras[index]``.
+
+    ``L`` is the user's integer lengths array (a KV cache's fill level), 4-D
+    ``[B|1, H|1, 1, 1]``: it varies over batch rows and heads, never over
+    queries or keys.  ``shift`` absorbs the comparison's spelling: ``j < L``
+    is shift 0, ``j <= L`` shift 1, ``j + 2 < L`` shift -2.  Kernels read the
+    valid length of a row as ``clip(L + shift, 0, kv_len)`` computed without
+    overflow (`flashpass.kernels.reference.kv_valid_lengths`).  A row whose
+    valid length is 0 keeps no key: the original computes it over every key's
+    fill, and kernels must too.  The matcher emits the op only with a fill
+    that excludes keys (``<= EXCLUDING_FILL`` or ``-inf``).
+    """
+
+    index: int
+    shape: tuple[int, ...]
+    fill: float
+    shift: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
 class Softcap:
     """``s = cap * tanh(s / cap)`` (logit soft-capping)."""
 
     cap: float
 
 
-ScoreOp = Scale | Bias | Mask | Causal | Softcap
+ScoreOp = Scale | Bias | Mask | Causal | Softcap | KvLengths
 
 #: What a spec may use beyond plain scaled attention (`AttentionSpec.descriptors`),
 #: with the words docs/kernels.md shows.  Kernels declare the ones they accept
@@ -105,6 +126,7 @@ DESCRIPTORS = {
     "bias": "additive bias",
     "softcap": "logit soft-cap",
     "gqa": "GQA / MQA (fewer K/V heads)",
+    "kv_lengths": "per-row kv lengths (`j < lengths[b]`)",
 }
 #: The floating dtypes attention can compute in, by name.
 FLOAT_DTYPES = frozenset({"bfloat16", "float16", "float32", "float64"})
@@ -218,6 +240,8 @@ class AttentionSpec:
                 found.add("bias")
             elif isinstance(op, Softcap):
                 found.add("softcap")
+            elif isinstance(op, KvLengths):
+                found.add("kv_lengths")
             elif isinstance(op, Mask):
                 known = 0 <= op.index < len(self.extras)
                 shape = tuple(self.extras[op.index].shape) if known else tuple(op.shape)

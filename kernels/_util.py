@@ -29,6 +29,7 @@ from flashpass.spec import (
     AttentionSpec,
     Bias,
     Causal,
+    KvLengths,
     Mask,
     Scale,
     Softcap,
@@ -159,6 +160,8 @@ def linear_form(spec: AttentionSpec) -> LinearForm:
                 masks.append(op.index)
             elif op.offset >= 0:
                 offsets.append(op.offset)
+        elif isinstance(op, KvLengths):
+            reasons.append(KV_LENGTHS_REASON)
         else:
             reasons.append(f"unknown score op {type(op).__name__}")
     if cap is not None and post != 1.0:
@@ -231,6 +234,14 @@ def extra_reasons(spec: AttentionSpec) -> list[str]:
         if not real:
             reasons.append(f"{kind} extra of dtype {dtype.name} is not real-valued")
     return reasons
+
+
+#: Why a library adapter declines a `KvLengths` op (none declares "kv_lengths";
+#: `linear_form` and the TPU flash adapter give it).
+KV_LENGTHS_REASON = (
+    "per-row kv lengths (a `j < lengths[b]` mask) are not supported by this kernel; "
+    "the 'blockwise' kernel skips the blocks past each row's length"
+)
 
 
 def input_reasons(spec: AttentionSpec, kernel: str) -> list[str]:

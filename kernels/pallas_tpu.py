@@ -62,7 +62,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from flashpass import compat
-from flashpass.spec import AttentionSpec, Bias, Causal, Mask, Scale, Softcap
+from flashpass.spec import AttentionSpec, Bias, Causal, KvLengths, Mask, Scale, Softcap
 
 from . import _util
 
@@ -147,6 +147,8 @@ def _spec_reasons(spec: AttentionSpec) -> list[str]:
             # Masks become a -2**126 bias (a weight a finite fill would not give);
             # the kernel's causal mask gives excluded keys zero weight.
             reasons += _util.exclusion_reasons(spec, position)
+        elif isinstance(op, KvLengths):
+            reasons.append(_util.KV_LENGTHS_REASON)
     return reasons
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from flashpass.spec import AttentionSpec, Bias, Causal, Mask, Scale, Softcap
+from flashpass.spec import AttentionSpec, Bias, Causal, KvLengths, Mask, Scale, Softcap
 
 from .base import CheckContext, PlainJaxKernel
 
@@ -41,9 +41,23 @@ def apply_score_ops(spec: AttentionSpec, s, extras, q_pos=None, k_pos=None):
         elif isinstance(op, Softcap):
             cap = jnp.asarray(op.cap, s.dtype)
             s = cap * jnp.tanh(s / cap)
+        elif isinstance(op, KvLengths):
+            if k_pos is None:
+                k_pos = jnp.arange(s.shape[-1])
+            n = kv_valid_lengths(op, extras[op.index], spec.kv_len)
+            s = jnp.where(k_pos < n, s, jnp.asarray(op.fill, s.dtype))
         else:  # pragma: no cover - a new op must be taught to every kernel
             raise TypeError(f"unknown score op {op!r}")
     return s
+
+
+def kv_valid_lengths(op: KvLengths, lengths, kv_len: int):
+    """The valid key count ``clip(L + op.shift, 0, kv_len)`` of each row, int32,
+    shaped like ``lengths``.  ``L`` is clipped in its own dtype first, to
+    bounds that change no comparison with a key position, so nothing overflows."""
+    bound = kv_len + abs(op.shift) + 1
+    n = jnp.clip(lengths, -bound, bound).astype(jnp.int32) + op.shift
+    return jnp.clip(n, 0, kv_len)
 
 
 def repeat_kv(spec: AttentionSpec, x):

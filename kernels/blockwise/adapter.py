@@ -8,10 +8,12 @@ from flashpass.spec import AttentionSpec
 
 from .. import _util
 from ..base import CheckContext, PlainJaxKernel
+from . import decode
+from .cost import DECODE_BLOCK_K, faster_as_written
+from .decode import decode_reasons, make_decode_plan
 from .flash import attention
 from .heads import head_loop_pays, unit_spec
 from .plan import (
-    CPU_MIN_KV_LEN,
     HEAD_LOOP_BLOCK,
     BlockSizes,
     Plan,
@@ -89,19 +91,30 @@ class BlockwiseKernel(PlainJaxKernel):
         return make_plan(tiled, *self.blocks(spec))
 
     def check(self, spec: AttentionSpec, ctx: CheckContext) -> list[str]:
-        """Reasons not to run ``spec``: platform, and on CPU a too-short sequence."""
+        """Reasons not to run ``spec``: platform, and where the original is
+        faster (`cost.faster_as_written`: short sequences, decode steps on CPU)."""
         reasons = self.platform_reasons(ctx)
-        if not ctx.explicit and ctx.platform == "cpu" and spec.kv_len < CPU_MIN_KV_LEN:
+        slower = None if ctx.explicit else faster_as_written(spec, ctx.platform)
+        if slower is not None:
             reasons.append(
-                f"short sequence (kv_len={spec.kv_len} < {CPU_MIN_KV_LEN}): the original "
-                "computation is faster here; name kernel='blockwise' to force the rewrite"
+                f"kept: faster as written: {slower}; name kernel='blockwise' to force the rewrite"
             )
         return reasons
+
+    def uses_decode(self, spec: AttentionSpec) -> bool:
+        """Whether ``spec`` runs on the decode path (`decode`): a few queries
+        with per-row kv lengths, chunks past each row's length skipped."""
+        return not decode_reasons(spec)
 
     def apply(self, spec: AttentionSpec, q, k, v, extras=(), *, interpret: bool = False):
         """Attention ``[B, H, T, Dv]`` in ``spec.out_dtype`` (``interpret`` is ignored)."""
         extras = tuple(extras)
         _util.check_arrays(self.name, spec, q, k, v, extras)
+        if self.uses_decode(spec):
+            bwd_blocks = self.block_sizes.pick(default_blocks(spec, True), backward=True)
+            block_k = self.block_sizes.block_k or DECODE_BLOCK_K
+            plan = make_decode_plan(spec, block_k, bwd_blocks)
+            return decode.attention(plan, q, k, v, extras)
         fwd = self.plan(spec)
         bwd = make_plan(fwd.spec, *self.blocks(spec, backward=True))
         return attention(Plans(fwd, bwd if bwd != fwd else fwd, spec), q, k, v, extras)

@@ -13,7 +13,7 @@ import math
 import jax.numpy as jnp
 import numpy as np
 
-from flashpass.spec import AttentionSpec, Bias, Causal, Mask, Scale, Softcap
+from flashpass.spec import AttentionSpec, Bias, Causal, KvLengths, Mask, Scale, Softcap
 
 from .. import _util
 
@@ -41,7 +41,7 @@ OUTER_BLOCK, MIN_BLOCK, MAX_INNER_BLOCK = 512, 128, 1024
 HEAD_LOOP_BLOCK = 1024
 HEAD_LOOP_MIN_CAUSAL_LEN = 8192
 
-_KNOWN_OPS = (Scale, Bias, Mask, Causal, Softcap)
+_KNOWN_OPS = (Scale, Bias, Mask, Causal, Softcap, KvLengths)
 
 
 @dataclasses.dataclass(frozen=True)

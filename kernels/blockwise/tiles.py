@@ -15,9 +15,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from flashpass.spec import AttentionSpec, Bias, Causal
+from flashpass.spec import AttentionSpec, Bias, Causal, KvLengths, Mask
 
-from ..reference import apply_score_ops
+from ..reference import apply_score_ops, kv_valid_lengths
 from .plan import Plan
 
 # --------------------------------------------------------------------------- loops
@@ -138,12 +138,22 @@ def tile_score_fn(plan: Plan, ex_tile, q_pos, k_pos, edge: bool, transposed: boo
     i.e. ``k_j <= q_i + offset``, the same test for the transposed entry.
     """
     spec = plan.spec
-    ops_spec = dataclasses.replace(spec, score_ops=plan.ops_edge if edge else plan.ops_plain)
+    ops = plan.ops_edge if edge else plan.ops_plain
+    # KvLengths runs as the element mask ``k < n`` of this tile (keys are rows
+    # of a transposed tile, so the position trick below does not apply to it).
+    lengths = {op.index: op for op in ops if isinstance(op, KvLengths)}
+    ops = tuple(
+        Mask(op.index, op.shape, op.fill) if isinstance(op, KvLengths) else op for op in ops
+    )
+    ops_spec = dataclasses.replace(spec, score_ops=ops)
     if not ops_spec.score_ops and not (edge and plan.padded_k):
         return lambda s, biases: s
 
     def f(s, biases):
         ex = [extra_rows(plan, biases.get(i, x)) for i, x in enumerate(ex_tile)]
+        for i, op in lengths.items():
+            n = kv_valid_lengths(op, ex[i], spec.kv_len)
+            ex[i] = k_pos[None, :] < n  # [.., 1, bk]: transposed with the others below
         if transposed:
             ex = [jnp.swapaxes(x, -1, -2) for x in ex]
             s = apply_score_ops(ops_spec, s, ex, -k_pos, -q_pos)

@@ -92,13 +92,19 @@ def oracle(spec: AttentionSpec, q, k, v, *extras):
     """`reference_attention` in float64 on the (already rounded) inputs."""
     with jax.enable_x64(True):
         wide = [x if x.dtype == jnp.bool_ else jnp.asarray(x, jnp.float64) for x in (q, k, v)]
-        extras = [x if x.dtype == jnp.bool_ else jnp.asarray(x, jnp.float64) for x in extras]
+        extras = [jnp.asarray(x, jnp.float64) if _real(x) else x for x in extras]
         return reference_attention(spec, *wide, extras, dtype=jnp.float64)
 
 
+def _real(x) -> bool:
+    """Differentiable (and widened to float64 for the oracle): not a boolean
+    mask or integer (kv lengths, segment ids) extra."""
+    return bool(jnp.issubdtype(x.dtype, jnp.floating))
+
+
 def value_and_vjp(fn, arrays, cotangent):
-    """``fn(*arrays)`` and its vjp w.r.t. every non-boolean array."""
-    diff = [i for i, a in enumerate(arrays) if a.dtype != jnp.bool_]
+    """``fn(*arrays)`` and its vjp w.r.t. every floating array."""
+    diff = [i for i, a in enumerate(arrays) if _real(a)]
 
     def f(*d):
         full = list(arrays)
@@ -138,12 +144,12 @@ def run_and_compare(kernel, spec, extras=(), *, tol, grad=True, interpret=True, 
         out, grads = fast_jit(lambda *a: value_and_vjp(run, a, cotangent))(*arrays)
         assert out.shape == spec.out_shape and out.dtype == spec.out_dtype
         with jax.enable_x64(True):
-            wide = [a if a.dtype == jnp.bool_ else jnp.asarray(a, jnp.float64) for a in arrays]
+            wide = [jnp.asarray(a, jnp.float64) if _real(a) else a for a in arrays]
             expected, ref_grads = fast_jit(
                 lambda *a: value_and_vjp(lambda *b: oracle(spec, *b), a, cotangent)
             )(*wide)
         errors["out"] = rel_err(out, expected)
-        names = ["q", "k", "v"] + [f"extra{i}" for i, e in enumerate(extras) if e.dtype != bool]
+        names = ["q", "k", "v"] + [f"extra{i}" for i, e in enumerate(extras) if _real(e)]
         for name, g, ref in zip(names, grads, ref_grads, strict=True):
             assert g.shape == ref.shape, name
             errors[f"d{name}"] = rel_err(g, ref)

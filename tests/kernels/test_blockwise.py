@@ -459,7 +459,8 @@ def test_check_short_sequence_on_cpu_only_when_not_explicit():
     assert isinstance(kernel, BlockwiseKernel)
     short = make_spec(t=256, s=256)
     reasons = kernel.check(short, CheckContext(platform="cpu"))
-    assert len(reasons) == 1 and reasons[0].startswith("short sequence (")
+    assert len(reasons) == 1
+    assert reasons[0].startswith("kept: faster as written: short sequence (")
     assert f"< {CPU_MIN_KV_LEN}" in reasons[0]
     assert kernel.check(short, CheckContext(platform="cpu", explicit=True)) == []
     assert kernel.check(short, CheckContext(platform="gpu")) == []

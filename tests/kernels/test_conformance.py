@@ -61,7 +61,7 @@ from flashpass.kernels.pallas_gpu import PallasGpuKernel
 from flashpass.kernels.pallas_tpu import PallasTpuKernel
 from flashpass.kernels.splash import SplashKernel
 from flashpass.kernels.tokamax import TokamaxKernel
-from flashpass.spec import DESCRIPTORS, FLOAT_DTYPES
+from flashpass.spec import DESCRIPTORS, FLOAT_DTYPES, KvLengths
 
 # --------------------------------------------------------------------------- cases
 
@@ -125,6 +125,16 @@ def _softcap(dtype):
     return spec_of(t=24, dtype=dtype, ops=[Scale(0.25), Softcap(5.0), Causal(0, -1e9)]), []
 
 
+def _kv_lengths(dtype):
+    """A decode step (two queries) against a ragged KV cache: rows filled to 0
+    (fully masked), 9 and all 40 keys (`KvLengths`)."""
+    op = KvLengths(0, (3, 1, 1, 1), -1e9, 0)
+    spec = spec_of(
+        b=3, t=2, s=40, dtype=dtype, ops=[Scale(0.25), op], extras=[((3, 1, 1, 1), "int32")]
+    )
+    return spec, [jnp.asarray(np.array([0, 9, 40], np.int32).reshape(3, 1, 1, 1))]
+
+
 CASES = {
     "causal": _causal,
     "bool_mask": _bool_mask,
@@ -135,6 +145,7 @@ CASES = {
     "cross": _cross,
     "odd": _odd,
     "softcap": _softcap,
+    "kv_lengths": _kv_lengths,
 }
 DTYPES = {"f32": F32, "bf16": BF16}
 #: `check` is also asked about these (no numerics).
@@ -201,6 +212,7 @@ WORDS = {
     "bias": "bias",
     "softcap": "soft-cap",
     "gqa": "GQA",
+    "kv_lengths": "kv lengths",
 }
 
 

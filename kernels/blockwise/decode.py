@@ -1,0 +1,193 @@
+"""The blockwise kernel's decode path: a few queries against a ragged KV cache.
+
+Serving attends one (or a few) new queries to a KV cache whose rows are
+filled to different lengths, given as a `KvLengths` op.  The kv axis is split
+into chunks of `cost.DECODE_BLOCK_K` keys; for each batch row only the chunks
+below that row's valid length are visited (a loop with a per-row, dynamic
+trip count), each chunk's partial softmax statistics (max, sum, unnormalised
+output) merged into the row's with the logsumexp merge, in float32.  Work and
+memory traffic are proportional to the filled part of the cache, not its
+size.  Nothing is padded or copied: the last chunk, when the cache length is
+not a multiple, starts earlier and drops the keys its predecessor covered.
+
+Skipping is exact: a key past a row's length has the op's fill as its final
+score (<= `EXCLUDING_FILL` or -inf, `decode_reasons` checks it), so weight
+exactly 0 next to the row's kept keys.  A row with no valid key is computed
+over every chunk, as the original computes it (uniform weights for a finite
+fill, NaN for -inf).  The backward is the blockwise backward
+(`flash.backward`) on the statistics saved here: skipped keys recompute to
+weight 0 there, so gradients are exact too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from flashpass.spec import AttentionSpec, Bias, Causal, KvLengths, Scale, Softcap, excludes
+
+from ..reference import kv_valid_lengths
+from . import flash
+from .cost import DECODE_DENSE_FRACTION, DECODE_MAX_Q
+from .plan import Plan, Plans, make_plan
+from .tiles import (
+    dot_operands,
+    extra5,
+    grouped,
+    gshape,
+    q_tile,
+    row_pos,
+    scaled_q,
+    slice_s,
+    tile_score_fn,
+)
+
+
+def decode_reasons(spec: AttentionSpec) -> list[str]:
+    """Why ``spec`` cannot take the decode path (empty: it can)."""
+    reasons = []
+    if spec.q_len > DECODE_MAX_Q:
+        reasons.append(f"q_len={spec.q_len} > {DECODE_MAX_Q}")
+    found = [(i, op) for i, op in enumerate(spec.score_ops) if isinstance(op, KvLengths)]
+    if len(found) != 1:
+        return [*reasons, "not exactly one KvLengths op"]
+    position, op = found[0]
+    shape = tuple(spec.extras[op.index].shape)
+    if shape[1:] != (1, 1, 1):
+        reasons.append(f"kv lengths of shape {shape} vary over heads")
+    if not all(isinstance(o, Scale | Softcap) for o in spec.score_ops[position + 1 :]):
+        reasons.append("a bias or mask follows the kv lengths")
+    if not excludes(spec.final_fill(position, op.fill)):
+        reasons.append("the kv lengths' fill does not exclude keys after the later ops")
+    # Another exclusion (a Mask) could empty a row whose length is not 0, whose
+    # original then weighs every key; Causal keeps key 0 (offset >= 0), as does n > 0.
+    others = [o for o in spec.score_ops if not isinstance(o, _DECODE_OPS)]
+    if others:
+        reasons.append(f"a {type(others[0]).__name__} op could leave a row without keys")
+    return reasons
+
+
+_DECODE_OPS = (Scale, Softcap, Bias, Causal, KvLengths)
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodePlan:
+    """The decode path's static plan (hashable: a ``custom_vjp`` static arg)."""
+
+    fwd: Plan  # one query tile (all T rows), key chunks of bk
+    plans: Plans  # the backward's tiling (flash.backward)
+    lengths: KvLengths
+
+
+def make_decode_plan(spec: AttentionSpec, block_k: int, bwd_blocks: tuple[int, int]) -> DecodePlan:
+    """The decode plan of ``spec`` (which `decode_reasons` accepts): key chunks
+    of ``block_k``, the backward tiled by ``bwd_blocks``."""
+    fwd = make_plan(spec, spec.q_len, min(block_k, spec.kv_len))
+    bwd = make_plan(spec, *bwd_blocks)
+    (op,) = spec.ops_of(KvLengths)
+    return DecodePlan(fwd, Plans(bwd, bwd, spec), op)
+
+
+def forward(dp: DecodePlan, q, k, v, extras):
+    """``(out [B,H,T,Dv], m, den)``, the statistics as `flash.forward` saves them."""
+    plan = dp.fwd
+    spec, cdt = plan.spec, plan.cdt
+    B, Hkv, Dv, S = spec.batch, spec.kv_heads, spec.v_head_dim, spec.kv_len
+    bk, nk = plan.bk, plan.nk
+    rows = spec.groups * spec.q_len
+    q_rows = scaled_q(plan, q_tile(plan, grouped(plan, q), 0))  # [B, Hkv, G*T, D]
+    ex5 = [extra5(spec, x, spec.q_len, S) for x in extras]
+    n = kv_valid_lengths(dp.lengths, extras[dp.lengths.index].reshape(-1), S)
+    n = jnp.broadcast_to(n, (B,))
+    # Chunks each row visits; a row with no valid key visits all (see module doc).
+    chunks = jnp.where(n > 0, (n + bk - 1) // bk, nk)
+    q_pos = row_pos(plan, 0)
+    ragged_tail = S % bk != 0
+    p_dtype = spec.p_dtype
+
+    def row(b, carry):
+        out, ms, dens = carry
+        q_b = lax.dynamic_slice_in_dim(q_rows, b, 1, axis=0)
+        ex_b = [x if x.shape[0] == 1 else lax.dynamic_slice_in_dim(x, b, 1, axis=0) for x in ex5]
+
+        def chunk(j, state):
+            m, den, acc = state
+            start = jnp.minimum(j * bk, S - bk)  # the last chunk ends at S: no padding
+            k_t = lax.dynamic_slice(k, (b, 0, start, 0), (1, Hkv, bk, spec.head_dim))
+            v_t = lax.dynamic_slice(v, (b, 0, start, 0), (1, Hkv, bk, Dv))
+            k_pos = start + jnp.arange(bk)
+            ex_t = [slice_s(x, start, bk) for x in ex_b]
+            a, c = dot_operands(plan, q_b, k_t)
+            s = jnp.einsum("bhtd,bhsd->bhts", a, c, preferred_element_type=cdt)
+            s = tile_score_fn(plan, ex_t, q_pos, k_pos, True)(s, {})
+            if ragged_tail:  # keys the previous chunk already counted
+                s = jnp.where(k_pos >= j * bk, s, -jnp.inf)
+            # The chunk's partials merged into the row's (logsumexp merge).
+            m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+            m_safe = jnp.where(m_new == -jnp.inf, 0, m_new)
+            alpha = jnp.exp(m - m_safe)
+            p = jnp.exp(s - m_safe[..., None])
+            den = den * alpha + jnp.sum(p, axis=-1)
+            pv = jnp.einsum("bhts,bhsd->bhtd", p.astype(p_dtype), v_t, preferred_element_type=cdt)
+            return m_new, den, acc * alpha[..., None] + pv
+
+        init = (
+            jnp.full((1, Hkv, rows), -jnp.inf, cdt),
+            jnp.zeros((1, Hkv, rows), cdt),
+            jnp.zeros((1, Hkv, rows, Dv), cdt),
+        )
+        m, den, acc = lax.fori_loop(0, chunks[b], chunk, init)
+        out_b = (acc / den[..., None]).astype(spec.out_dtype)
+        out = lax.dynamic_update_slice_in_dim(out, out_b, b, axis=0)
+        ms = lax.dynamic_update_slice_in_dim(ms, m, b, axis=0)
+        dens = lax.dynamic_update_slice_in_dim(dens, den, b, axis=0)
+        return out, ms, dens
+
+    def chunked(_):
+        stats = jnp.zeros((B, Hkv, rows), cdt)
+        init = (jnp.zeros((B, Hkv, rows, Dv), spec.out_dtype), stats, stats)
+        return lax.fori_loop(0, B, row, init)
+
+    def dense(_):
+        # The whole cache in one pass, as the original computes it: faster
+        # than the chunk loop when most chunks are visited anyway.
+        a, c = dot_operands(plan, q_rows, k)
+        s = jnp.einsum("bhtd,bhsd->bhts", a, c, preferred_element_type=cdt)
+        s = tile_score_fn(plan, ex5, q_pos, jnp.arange(S), True)(s, {})
+        m = jnp.max(s, axis=-1)
+        m_safe = jnp.where(m == -jnp.inf, 0, m)
+        p = jnp.exp(s - m_safe[..., None])
+        den = jnp.sum(p, axis=-1)
+        acc = jnp.einsum("bhts,bhsd->bhtd", p.astype(p_dtype), v, preferred_element_type=cdt)
+        return (acc / den[..., None]).astype(spec.out_dtype), m, den
+
+    visited = jnp.sum(chunks) * bk
+    out, m, den = lax.cond(visited <= DECODE_DENSE_FRACTION * B * S, chunked, dense, None)
+    # Rows are (group, query): the canonical [B, H, T, Dv] and flash's statistics.
+    out = out.reshape(spec.out_shape)
+    return out, m.reshape(gshape(spec, spec.q_len)), den.reshape(gshape(spec, spec.q_len))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def attention(dp: DecodePlan, q, k, v, extras):
+    """Decode attention ``[B, H, T, Dv]`` with per-row chunk skipping."""
+    return forward(dp, q, k, v, extras)[0]
+
+
+def _attention_fwd(dp, q, k, v, extras):
+    wanted = flash._Wanted(tuple(x.perturbed for x in extras))  # see flash._attention_fwd
+    q, k, v = q.value, k.value, v.value
+    extras = tuple(x.value for x in extras)
+    out, m, den = forward(dp, q, k, v, extras)
+    return out, (q, k, v, extras, out, m, den, wanted)
+
+
+def _attention_bwd(dp, res, dout):
+    return flash._attention_bwd(dp.plans, res, dout)
+
+
+attention.defvjp(_attention_fwd, _attention_bwd, symbolic_zeros=True)
