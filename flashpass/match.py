@@ -30,6 +30,7 @@ from .graph import Const, Scope
 from .site import AttentionSite, ExtraSource, Layout, Operand
 from .spec import (
     AttentionSpec,
+    Bias,
     ExtraSpec,
     Mask,
     excludes,
@@ -113,18 +114,20 @@ def _build_site(scope: Scope, soft, chain, sp) -> AttentionSite | Miss:
             f"{where(soft.exp)}",
             soft.exp,
         )
-    ignore = frozenset() if soft.deferred is None else {scope.producer(soft.deferred)}
+    # A deferred sum (and the cast widening it) already belongs to the site.
+    ignore = frozenset() if soft.deferred is None else frozenset(soft.nodes)
     known = build.known_masks()
     out = output_product(scope, soft.out, roles, ignore, known)
     if not out:
         return out
     root = out.node
+    out_roles = tuple(out.roles)
     nodes |= out.casts | {root}
     if soft.deferred is not None:
         found = _deferred_division(scope, root, soft.deferred, roles, out.roles)
         if not found:
             return found
-        root, division_nodes = found
+        root, division_nodes, out_roles = found
         nodes |= division_nodes
     post = []
     for kind, *data in out.post:
@@ -186,7 +189,7 @@ def _build_site(scope: Scope, soft, chain, sp) -> AttentionSite | Miss:
         v=v,
         extras=tuple(extras),
         layout=layout,
-        out_roles=tuple(out.roles),
+        out_roles=out_roles,
         q_scales=tuple(build.q_scales),
         post_ops=tuple(post),
         spec=spec,
@@ -202,19 +205,61 @@ def _ops_extras(ops, extras):
 
 
 def _deferred_division(scope: Scope, pv, total, score_roles: list, out_roles: list):
-    """``(P·V) / sum``: the division node and helpers, when normalisation is deferred."""
-    users = scope.consumers(pv.out)
+    """``(P·V) / sum``: the division node and helpers, when normalisation is deferred.
+
+    Layout ops may sit on either side: the P·V result transposed (an einsum to
+    a ``BTHD`` output) or cast (mixed precision) before the division, and the
+    sum transposed to match.  Either way the division must divide each output
+    element by the sum of its own row."""
+    out_roles = list(out_roles)
+    layout: set = set()
+    atom = pv.out
+    while True:
+        users = scope.consumers(atom)
+        if len(users) != 1 or scope.is_output(atom):
+            break
+        node, _ = users[0]
+        if node.prim == "transpose":
+            out_roles = [out_roles[i] for i in node.params["permutation"]]
+        elif not (node.prim == "convert_element_type" and _is_float(scope.dtype(node.out))):
+            break
+        layout.add(node)
+        atom = node.out
+    users = scope.consumers(atom)
     if len(users) != 1 or users[0][0].prim != "div" or users[0][1] != 0:
         return Miss(f"exp(scores) @ v is not divided by the sum of exp{where(pv)}", pv)
     div = users[0][0]
     prof = profile(scope, div.ins[1], scope.shape(div.out))
+    base, axes = _through_layout(scope, prof.base, prof.axes, total)
     sum_roles = [r for r in score_roles if r != "S"]
     expect = tuple(None if r == "Dv" else sum_roles.index(r) for r in out_roles)
-    if scope.resolve(prof.base) != scope.resolve(total) or prof.axes != expect:
+    if base != scope.resolve(total) or axes != expect:
         return Miss(f"P·V is divided by something other than the softmax sum{where(div)}", div)
     helpers = scope.backward_cone([div.ins[1]], stop={scope.producer(total)})
     helpers.discard(scope.producer(total))
-    return div, {div, *helpers}
+    return div, {div, *layout, *helpers}, tuple(out_roles)
+
+
+def _through_layout(scope: Scope, base, axes: tuple, total):
+    """Follow ``base`` back through transposes and float casts towards ``total``,
+    mapping ``axes`` (target axis -> base axis) along."""
+    base = scope.resolve(base)
+    stop = scope.resolve(total)
+    while base != stop:
+        node = scope.producer(base)
+        if node is None:
+            break
+        if node.prim == "transpose":
+            perm = node.params["permutation"]
+            axes = tuple(None if a is None else perm[a] for a in axes)
+        elif not (node.prim == "convert_element_type" and _is_float(scope.dtype(node.out))):
+            break
+        base = scope.resolve(node.ins[0])
+    return base, axes
+
+
+def _is_float(dtype) -> bool:
+    return jnp.issubdtype(dtype, jnp.floating)
 
 
 def _role_name(role) -> str:

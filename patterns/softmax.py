@@ -24,7 +24,7 @@ import jax.numpy as jnp
 
 from flashpass.graph import Node, Scope
 
-from .common import Miss, profile, scalar_value, where
+from .common import Miss, Profile, profile, scalar_value, where
 
 
 @dataclasses.dataclass
@@ -64,7 +64,7 @@ def match_softmax(scope: Scope, exp: Node) -> Softmax | Miss:
     deferred = None
     norm = _find_normalisation(scope, e, total, axis)
     if not norm:
-        if not _feeds_a_product(scope, e):
+        if not _feeds_a_product(scope, e, {total, widen}):
             # logsumexp / log_softmax (cross-entropy losses) sum exps too: not attention
             norm.relevant = False
             return norm
@@ -83,10 +83,13 @@ def match_softmax(scope: Scope, exp: Node) -> Softmax | Miss:
     if sub is not None and sub.prim == "sub":
         c = sub.ins[1]
         prof = profile(scope, c, scope.shape(x))
-        if prof.axes[axis] is not None:
+        # A ``c`` that varies along the axis is no shift: ``exp(s - bias)`` of an
+        # unstabilised softmax, left to the score chain (a negated bias).
+        if prof.axes[axis] is None:
+            shift, s_in = c, sub.ins[0]
+            nodes.add(sub)
+        elif scope.producer(sub.ins[0]) in scope.backward_cone([c]):
             return Miss(f"exp(s - c) where c varies along the softmax axis {axis}{where(sub)}", sub)
-        shift, s_in = c, sub.ins[0]
-        nodes.add(sub)
     return Softmax(exp, axis, s_in, shift, out, nodes, scope.dtype(e), deferred)
 
 
@@ -123,12 +126,13 @@ def _find_normalisation(scope: Scope, e, total: Node, axis: int):
     log_form = _log_normalisation(scope, e, z, axis)
     if log_form is not None:
         return log_form
-    for node, pos in scope.consumers(e):
+    for node, pos, view in _uses_through_casts(scope, e):
         if node.prim == "div" and pos == 0:
             prof = profile(scope, node.ins[1], shape)
             helpers = _keepdims_of(scope, prof, z, axis)
             if helpers is not None:
-                return node, {node, *helpers, *_peeled_nodes(scope, node.ins[1], prof.base)}
+                peeled = _peeled_nodes(scope, node.ins[1], prof.base)
+                return node, {node, *view, *helpers, *peeled}
         if node.prim == "mul":
             other = node.ins[1 - pos]
             prof = profile(scope, other, shape)
@@ -137,12 +141,25 @@ def _find_normalisation(scope: Scope, e, total: Node, axis: int):
                 continue
             inner = recip.ins[-1]  # div(1, x) or integer_pow(x, -1)
             inner_prof = profile(scope, inner, scope.shape(inner))
-            helpers = _keepdims_of(scope, dataclasses.replace(prof, base=inner_prof.base), z, axis)
+            # The reciprocal's operand, profiled against e: compose the two profiles.
+            axes = tuple(None if a is None else inner_prof.axes[a] for a in prof.axes)
+            helpers = _keepdims_of(scope, Profile(inner_prof.base, axes, prof.target), z, axis)
             if helpers is not None:
                 peeled = _peeled_nodes(scope, other, prof.base)
                 peeled |= _peeled_nodes(scope, inner, inner_prof.base)
-                return node, {node, recip, *helpers, *peeled}
+                return node, {node, recip, *view, *helpers, *peeled}
     return Miss(f"exp is summed over axis {axis} but not divided by that sum{where(total)}", total)
+
+
+def _uses_through_casts(scope: Scope, e):
+    """``(node, operand position, casts)`` for each use of ``e`` and of its
+    lossless float casts (a weak-typed exp is cast to a strong type before use)."""
+    for node, pos in scope.consumers(e):
+        if node.prim == "convert_element_type" and _widens(scope, e, node.out):
+            for user, upos in scope.consumers(node.out):
+                yield user, upos, (node,)
+        else:
+            yield node, pos, ()
 
 
 def _log_normalisation(scope: Scope, e, z, axis: int):
@@ -155,7 +172,9 @@ def _log_normalisation(scope: Scope, e, z, axis: int):
         if len(users) != 1:
             return None
         node = users[0][0]
-        if node.prim in ("broadcast_in_dim", "reshape") or (node.prim == "log" and not saw_log):
+        if node.prim in _KEEPDIMS_PRIMS or (node.prim == "log" and not saw_log):
+            if node.prim == "convert_element_type" and not _is_float(scope.dtype(node.out)):
+                return None
             saw_log = saw_log or node.prim == "log"
             helpers.add(node)
             atom = node.out
@@ -171,10 +190,10 @@ def _log_normalisation(scope: Scope, e, z, axis: int):
     return finals[0], {node, finals[0], *helpers}
 
 
-def _feeds_a_product(scope: Scope, e) -> bool:
+def _feeds_a_product(scope: Scope, e, sum_nodes: set) -> bool:
     atom = e
     while True:
-        users = [n for n, _ in scope.consumers(atom) if n.prim != "reduce_sum"]
+        users = [n for n, _ in scope.consumers(atom) if n not in sum_nodes]
         if len(users) != 1:
             return False
         if users[0].prim == "convert_element_type":

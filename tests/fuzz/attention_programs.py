@@ -949,17 +949,6 @@ REGIONS = {
 #: properties stay strict; tests/fuzz/test_known_gaps.py pins each one with a
 #: strict xfail, so fixing a gap fails that test until the repair is removed.
 KNOWN_GAPS = {
-    "G1": "a softmax computed in bfloat16 other than jax.nn.softmax and the stabilised "
-    "hand-written e / e.sum() (whose float32 sum is recognised): log_softmax, reciprocal, "
-    "unstabilised or deferred forms in bfloat16, and weak-typed inputs",
-    "G2": "normalisation written e * (1 / sum) or e * reciprocal(sum) with the softmax "
-    "axis not last (silently not matched)",
-    "G3": "deferred normalisation (exp(s) @ v / sum) when the P·V result is transposed "
-    "(e.g. an einsum to a BTHD output) or cast (mixed precision) before the division "
-    "(reported: 'exp(scores) @ v is not divided by the sum of exp')",
-    "G4": "an unstabilised softmax exp(s - bias) / sum: the subtraction of a bias right "
-    "before exp is read as the max-shift and rejected ('exp(s - c) where c varies along "
-    "the softmax axis')",
     "G5": "q @ k.swapaxes(-1, -2) or p @ v with a size-1 batch or head axis (batch-1 "
     "inference, single head): jnp.matmul squeezes unit batch axes and broadcasts back, "
     "so a broadcast_in_dim / squeeze sits between the products and the softmax (reported)",
@@ -968,15 +957,6 @@ KNOWN_GAPS = {
 
 def known_gap(site: Site) -> str | None:
     """The id of the first known gap ``site`` falls into, or None."""
-    if site.dtype == "bfloat16" and site.softmax not in ("nn", "stable"):
-        return "G1"
-    sl = scores_letters(site)
-    if site.softmax in ("stopgrad", "recip") and sl.index("s") != len(sl) - 1:
-        return "G2"
-    if site.softmax == "deferred" and (site.dtype == "mixed" or not sl.endswith("ts")):
-        return "G3"
-    if site.softmax == "unstable" and site.bias and site.bias_sign < 0:
-        return "G4"
     if "matmul" in (site.scores_product, site.output_product) and 1 in (site.b, site.h):
         return "G5"
     return None
@@ -988,13 +968,7 @@ def avoid_known_gaps(site: Site) -> Site:
         gap = known_gap(site)
         if gap is None:
             return site
-        if gap == "G1":
-            site = dataclasses.replace(site, dtype="mixed")
-        elif gap in ("G2", "G3"):
-            site = dataclasses.replace(site, softmax="stable")
-        elif gap == "G4":
-            site = dataclasses.replace(site, bias_sign=1)
-        elif gap == "G5":
+        if gap == "G5":
             site = dataclasses.replace(
                 site,
                 scores_product=site.scores_product.replace("matmul", "einsum"),
