@@ -175,7 +175,7 @@ def _build_site(scope: Scope, soft, chain, sp) -> AttentionSite | Miss:
         compute_dtype=soft.dtype,
         p_dtype=out.p_dtype,
         score_ops=tuple(ops),
-        extras=tuple(ExtraSpec(op.shape, e.dtype) for op, e in _ops_extras(ops, extras)),
+        extras=tuple(ExtraSpec(shape, e.dtype) for shape, e in _ops_extras(ops, extras, layout)),
     )
     pieces = [type(op).__name__.lower() for op in ops]
     if layout.grouped:
@@ -198,10 +198,15 @@ def _build_site(scope: Scope, soft, chain, sp) -> AttentionSite | Miss:
     )
 
 
-def _ops_extras(ops, extras):
-    # Every op reading an extra has an ``index`` (Bias, Mask, descriptors such as KvLengths).
-    by_index = {op.index: op for op in ops if isinstance(getattr(op, "index", None), int)}
-    return [(by_index[i], e) for i, e in enumerate(extras)]
+def _ops_extras(ops, extras, layout):
+    # Every op reading an extra has an ``index`` (Bias, Mask, descriptors such as KvLengths);
+    # Segments reads two, and an extra an op no longer reads (a descriptor put back as
+    # its literal mask) still gets its shape from the layout.
+    by_index = {op.index: op.shape for op in ops if isinstance(getattr(op, "index", None), int)}
+    return [
+        (by_index.get(i) or layout.extra_shape({r: a is not None for r, a in e.axes.items()}), e)
+        for i, e in enumerate(extras)
+    ]
 
 
 def _deferred_division(scope: Scope, pv, total, score_roles: list, out_roles: list):

@@ -108,13 +108,64 @@ class KvLengths:
 
 
 @dataclasses.dataclass(frozen=True)
+class Window:
+    """``s = where(i - left <= j <= i + right, s, fill)``: a local (sliding)
+    window; ``right=None`` leaves it unbounded on the right (in practice
+    together with a `Causal` op).  A causal window has ``right == 0``.
+
+    Like `Causal`, these structured ops (`STRUCTURED`) are only emitted when
+    the fill still excludes keys after the later ops; the position ones also
+    only when every query row keeps a key.
+    """
+
+    left: int
+    right: int | None
+    fill: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Chunk:
+    """``s = where(i // size == j // size, s, fill)``: chunked attention
+    (Llama 4's local layers, together with a `Causal` op)."""
+
+    size: int
+    fill: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Prefix:
+    """``s = where((j <= i) | (j < length), s, fill)``: a prefix-LM mask (the
+    first ``length`` keys are seen by every query, the rest causally)."""
+
+    length: int
+    fill: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Segments:
+    """``s = where(extras[q_index] == extras[kv_index], s, fill)``: packed
+    documents.  The extras are the program's own integer segment ids, 4-D
+    ``[B|1, H|1, T, 1]`` (queries) and ``[B|1, H|1, 1, S]`` (keys): O(T), never
+    ``T x S``."""
+
+    q_index: int
+    kv_index: int
+    fill: float
+
+
+#: Score ops that exclude keys by position or segment id, so kernels may skip
+#: whole blocks (`Causal` is one of them).
+STRUCTURED = (Causal, Window, Chunk, Prefix, Segments)
+
+
+@dataclasses.dataclass(frozen=True)
 class Softcap:
     """``s = cap * tanh(s / cap)`` (logit soft-capping)."""
 
     cap: float
 
 
-ScoreOp = Scale | Bias | Mask | Causal | Softcap | KvLengths
+ScoreOp = Scale | Bias | Mask | Causal | Window | Chunk | Prefix | Segments | Softcap | KvLengths
 
 #: What a spec may use beyond plain scaled attention (`AttentionSpec.descriptors`),
 #: with the words docs/kernels.md shows.  Kernels declare the ones they accept
@@ -126,6 +177,10 @@ DESCRIPTORS = {
     "bias": "additive bias",
     "softcap": "logit soft-cap",
     "gqa": "GQA / MQA (fewer K/V heads)",
+    "window": "local window `(left, right)`",
+    "chunk": "chunked attention (chunk size)",
+    "prefix": "prefix-LM (static prefix length)",
+    "segments": "segment ids (packed documents) `q_ids == kv_ids`",
     "kv_lengths": "per-row kv lengths (`j < lengths[b]`)",
 }
 #: The floating dtypes attention can compute in, by name.
@@ -240,6 +295,8 @@ class AttentionSpec:
                 found.add("bias")
             elif isinstance(op, Softcap):
                 found.add("softcap")
+            elif type(op) in _DESCRIPTOR_OF:
+                found.add(_DESCRIPTOR_OF[type(op)])
             elif isinstance(op, KvLengths):
                 found.add("kv_lengths")
             elif isinstance(op, Mask):
@@ -267,6 +324,9 @@ class AttentionSpec:
             {"shape": list(e.shape), "dtype": np.dtype(e.dtype).name} for e in self.extras
         ]
         return out
+
+
+_DESCRIPTOR_OF = {Window: "window", Chunk: "chunk", Prefix: "prefix", Segments: "segments"}
 
 
 def _op_to_dict(op) -> dict:

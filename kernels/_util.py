@@ -29,10 +29,14 @@ from flashpass.spec import (
     AttentionSpec,
     Bias,
     Causal,
+    Chunk,
     KvLengths,
     Mask,
+    Prefix,
     Scale,
+    Segments,
     Softcap,
+    Window,
     excludes,
 )
 
@@ -162,6 +166,8 @@ def linear_form(spec: AttentionSpec) -> LinearForm:
                 offsets.append(op.offset)
         elif isinstance(op, KvLengths):
             reasons.append(KV_LENGTHS_REASON)
+        elif type(op) in _STRUCTURED_WORDS:
+            reasons += [r for r in structured_reasons(spec) if r not in reasons]
         else:
             reasons.append(f"unknown score op {type(op).__name__}")
     if cap is not None and post != 1.0:
@@ -247,6 +253,26 @@ KV_LENGTHS_REASON = (
 def input_reasons(spec: AttentionSpec, kernel: str) -> list[str]:
     """What every library adapter checks first: empty arrays, dtypes, extras."""
     return empty_reasons(spec) + float_dtype_reasons(spec, kernel) + extra_reasons(spec)
+
+
+#: Words for the structured-mask descriptors no library adapter takes yet.
+_STRUCTURED_WORDS = {
+    Window: "a local window (sliding-window mask)",
+    Chunk: "a chunked-attention mask",
+    Prefix: "a prefix-LM mask",
+    Segments: "segment ids (packed documents)",
+}
+
+
+def structured_reasons(spec: AttentionSpec) -> list[str]:
+    """One reason per structured-mask op (`Window`, `Chunk`, `Prefix`,
+    `Segments`) in ``spec``: library adapters do not take them yet."""
+    found = {type(op) for op in spec.score_ops if type(op) in _STRUCTURED_WORDS}
+    return [
+        f"{_STRUCTURED_WORDS[kind]} is not supported by this kernel; the 'blockwise' "
+        "kernel takes it as a descriptor and skips the blocks it excludes"
+        for kind in sorted(found, key=lambda k: k.__name__)
+    ]
 
 
 def linear_reasons(spec: AttentionSpec, kernel: str, *, bias_instead: str | None = None):

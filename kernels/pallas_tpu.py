@@ -128,7 +128,7 @@ def _masked_value(sm_scale: float) -> float:
 
 def _spec_reasons(spec: AttentionSpec) -> list[str]:
     """Static reasons this adapter cannot run ``spec`` exactly (platform aside)."""
-    reasons = _util.input_reasons(spec, "the TPU flash kernel")
+    reasons = _util.input_reasons(spec, "the TPU flash kernel") + _util.structured_reasons(spec)
     for position, op in enumerate(spec.score_ops):
         if isinstance(op, Softcap):
             reasons.append(

@@ -11,18 +11,32 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from flashpass.spec import AttentionSpec, Bias, Causal, KvLengths, Mask, Scale, Softcap
+from flashpass.spec import (
+    STRUCTURED,
+    AttentionSpec,
+    Bias,
+    Causal,
+    Chunk,
+    KvLengths,
+    Mask,
+    Prefix,
+    Scale,
+    Softcap,
+    Window,
+)
 
 from .base import CheckContext, PlainJaxKernel
 
 
-def apply_score_ops(spec: AttentionSpec, s, extras, q_pos=None, k_pos=None):
+def apply_score_ops(spec: AttentionSpec, s, extras, q_pos=None, k_pos=None, transposed=False):
     """Apply ``spec.score_ops`` to a score block ``s`` of shape ``[..., t, s]``.
 
     ``extras`` are the (already block-sliced, broadcastable) bias/mask arrays;
     ``q_pos``/``k_pos`` the absolute query/key positions of the block (default:
     the whole sequence).  Shared by the reference and blockwise kernels so both
-    implement the spec identically.
+    implement the spec identically.  ``transposed``: ``s`` is ``[..., s, t]``
+    and the positions come as the blockwise backward passes them (rows
+    ``-k_pos``, columns ``-q_pos``, see `tiles.tile_score_fn`).
     """
     for op in spec.score_ops:
         if isinstance(op, Scale):
@@ -37,6 +51,17 @@ def apply_score_ops(spec: AttentionSpec, s, extras, q_pos=None, k_pos=None):
             if k_pos is None:
                 k_pos = jnp.arange(s.shape[-1])
             keep = k_pos[None, :] <= q_pos[:, None] + op.offset
+            s = jnp.where(keep, s, jnp.asarray(op.fill, s.dtype))
+        elif isinstance(op, STRUCTURED):
+            if q_pos is None:
+                q_pos = jnp.arange(s.shape[-2])
+            if k_pos is None:
+                k_pos = jnp.arange(s.shape[-1])
+            if transposed:  # rows are keys at -k, columns queries at -q
+                qi, kj = -k_pos[None, :], -q_pos[:, None]
+            else:
+                qi, kj = q_pos[:, None], k_pos[None, :]
+            keep = structured_keep(op, extras, qi, kj)
             s = jnp.where(keep, s, jnp.asarray(op.fill, s.dtype))
         elif isinstance(op, Softcap):
             cap = jnp.asarray(op.cap, s.dtype)
@@ -58,6 +83,19 @@ def kv_valid_lengths(op: KvLengths, lengths, kv_len: int):
     bound = kv_len + abs(op.shift) + 1
     n = jnp.clip(lengths, -bound, bound).astype(jnp.int32) + op.shift
     return jnp.clip(n, 0, kv_len)
+
+
+def structured_keep(op, extras, qi, kj):
+    """The keep-mask of a `Window`, `Chunk`, `Prefix` or `Segments` op for query
+    positions ``qi`` and key positions ``kj`` (broadcastable to the tile)."""
+    if isinstance(op, Window):
+        keep = kj >= qi - op.left
+        return keep if op.right is None else keep & (kj <= qi + op.right)
+    if isinstance(op, Chunk):
+        return qi // op.size == kj // op.size
+    if isinstance(op, Prefix):
+        return (kj <= qi) | (kj < op.length)
+    return extras[op.q_index] == extras[op.kv_index]
 
 
 def repeat_kv(spec: AttentionSpec, x):

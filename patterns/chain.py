@@ -111,4 +111,4 @@ def _walk(scope: Scope, atom, steps: list) -> Chain | Miss:
 
 def ensure_loaded() -> None:
     """Import the piece modules so their rules are registered."""
-    from . import bias, layout, lengths, masks, scale, softcap  # noqa: F401
+    from . import bias, layout, lengths, masks, scale, softcap, structured  # noqa: F401

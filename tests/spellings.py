@@ -346,3 +346,130 @@ def hf_attention_bias(q, k, v, attention_mask):
 
 
 POSITIVE["hf_attention_bias"] = (hf_attention_bias, _padded_rows_args)
+
+
+# ---------------------------------------------------------------- structured masks (#18)
+#
+# Each becomes an O(T) descriptor (Window, Chunk, Prefix, Segments) instead of
+# a dense mask: tests/test_structured_masks.py checks the descriptors.
+
+WINDOW = 4  # keys i - 3 .. i
+CHUNK = 4
+PREFIX = 5
+
+
+def _positions(n):
+    return jnp.arange(n)
+
+
+def window_iota(q, k, v):
+    # iota difference, combined with causal by `&` (Mistral-style)
+    i = lax.broadcasted_iota(jnp.int32, (q.shape[2], k.shape[2]), 0)
+    j = lax.broadcasted_iota(jnp.int32, (q.shape[2], k.shape[2]), 1)
+    keep = (j <= i) & (i - j < WINDOW)
+    s = jnp.where(keep, q @ k.swapaxes(-1, -2) * 0.3, -jnp.inf)
+    return jax.nn.softmax(s, -1) @ v
+
+
+def window_tril_difference(q, k, v):
+    # tril minus an earlier tril, as 0/1 floats
+    t = q.shape[1]
+    band = jnp.tril(jnp.ones((t, t))) - jnp.tril(jnp.ones((t, t)), -WINDOW)
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(q.shape[-1])
+    s = jnp.where(band.astype(bool), s, jnp.finfo(jnp.float32).min)
+    return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1), v)
+
+
+def window_tril_xor(q, k, v):
+    t = q.shape[2]
+    causal = jnp.tril(jnp.ones((t, t), bool))
+    band = causal ^ jnp.tril(jnp.ones((t, t), bool), -WINDOW)
+    s = jnp.where(band[None, None], q @ k.swapaxes(-1, -2), -1e9)
+    return jax.nn.softmax(s, -1) @ v
+
+
+def window_positions_int_min(q, k, v):
+    # position-based, with an integer-min fill (as some JAX ports write it)
+    pos_q, pos_k = _positions(q.shape[2]), _positions(k.shape[2])
+    dist = pos_q[:, None] - pos_k[None, :]
+    keep = (dist >= 0) & (dist < WINDOW)
+    s = jnp.where(keep, q @ k.swapaxes(-1, -2) * 0.3, jnp.iinfo(jnp.int32).min)
+    return jax.nn.softmax(s, -1) @ v
+
+
+def window_bidirectional(q, k, v):
+    # local attention both ways: |i - j| <= 2
+    pos = _positions(q.shape[2])
+    keep = jnp.abs(pos[:, None] - pos[None, :]) <= 2
+    s = jnp.where(keep, q @ k.swapaxes(-1, -2) * 0.3, -1e30)
+    return jax.nn.softmax(s, -1) @ v
+
+
+def llama4_chunked(q, k, v):
+    # Llama 4's chunked local attention: same chunk and causal
+    pos = _positions(q.shape[2])
+    same_chunk = (pos[:, None] // CHUNK) == (pos[None, :] // CHUNK)
+    keep = same_chunk & (pos[None, :] <= pos[:, None])
+    s = jnp.where(keep, q @ k.swapaxes(-1, -2) * 0.3, jnp.finfo(jnp.float32).min)
+    return jax.nn.softmax(s, -1) @ v
+
+
+def prefix_lm(q, k, v):
+    # prefix-LM: the first PREFIX keys are seen by everyone, the rest causally
+    pos = _positions(q.shape[2])
+    keep = (pos[None, :] <= pos[:, None]) | (pos[None, :] < PREFIX)
+    s = jnp.where(keep, q @ k.swapaxes(-1, -2) * 0.3, -1e9)
+    return jax.nn.softmax(s, -1) @ v
+
+
+def packed_segments(q, k, v, segment_ids):
+    # MaxText-style packed documents: same segment and causal
+    same = segment_ids[:, :, None] == segment_ids[:, None, :]
+    t = q.shape[2]
+    keep = same[:, None] & jnp.tril(jnp.ones((t, t), bool))
+    s = jnp.where(keep, q @ k.swapaxes(-1, -2) * 0.3, -0.7 * float(np.finfo(np.float32).max))
+    return jax.nn.softmax(s, -1) @ v
+
+
+EOS = 7
+
+
+def packed_eos_cumsum(q, k, v, tokens):
+    # segment ids derived in the program: a new document after every EOS token
+    ids = jnp.cumsum(tokens == EOS, axis=-1) - (tokens == EOS)
+    same = ids[:, None, :, None] == ids[:, None, None, :]
+    s = jnp.where(same, q @ k.swapaxes(-1, -2) * 0.3, -jnp.inf)
+    return jax.nn.softmax(s, -1) @ v
+
+
+def _segment_args(rng):
+    q, k, v = bnth(rng)
+    ids = np.sort(rng.integers(0, 4, (B, T)), axis=1).astype(np.int32)
+    return q, k, v, jnp.asarray(ids)
+
+
+def _token_args(rng):
+    q, k, v = bnth(rng)
+    tokens = rng.integers(0, 10, (B, T)).astype(np.int32)
+    tokens[:, 3] = EOS
+    return q, k, v, jnp.asarray(tokens)
+
+
+#: Structured-mask spellings and the descriptors their spec must hold.
+STRUCTURED = {
+    "window_iota": (window_iota, bnth, ("Causal(0)", "Window(3, None)")),
+    "window_tril_difference": (window_tril_difference, btnh, ("Window(3, 0)",)),
+    "window_tril_xor": (window_tril_xor, bnth, ("Window(3, 0)",)),
+    "window_positions_int_min": (
+        window_positions_int_min,
+        bnth,
+        ("Causal(0)", "Window(3, None)"),
+    ),
+    "window_bidirectional": (window_bidirectional, bnth, ("Window(2, 2)",)),
+    "llama4_chunked": (llama4_chunked, bnth, ("Chunk(4)", "Causal(0)")),
+    "prefix_lm": (prefix_lm, bnth, ("Prefix(5)",)),
+    "packed_segments": (packed_segments, _segment_args, ("Segments", "Causal(0)")),
+    "packed_eos_cumsum": (packed_eos_cumsum, _token_args, ("Segments",)),
+}
+POSITIVE.update({name: (fn, make) for name, (fn, make, _) in STRUCTURED.items()})
+CAUSAL.update({"window_iota", "window_positions_int_min", "llama4_chunked", "packed_segments"})

@@ -21,6 +21,7 @@ from jax.custom_derivatives import SymbolicZero
 
 from .. import _util
 from . import heads
+from .bounds import segments_meet
 from .plan import Plan, Plans
 from .tiles import (
     add_at,
@@ -59,7 +60,8 @@ def forward(plan: Plan, q, k, v, extras):
     ex5 = [extra5(spec, x, tp, sp) for x in extras]
     p_dtype = spec.p_dtype
 
-    if plan.skipped_score is not None:
+    finite_segments = plan.segments is not None and np.isfinite(plan.segment_score)
+    if plan.skipped_score is not None or finite_segments:
         # Skipped keys start at a key-block boundary: suffix sums of V's block
         # sums (padded keys are 0), row j is sum over blocks >= j, row nk is 0.
         vblocks = vp.astype(cdt).reshape(B, Hkv, plan.nk, bk, Dv).sum(axis=3)
@@ -102,23 +104,52 @@ def forward(plan: Plan, q, k, v, extras):
             jnp.zeros((B, Hkv, rows), cdt),
             jnp.zeros((B, Hkv, rows, Dv), cdt),
         )
-        kfull, kend = bound(plan.kfull, iq), bound(plan.kend, iq)
-        state = loop(0, kfull, kv_body(False), state)
-        m, den, acc = loop(kfull, kend, kv_body(True), state)
-        if plan.skipped_score is not None:
-            # The skipped keys all score c: fold them in as n copies of c with
-            # the suffix sum of their values (a no-op when exp(c - m) == 0).
-            first = bound(plan.kend_key, iq)
-            n = jnp.asarray(spec.kv_len - first).astype(cdt)
+
+        def fold(state, n, vsum):
+            # Keys that all score c: fold them in as n copies of c with the sum
+            # of their values (a no-op when exp(c - m) == 0).
+            m, den, acc = state
             m_new = jnp.where(n > 0, jnp.maximum(m, c), m)
             m_safe = jnp.where(m_new == -jnp.inf, 0, m_new)
             alpha = jnp.exp(m - m_safe)
             beta = jnp.where(n > 0, jnp.exp(c - m_safe), 0)
-            vsum = lax.dynamic_slice_in_dim(vsuffix, bound(plan.kend, iq), 1, axis=2)
             den = den * alpha + n * beta
             beta_p = beta.astype(p_dtype).astype(cdt)  # as the reference rounds p
-            acc = acc * alpha[..., None] + beta_p[..., None] * vsum
-            m = m_new
+            return m_new, den, acc * alpha[..., None] + beta_p[..., None] * vsum
+
+        def segmented(body):
+            # Tiles whose query and key segment ids cannot meet are skipped at
+            # run time (their keys score c: folded in when c is finite).
+            if plan.segments is None:
+                return body
+            op = plan.segments
+            qids = ex_q[op.q_index]
+
+            def run(ik, state):
+                kids = slice_s(ex_q[op.kv_index], ik * bk, bk)
+                meet = segments_meet(qids, kids)
+                if not finite_segments:
+                    return lax.cond(meet, body, lambda _, st: st, ik, state)
+                n = jnp.asarray(jnp.minimum(bk, spec.kv_len - ik * bk)).astype(cdt)
+                vsum = lax.dynamic_slice_in_dim(vblocks, ik, 1, axis=2)
+                return lax.cond(meet, body, lambda _, st: fold(st, n, vsum), ik, state)
+
+            return run
+
+        kstart, kfs = bound(plan.kstart, iq), bound(plan.kfs, iq)
+        kfull, kend = bound(plan.kfull, iq), bound(plan.kend, iq)
+        state = loop(kstart, kfs, segmented(kv_body(True)), state)
+        state = loop(kfs, kfull, segmented(kv_body(False)), state)
+        m, den, acc = loop(kfull, kend, segmented(kv_body(True)), state)
+        if plan.skipped_score is not None:
+            # The keys outside [kstart, kend) blocks: a prefix and a suffix.
+            first, last = bound(plan.kstart_key, iq), bound(plan.kend_key, iq)
+            n = jnp.asarray(spec.kv_len - (last - first)).astype(cdt)
+            vsum = lax.dynamic_slice_in_dim(vsuffix, kend, 1, axis=2)
+            if any(plan.kstart):
+                before = vsuffix[:, :, :1] - lax.dynamic_slice_in_dim(vsuffix, kstart, 1, axis=2)
+                vsum = vsum + before
+            m, den, acc = fold((m, den, acc), n, vsum)
         out_t = (acc / den[..., None]).astype(spec.out_dtype)
         out = put_q_tile(plan, out, out_t, iq)
         return out, put_q_tile(plan, ms, m, iq, -1), put_q_tile(plan, dens, den, iq, -1)
@@ -165,6 +196,9 @@ def backward(plan: Plan, q, k, v, extras, out, m, den, dout, wanted):
     # over each tile less (no p = e / den).
     do_n = do5.astype(cdt) * inv_den[..., None]
     delta_n = delta * inv_den
+    finite_c = plan.segments is not None and np.isfinite(plan.segment_score)
+    if finite_c:
+        c = skipped_score_of(plan, cdt)
 
     def k_block(ik, carry):
         dqt, dk, dv, dbias = carry
@@ -217,9 +251,34 @@ def backward(plan: Plan, q, k, v, extras, out, m, den, dout, wanted):
             jnp.zeros((B, Hkv, bk, Dv), cdt),
             dbias,
         )
+
+        def segmented(body):
+            # As in the forward: tiles whose segment ids cannot meet are skipped;
+            # with a finite c their keys still get dV from the rows' weights.
+            if plan.segments is None:
+                return body
+            op = plan.segments
+            kids = ex_k[op.kv_index]
+
+            def skipped(iq, state):
+                if not finite_c:
+                    return state
+                dqt, dk_t, dv_t, dbias = state
+                w = jnp.exp(c - q_tile(plan, m, iq, -1)).astype(p_dtype).astype(cdt)
+                dv_rows = jnp.einsum("bht,bhtd->bhd", w, q_tile(plan, do_n, iq))
+                return dqt, dk_t, dv_t + dv_rows[:, :, None], dbias
+
+            def run(iq, state):
+                qids = slice_t(ex_k[op.q_index], iq * bq, bq)
+                return lax.cond(segments_meet(qids, kids), body, skipped, iq, state)
+
+            return run
+
         qstart, qfull = bound(plan.qstart, ik), bound(plan.qfull, ik)
-        state = loop(qstart, qfull, q_body(True), state)
-        dqt, dk_t, dv_t, dbias = loop(qfull, plan.nq, q_body(False), state)
+        qfe, qend = bound(plan.qfe, ik), bound(plan.qend, ik)
+        state = loop(qstart, qfull, segmented(q_body(True)), state)
+        state = loop(qfull, qfe, segmented(q_body(False)), state)
+        dqt, dk_t, dv_t, dbias = loop(qfe, qend, segmented(q_body(True)), state)
         dk = lax.dynamic_update_slice_in_dim(dk, dk_t, ik * bk, axis=2)
         dv = lax.dynamic_update_slice_in_dim(dv, dv_t, ik * bk, axis=2)
         return dqt, dk, dv, dbias
@@ -257,7 +316,8 @@ def _skipped_dv(plan: Plan, m, inv_den, do5):
     w = w.reshape(B, Hkv, G, plan.nq, plan.bq)
     do = do5.astype(cdt).reshape(B, Hkv, G, plan.nq, plan.bq, Dv)
     per_block = jnp.einsum("bhgqt,bhgqtd->bhqd", w, do)
-    skips = np.array([[float(e <= jb) for e in plan.kend] for jb in range(plan.nk)], cdt)
+    ends = list(zip(plan.kstart, plan.kend, strict=True))
+    skips = np.array([[float(not s <= jb < e) for s, e in ends] for jb in range(plan.nk)], cdt)
     per_key_block = jnp.einsum("jq,bhqd->bhjd", skips, per_block)
     dv = jnp.broadcast_to(per_key_block[:, :, :, None], (B, Hkv, plan.nk, plan.bk, Dv))
     return dv.reshape(B, Hkv, plan.nk * plan.bk, Dv)[:, :, : spec.kv_len]

@@ -13,9 +13,19 @@ import math
 import jax.numpy as jnp
 import numpy as np
 
-from flashpass.spec import AttentionSpec, Bias, Causal, KvLengths, Mask, Scale, Softcap
+from flashpass.spec import (
+    STRUCTURED,
+    AttentionSpec,
+    Bias,
+    KvLengths,
+    Mask,
+    Scale,
+    Segments,
+    Softcap,
+)
 
 from .. import _util
+from . import bounds
 
 # Tuning constants.  The measurements behind them (crossover, tile sizes, head
 # loop; machine, dates and commands) are in docs/benchmarks.md, "Tuning" and
@@ -41,7 +51,7 @@ OUTER_BLOCK, MIN_BLOCK, MAX_INNER_BLOCK = 512, 128, 1024
 HEAD_LOOP_BLOCK = 1024
 HEAD_LOOP_MIN_CAUSAL_LEN = 8192
 
-_KNOWN_OPS = (Scale, Bias, Mask, Causal, Softcap, KvLengths)
+_KNOWN_OPS = (Scale, Bias, Mask, Softcap, KvLengths, *STRUCTURED)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,10 +118,11 @@ class Plan:
     nq: int
     nk: int
     cdt: np.dtype  # compute dtype, at least float32
-    # Causal block skipping.  Per query block: key tiles [0, kfull) are entirely
-    # kept and unpadded, [kfull, kend) straddle the diagonal or the padding,
-    # [kend, nk) are skipped.  Per key block: query tiles [qstart, qfull) are
-    # edge tiles, [qfull, nq) plain ones.
+    # Block skipping (`bounds`: causal, window, chunk, prefix).  Per query
+    # block: key tiles [kstart, kfs) and [kfull, kend) are edge tiles (they
+    # straddle a mask's boundary or the padding), [kfs, kfull) are entirely
+    # kept and unpadded, the rest skipped.  Per key block: query tiles
+    # [qstart, qfull) and [qfe, qend) are edge tiles, [qfull, qfe) plain ones.
     kfull: tuple[int, ...]
     kend: tuple[int, ...]
     qstart: tuple[int, ...]
@@ -121,6 +132,16 @@ class Plan:
     # through a closed form (all of them share that one score).  None when
     # skipped keys have score -inf (weight exactly 0) or nothing is skipped.
     skipped_score: float | None
+    kstart: tuple[int, ...] = ()
+    kfs: tuple[int, ...] = ()
+    qfe: tuple[int, ...] = ()
+    qend: tuple[int, ...] = ()
+    # Position of the last op of the skipped run (`bounds.skip_run`), and the
+    # final score of the keys it excludes (-inf included) when segment ids
+    # skip tiles at run time (`segments`: the Segments op), else None.
+    skip_at: int | None = None
+    segments: object = None
+    segment_score: float | None = None
 
     @property
     def padded_k(self) -> bool:
@@ -131,9 +152,15 @@ class Plan:
         """First skipped key position per query block (``S`` when none is skipped)."""
         return tuple(min(e * self.bk, self.spec.kv_len) for e in self.kend)
 
+    @property
+    def kstart_key(self) -> tuple[int, ...]:
+        """First visited key position per query block."""
+        return tuple(min(e * self.bk, self.spec.kv_len) for e in self.kstart)
+
     def tiles_computed(self) -> int:
-        """Number of (query tile, key tile) pairs the forward computes."""
-        return sum(self.kend)
+        """Number of (query tile, key tile) pairs the forward computes (at most:
+        segment ids skip more at run time)."""
+        return sum(self.kend) - sum(self.kstart)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -187,37 +214,22 @@ def make_plan(spec: AttentionSpec, block_q: int, block_k: int) -> Plan:
     cdt = np.dtype(jnp.promote_types(spec.compute_dtype, jnp.float32))
 
     # Skipping is exact only when every skipped key has the same final score,
-    # i.e. nothing after the (single) Causal op depends on the key position.
+    # i.e. nothing after the structured ops depends on the key position.
     ops = spec.score_ops
-    causal_at = [i for i, op in enumerate(ops) if isinstance(op, Causal)]
-    causal = None
-    skipped_score = None
-    if len(causal_at) == 1:
-        post = ops[causal_at[0] + 1 :]
-        if all(isinstance(op, Scale | Softcap) for op in post):
-            c = spec.final_fill(causal_at[0], ops[causal_at[0]].fill)
-            if math.isfinite(c) or c == -math.inf:
-                causal = ops[causal_at[0]]
-                skipped_score = c if math.isfinite(c) else None
-
-    last_plain = nk - 1 if padded else nk  # the padded tile always needs the `where`
-    kfull, kend = [], []
-    for iq in range(nq):
-        if causal is None:
-            kend.append(nk)
-            kfull.append(last_plain)
-            continue
-        first_row = iq * bq
-        last_row = min((iq + 1) * bq, T) - 1
-        keys = min(max(last_row + causal.offset + 1, 0), S)  # keys any real row keeps
-        end = -(-keys // bk)
-        full = min(max((first_row + causal.offset + 1) // bk, 0), end, last_plain)
-        kend.append(end)
-        kfull.append(full)
-    qstart = [next((iq for iq in range(nq) if kend[iq] > ik), nq) for ik in range(nk)]
-    qfull = [next((iq for iq in range(nq) if kfull[iq] > ik), nq) for ik in range(nk)]
-    if skipped_score is not None and all(e == nk for e in kend):
-        skipped_score = None
+    run = bounds.skip_run(spec)
+    skipped = ops[run[0] : run[1] + 1] if run is not None else ()
+    static = tuple(op for op in skipped if not isinstance(op, Segments))
+    c = spec.final_fill(run[1], ops[run[1]].fill) if run is not None else None
+    empty, full = bounds.tile_table(static, T, S, bq, bk, nq, nk)
+    if padded:
+        full[:, -1] = False  # the padded tile always needs the `where`
+    rows = [bounds.ranges(~empty[iq], full[iq]) for iq in range(nq)]
+    cols = [bounds.ranges(~empty[:, ik], full[:, ik]) for ik in range(nk)]
+    kstart, kfs, kfull, kend = (tuple(r[n] for r in rows) for n in range(4))
+    qstart, qfull, qfe, qend = (tuple(r[n] for r in cols) for n in range(4))
+    skips = any(e - s < nk for s, e in zip(kstart, kend, strict=True))
+    skipped_score = c if skips and c is not None and math.isfinite(c) else None
+    segments = bounds.segment_ops(spec, run)
 
     # Fold the leading Scales into q when that is exact (a power of two, and q
     # has float32's exponent range so nothing turns subnormal) or merely moves
@@ -233,7 +245,7 @@ def make_plan(spec: AttentionSpec, block_q: int, block_k: int) -> Plan:
         ops = ops[lead:]
     else:
         q_scale = 1.0
-    ops_plain = tuple(op for op in ops if op is not causal) if causal is not None else ops
+    ops_plain = tuple(op for op in ops if not any(op is x for x in static))
     return Plan(
         spec=spec,
         q_scale=q_scale,
@@ -244,9 +256,16 @@ def make_plan(spec: AttentionSpec, block_q: int, block_k: int) -> Plan:
         nq=nq,
         nk=nk,
         cdt=cdt,
-        kfull=tuple(kfull),
-        kend=tuple(kend),
-        qstart=tuple(qstart),
-        qfull=tuple(qfull),
+        kfull=kfull,
+        kend=kend,
+        qstart=qstart,
+        qfull=qfull,
         skipped_score=skipped_score,
+        kstart=kstart,
+        kfs=kfs,
+        qfe=qfe,
+        qend=qend,
+        skip_at=run[1] if run is not None else None,
+        segments=segments,
+        segment_score=c if segments is not None else None,
     )

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from flashpass.spec import AttentionSpec, Bias, Causal, KvLengths, Mask
+from flashpass.spec import AttentionSpec, Bias, KvLengths, Mask
 
 from ..reference import apply_score_ops, kv_valid_lengths
 from .plan import Plan
@@ -156,7 +156,7 @@ def tile_score_fn(plan: Plan, ex_tile, q_pos, k_pos, edge: bool, transposed: boo
             ex[i] = k_pos[None, :] < n  # [.., 1, bk]: transposed with the others below
         if transposed:
             ex = [jnp.swapaxes(x, -1, -2) for x in ex]
-            s = apply_score_ops(ops_spec, s, ex, -k_pos, -q_pos)
+            s = apply_score_ops(ops_spec, s, ex, -k_pos, -q_pos, transposed=True)
             key_axis = k_pos[:, None]
         else:
             s = apply_score_ops(ops_spec, s, ex, q_pos, k_pos)
@@ -183,7 +183,7 @@ def bias_indices(spec: AttentionSpec, extras) -> tuple[int, ...]:
 def skipped_score_of(plan: Plan, cdt):
     """The skipped keys' common score, computed by the same ops as on real tiles."""
     ops = plan.spec.score_ops
-    at = next(i for i, op in enumerate(ops) if isinstance(op, Causal))
+    at = plan.skip_at  # the last op of the skipped run (`bounds.skip_run`)
     spec = dataclasses.replace(plan.spec, score_ops=ops[at + 1 :])
     fill = jnp.full((1, 1), ops[at].fill, cdt)
     return apply_score_ops(spec, fill, [])[0, 0]

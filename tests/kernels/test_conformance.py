@@ -61,7 +61,7 @@ from flashpass.kernels.pallas_gpu import PallasGpuKernel
 from flashpass.kernels.pallas_tpu import PallasTpuKernel
 from flashpass.kernels.splash import SplashKernel
 from flashpass.kernels.tokamax import TokamaxKernel
-from flashpass.spec import DESCRIPTORS, FLOAT_DTYPES, KvLengths
+from flashpass.spec import DESCRIPTORS, FLOAT_DTYPES, Chunk, KvLengths, Prefix, Segments, Window
 
 # --------------------------------------------------------------------------- cases
 
@@ -125,6 +125,31 @@ def _softcap(dtype):
     return spec_of(t=24, dtype=dtype, ops=[Scale(0.25), Softcap(5.0), Causal(0, -1e9)]), []
 
 
+def _window(dtype):
+    """A causal sliding window (#18): several key tiles skipped per query tile."""
+    ops = [Scale(0.25), Causal(0, -1e9), Window(5, None, -1e9)]
+    return spec_of(t=40, dtype=dtype, ops=ops), []
+
+
+def _chunk(dtype):
+    return spec_of(t=40, dtype=dtype, ops=[Scale(0.25), Chunk(12, -1e9), Causal(0, -1e9)]), []
+
+
+def _prefix(dtype):
+    return spec_of(t=40, dtype=dtype, ops=[Scale(0.25), Prefix(7, -1e9)]), []
+
+
+def _segments(dtype):
+    """Packed documents: sorted ids, one example with a query id no key has
+    (its row is fully masked: the reference averages v, fill -1e9)."""
+    ids = np.sort(np.random.default_rng(5).integers(0, 4, (2, 40)), axis=1).astype(np.int32)
+    kv_ids = ids.copy()
+    kv_ids[1][kv_ids[1] == kv_ids[1, -1]] = 99
+    extras = [((2, 1, 40, 1), np.int32), ((2, 1, 1, 40), np.int32)]
+    spec = spec_of(t=40, dtype=dtype, ops=[Scale(0.25), Segments(0, 1, -1e9)], extras=extras)
+    return spec, [jnp.asarray(ids[:, None, :, None]), jnp.asarray(kv_ids[:, None, None, :])]
+
+
 def _kv_lengths(dtype):
     """A decode step (two queries) against a ragged KV cache: rows filled to 0
     (fully masked), 9 and all 40 keys (`KvLengths`)."""
@@ -145,6 +170,10 @@ CASES = {
     "cross": _cross,
     "odd": _odd,
     "softcap": _softcap,
+    "window": _window,
+    "chunk": _chunk,
+    "prefix": _prefix,
+    "segments": _segments,
     "kv_lengths": _kv_lengths,
 }
 DTYPES = {"f32": F32, "bf16": BF16}
@@ -212,6 +241,10 @@ WORDS = {
     "bias": "bias",
     "softcap": "soft-cap",
     "gqa": "GQA",
+    "window": "window",
+    "chunk": "chunk",
+    "prefix": "prefix",
+    "segments": "segment",
     "kv_lengths": "kv lengths",
 }
 

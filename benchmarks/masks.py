@@ -1,0 +1,141 @@
+"""Structured masks on CPU (#18): descriptors vs dense masks vs the original.
+
+Every variant is called under ``jax.jit`` (flashpass variants: the optimized
+function, whose call is a ``jit``), compiled once, then timed interleaved
+(one call of each variant per round, ``--rounds`` rounds, medians), forward
+only.  B=1, H=``--heads``, D=64, float32, S=T=``--seq``.
+
+* ``window``: a causal sliding window of ``--window`` keys, written with iotas
+  (the descriptors ``Causal(0)`` + ``Window(W-1, None)``);
+  - ``original``: the same code, not optimized;
+  - ``dense_mask``: flashpass on the same site with the band passed in as a
+    ``[T, S]`` boolean array (a dense ``Mask``; causal skipping still applies);
+* ``packed``: ``--docs`` documents per row, segment ids compared with ``==``
+  and combined with causal (``Segments`` + ``Causal``);
+  - ``causal``: flashpass on plain causal attention of the same row;
+  - ``dense_mask``: flashpass with the segment mask passed as a ``[T, S]`` array.
+
+    python benchmarks/masks.py                # S = 8192, a few minutes on 2 cores
+    python benchmarks/masks.py --seq 2048 --rounds 2   # smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+import flashpass
+
+FILL = -1e9
+
+
+def _scores(q, k):
+    return jnp.einsum("bhtd,bhsd->bhts", q, k) * (q.shape[-1] ** -0.5)
+
+
+def _attend(s, v):
+    return jnp.einsum("bhts,bhsd->bhtd", jax.nn.softmax(s, axis=-1), v)
+
+
+def window_fn(width):
+    def window(q, k, v):
+        t, s_len = q.shape[2], k.shape[2]
+        i = lax.broadcasted_iota(jnp.int32, (t, s_len), 0)
+        j = lax.broadcasted_iota(jnp.int32, (t, s_len), 1)
+        keep = (j <= i) & (i - j < width)
+        return _attend(jnp.where(keep, _scores(q, k), FILL), v)
+
+    return window
+
+
+def causal_and_mask(q, k, v, mask):
+    t, s_len = q.shape[2], k.shape[2]
+    i = lax.broadcasted_iota(jnp.int32, (t, s_len), 0)
+    j = lax.broadcasted_iota(jnp.int32, (t, s_len), 1)
+    return _attend(jnp.where((j <= i) & mask, _scores(q, k), FILL), v)
+
+
+def causal(q, k, v):
+    t, s_len = q.shape[2], k.shape[2]
+    i = lax.broadcasted_iota(jnp.int32, (t, s_len), 0)
+    j = lax.broadcasted_iota(jnp.int32, (t, s_len), 1)
+    return _attend(jnp.where(j <= i, _scores(q, k), FILL), v)
+
+
+def packed(q, k, v, ids):
+    t, s_len = q.shape[2], k.shape[2]
+    i = lax.broadcasted_iota(jnp.int32, (t, s_len), 0)
+    j = lax.broadcasted_iota(jnp.int32, (t, s_len), 1)
+    same = ids[:, None, :, None] == ids[:, None, None, :]
+    return _attend(jnp.where(same & (j <= i), _scores(q, k), FILL), v)
+
+
+def interleaved(variants: dict, rounds: int) -> dict:
+    """Median seconds per call of each variant, timed round-robin."""
+    for fn, args in variants.values():
+        jax.block_until_ready(fn(*args))  # compile
+    times = {name: [] for name in variants}
+    for _ in range(rounds):
+        for name, (fn, args) in variants.items():
+            start = time.perf_counter()
+            jax.block_until_ready(fn(*args))
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seq", type=int, default=8192)
+    parser.add_argument("--heads", type=int, default=2)
+    parser.add_argument("--window", type=int, default=512)
+    parser.add_argument("--docs", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--skip-original", action="store_true")
+    args = parser.parse_args()
+    n, h = args.seq, args.heads
+    rng = np.random.default_rng(0)
+    q, k, v = (jnp.asarray(rng.standard_normal((1, h, n, 64)), jnp.float32) for _ in range(3))
+    pos = np.arange(n)
+    band = jnp.asarray(pos[:, None] - pos[None, :] < args.window)
+    ids = jnp.asarray((pos * args.docs // n)[None].astype(np.int32))
+    same = jnp.asarray(np.asarray(ids)[0][:, None] == np.asarray(ids)[0][None, :])
+
+    print(f"JAX {jax.__version__} on {jax.default_backend()}; B=1 H={h} D=64 S=T={n} f32")
+    win = window_fn(args.window)
+    opt_win = flashpass.optimize(win)
+    print(opt_win.explain(q, k, v))
+    variants = {
+        "window: flashpass (descriptors)": (opt_win, (q, k, v)),
+        "window: flashpass (dense mask)": (flashpass.optimize(causal_and_mask), (q, k, v, band)),
+    }
+    if not args.skip_original:
+        variants["window: original"] = (jax.jit(win), (q, k, v))
+    result = interleaved(variants, args.rounds)
+    opt_packed = flashpass.optimize(packed)
+    print(opt_packed.explain(q, k, v, ids))
+    docs = {
+        "packed: flashpass (segment ids)": (opt_packed, (q, k, v, ids)),
+        "packed: flashpass (dense mask)": (flashpass.optimize(causal_and_mask), (q, k, v, same)),
+        "packed: flashpass (plain causal)": (flashpass.optimize(causal), (q, k, v)),
+    }
+    result.update(interleaved(docs, args.rounds))
+    for name, seconds in result.items():
+        print(f"{name:36s} {seconds * 1e3:10.1f} ms")
+    w = result["window: flashpass (descriptors)"]
+    print(f"window: dense mask / descriptors = {result['window: flashpass (dense mask)'] / w:.1f}x")
+    if not args.skip_original:
+        print(f"window: original / descriptors   = {result['window: original'] / w:.1f}x")
+    p = result["packed: flashpass (segment ids)"]
+    plain = result["packed: flashpass (plain causal)"]
+    print(f"packed: plain causal / segments  = {plain / p:.1f}x")
+    print(f"packed: dense mask / segments    = {result['packed: flashpass (dense mask)'] / p:.1f}x")
+
+
+if __name__ == "__main__":
+    main()

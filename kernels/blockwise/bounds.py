@@ -1,0 +1,123 @@
+"""Which tiles the blockwise kernel visits: bounds from the structured score ops.
+
+The structured ops (`flashpass.spec.STRUCTURED`: causal, window, chunk,
+prefix, segment ids) exclude keys by position or segment.  Where they form one
+run of ops with one fill, followed only by Scale/Softcap (`skip_run`), every
+excluded key ends with the same score ``c``, so a tile they exclude entirely
+need not be computed: its keys are folded in by a closed form (a no-op when
+``c`` is ``-inf`` or any row keeps a key).
+
+`tile_table` classifies every (query tile, key tile) pair from the static ops
+exactly, by interval arithmetic on the tile's row and column ranges: empty,
+partial (element masks needed) or full (the static ops keep every entry).
+Per query block the visited key tiles are one range, and so are the full ones
+(each op's kept keys per row are one interval whose ends grow with the row),
+and likewise per key block.  Segment ids are data: tiles in the visited range
+are skipped at run time when their query and key id ranges are disjoint.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax.numpy as jnp
+import numpy as np
+
+from flashpass.spec import (
+    STRUCTURED,
+    AttentionSpec,
+    Causal,
+    Chunk,
+    Prefix,
+    Scale,
+    Segments,
+    Softcap,
+    Window,
+)
+
+
+def skip_run(spec: AttentionSpec) -> tuple[int, int] | None:
+    """``(first, last)`` positions of the structured ops when the blocks they
+    exclude may be skipped: one consecutive run of them, one fill, and only
+    Scale/Softcap after it (so every excluded key ends with one score)."""
+    ops = spec.score_ops
+    at = [i for i, op in enumerate(ops) if isinstance(op, STRUCTURED)]
+    if not at:
+        return None
+    first, last = at[0], at[-1]
+    if last - first + 1 != len(at) or len({ops[i].fill for i in at}) != 1:
+        return None
+    if not all(isinstance(op, Scale | Softcap) for op in ops[last + 1 :]):
+        return None
+    c = spec.final_fill(last, ops[last].fill)
+    if not (math.isfinite(c) or c == -math.inf):
+        return None
+    return first, last
+
+
+def _op_state(op, r0, r1, c0, c1):
+    """(empty, full) boolean grids of one static op for tiles with real rows
+    ``[r0, r1]`` and keys ``[c0, c1]`` (broadcast numpy arrays)."""
+    if isinstance(op, Causal):
+        return c0 > r1 + op.offset, c1 <= r0 + op.offset
+    if isinstance(op, Window):
+        empty = c1 < r0 - op.left
+        full = c0 >= r1 - op.left
+        if op.right is not None:
+            empty = empty | (c0 > r1 + op.right)
+            full = full & (c1 <= r0 + op.right)
+        return empty, full
+    if isinstance(op, Chunk):
+        n = op.size
+        empty = (c1 // n < r0 // n) | (c0 // n > r1 // n)
+        full = (r0 // n == r1 // n) & (c0 // n == c1 // n) & (r0 // n == c0 // n)
+        return empty, full
+    if isinstance(op, Prefix):
+        return (c0 > r1) & (c0 >= op.length), (c1 <= r0) | (c1 < op.length)
+    raise TypeError(f"not a static structured op: {op!r}")
+
+
+def tile_table(static_ops, T: int, S: int, bq: int, bk: int, nq: int, nk: int):
+    """``(empty, full)`` boolean ``[nq, nk]`` tables for ``static_ops``."""
+    iq = np.arange(nq)[:, None]
+    ik = np.arange(nk)[None, :]
+    r0, r1 = iq * bq, np.minimum((iq + 1) * bq, T) - 1
+    c0, c1 = ik * bk, np.minimum((ik + 1) * bk, S) - 1
+    empty = np.zeros((nq, nk), bool)
+    full = np.ones((nq, nk), bool)
+    for op in static_ops:
+        e, f = _op_state(op, r0, r1, c0, c1)
+        empty |= e
+        full &= f
+    return empty, full & ~empty
+
+
+def ranges(visited: np.ndarray, full: np.ndarray) -> tuple[int, int, int, int]:
+    """``(start, full_start, full_end, end)`` of one row of a tile table: tiles
+    ``[start, end)`` are visited, ``[full_start, full_end)`` of them full."""
+    idx = np.flatnonzero(visited)
+    if idx.size == 0:
+        return 0, 0, 0, 0
+    start, end = int(idx[0]), int(idx[-1]) + 1
+    inner = np.flatnonzero(full[start:end]) + start
+    if inner.size == 0 or inner[-1] - inner[0] + 1 != inner.size:
+        return start, end, end, end  # no full run: every visited tile is an edge
+    return start, int(inner[0]), int(inner[-1]) + 1, end
+
+
+def segment_ops(spec: AttentionSpec, run) -> Segments | None:
+    """The `Segments` op whose ids decide run-time tile skipping, if any."""
+    if run is None:
+        return None
+    found = [op for op in spec.score_ops[run[0] : run[1] + 1] if isinstance(op, Segments)]
+    return found[0] if found else None
+
+
+def segments_meet(q_ids, kv_ids):
+    """Whether some query id of a tile can equal some key id (per batch and
+    head row, any of them): the id ranges ``[min, max]`` overlap.  Exact for
+    any ids; with sorted (packed) ids only tiles that really meet pass."""
+    axes = (-2, -1)
+    q_lo, q_hi = q_ids.min(axis=axes), q_ids.max(axis=axes)
+    k_lo, k_hi = kv_ids.min(axis=axes), kv_ids.max(axis=axes)
+    return jnp.any((q_lo <= k_hi) & (k_lo <= q_hi))

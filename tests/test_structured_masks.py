@@ -1,0 +1,321 @@
+"""Structured masks as O(T) descriptors (#18): windows, chunks, prefix-LM, segment ids.
+
+* every spelling of `spellings.STRUCTURED` becomes exactly its descriptors
+  (no dense mask), computes the original forward and gradient, and hands the
+  kernel no ``T x S`` array (checked on the rewritten jaxpr);
+* near-misses (off-by-one windows, row-dependent widths, traced positions,
+  non-equality id comparisons, non-excluding fills...) keep a dense mask or
+  the right, different descriptor, and still compute the original;
+* the blockwise kernel skips the tiles a descriptor excludes, and matches the
+  float64 reference with skipped tiles, fully masked rows and run-time segment
+  skipping, forward and backward.
+
+The context matrix (tests/test_contexts.py) runs every structured spelling's
+first call in 8 contexts, since they are in `spellings.POSITIVE`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+import flashpass
+from flashpass import compat
+from flashpass.kernels.blockwise import BlockwiseKernel
+from flashpass.kernels.reference import reference_attention
+from flashpass.spec import (
+    AttentionSpec,
+    Causal,
+    Chunk,
+    ExtraSpec,
+    Prefix,
+    Scale,
+    Segments,
+    Softcap,
+    Window,
+)
+
+import spellings
+from spellings import bnth
+
+_IDS = {"index", "q_index", "kv_index", "fill", "shape"}
+
+
+def _described(spec: dict) -> list[str]:
+    """``Window(3, None)``-style names of a reported spec's non-scale ops."""
+    out = []
+    for op in spec["score_ops"]:
+        if op["op"] == "scale":
+            continue
+        args = [str(v) for k, v in op.items() if k != "op" and k not in _IDS]
+        name = op["op"].capitalize() if op["op"] != "kvlengths" else "KvLengths"
+        out.append(f"{name}({', '.join(args)})" if args else name)
+    return out
+
+
+def _grads(fn, args):
+    def loss(*a):
+        return jnp.sum(jnp.sin(fn(*a)))
+
+    return jax.grad(loss, argnums=(0, 1, 2))(*args)
+
+
+def _kernel_inputs(closed):
+    """Shapes of every kernel call's inputs in a (rewritten) jaxpr."""
+    shapes = []
+    jaxpr, _ = compat.closed_parts(closed)
+    for eqn in jaxpr.eqns:
+        name = eqn.params.get("name")
+        if isinstance(name, str) and name.startswith("flashpass_"):
+            shapes += [tuple(v.aval.shape) for v in eqn.invars]
+            continue
+        for sub in compat.subjaxprs_of_params(eqn.params):
+            shapes += _kernel_inputs(sub)
+    return shapes
+
+
+def _assert_close(a, b, tol=2e-5):
+    for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b), strict=True):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("name", sorted(spellings.STRUCTURED))
+def test_spelling_becomes_descriptors(name, rng):
+    fn, make, want = spellings.STRUCTURED[name]
+    args = make(rng)
+    opt = flashpass.optimize(fn, kernel="blockwise")
+    report = opt.explain(*args)
+    assert len(report.rewrites) == 1 and not report.fallbacks, str(report)
+    got = _described(report.rewrites[0].spec)
+    assert sorted(got) == sorted(want), got
+    # No T x S kernel input: nothing but q/k/v has two sequence-long axes.
+    t = spellings.T
+    for shape in _kernel_inputs(opt.rewritten_jaxpr(*args)):
+        assert sum(d >= t for d in shape) <= 1, (shape, got)
+    _assert_close(opt(*args), fn(*args))
+    _assert_close(_grads(opt, args[:3] + args[3:]), _grads(fn, args))
+
+
+# --------------------------------------------------------------------------- near misses
+
+
+def _window_off_by_one(q, k, v):
+    pos = jnp.arange(q.shape[2])
+    keep = (pos[None, :] <= pos[:, None]) & (pos[:, None] - pos[None, :] <= 4)
+    return jax.nn.softmax(jnp.where(keep, q @ k.swapaxes(-1, -2), -jnp.inf), -1) @ v
+
+
+def _window_row_dependent(q, k, v):
+    pos = jnp.arange(q.shape[2])
+    keep = (pos[None, :] <= pos[:, None]) & (pos[:, None] - pos[None, :] < 2 + pos[:, None] // 8)
+    return jax.nn.softmax(jnp.where(keep, q @ k.swapaxes(-1, -2), -1e9), -1) @ v
+
+
+def _window_traced_positions(q, k, v, pos):
+    # positions from the caller: nothing proves they are 0..T-1
+    keep = (pos[None, :] <= pos[:, None]) & (pos[:, None] - pos[None, :] < 4)
+    return jax.nn.softmax(jnp.where(keep, q @ k.swapaxes(-1, -2), -1e9), -1) @ v
+
+
+def _window_soft_fill(q, k, v):
+    # a fill of -10 does not exclude keys: the exact dense mask must stay
+    pos = jnp.arange(q.shape[2])
+    keep = jnp.abs(pos[:, None] - pos[None, :]) <= 2
+    return jax.nn.softmax(jnp.where(keep, q @ k.swapaxes(-1, -2), -10.0), -1) @ v
+
+
+def _window_gapped(q, k, v):
+    # two bands with a gap: not one window
+    pos = jnp.arange(q.shape[2])
+    d = pos[:, None] - pos[None, :]
+    keep = (d == 0) | (d == 3)
+    return jax.nn.softmax(jnp.where(keep, q @ k.swapaxes(-1, -2), -1e9), -1) @ v
+
+
+def _segments_ordered(q, k, v, ids):
+    # ``<=`` of segment ids: not packed documents
+    keep = ids[:, None, :, None] <= ids[:, None, None, :]
+    return jax.nn.softmax(jnp.where(keep, q @ k.swapaxes(-1, -2), -1e9), -1) @ v
+
+
+def _segments_float(q, k, v, ids):
+    same = ids.astype(jnp.float32)[:, None, :, None] == ids.astype(jnp.float32)[:, None, None, :]
+    return jax.nn.softmax(jnp.where(same, q @ k.swapaxes(-1, -2), -1e9), -1) @ v
+
+
+def _chunk_mismatched(q, k, v):
+    # query chunks of 4, key chunks of 5: not a chunk mask (ids of its own)
+    pos = jnp.arange(q.shape[2])
+    keep = (pos[:, None] // 4) == (pos[None, :] // 5)
+    return jax.nn.softmax(jnp.where(keep, q @ k.swapaxes(-1, -2), -1e9), -1) @ v
+
+
+def _prefix_shifted(q, k, v):
+    # causal part with an offset: not a prefix-LM mask as defined
+    pos = jnp.arange(q.shape[2])
+    keep = (pos[None, :] <= pos[:, None] + 1) | (pos[None, :] < 5)
+    return jax.nn.softmax(jnp.where(keep, q @ k.swapaxes(-1, -2), -1e9), -1) @ v
+
+
+def _with_ids(rng):
+    ids = np.sort(rng.integers(0, 4, (spellings.B, spellings.T)), axis=1).astype(np.int32)
+    return (*bnth(rng), jnp.asarray(ids))
+
+
+NEAR_MISSES = {
+    "window_off_by_one": (_window_off_by_one, bnth, ["Causal(0)", "Window(4, None)"]),
+    "window_row_dependent": (_window_row_dependent, bnth, ["Causal(0)", "Mask"]),
+    "window_traced_positions": (
+        _window_traced_positions,
+        lambda r: (*bnth(r), jnp.arange(spellings.T)),
+        ["Mask", "Mask"],
+    ),
+    "window_soft_fill": (_window_soft_fill, bnth, ["Mask"]),
+    "window_gapped": (_window_gapped, bnth, ["Mask"]),
+    "segments_ordered": (_segments_ordered, _with_ids, ["Mask"]),
+    "segments_float": (_segments_float, _with_ids, ["Mask"]),
+    "chunk_mismatched": (_chunk_mismatched, bnth, ["Segments"]),
+    "prefix_shifted": (_prefix_shifted, bnth, ["Mask"]),
+}
+
+
+@pytest.mark.parametrize("name", sorted(NEAR_MISSES))
+def test_near_miss_keeps_an_exact_reading(name, rng):
+    fn, make, want = NEAR_MISSES[name]
+    args = make(rng)
+    opt = flashpass.optimize(fn, kernel="blockwise")
+    report = opt.explain(*args)
+    assert len(report.rewrites) == 1, str(report)
+    assert sorted(_described(report.rewrites[0].spec)) == sorted(want)
+    _assert_close(opt(*args), fn(*args))
+
+
+def test_other_kernels_decline_descriptors_with_a_reason(rng):
+    q, k, v = bnth(rng, t=1024, s=1024)
+    fn = spellings.window_iota
+    report = flashpass.optimize(fn, kernel=["splash", "blockwise"], interpret=True).explain(q, k, v)
+    assert report.kernels == ["blockwise"]
+    reasons = " ".join(report.rewrites[0].rejected["splash"])
+    assert "window" in reasons
+
+
+# --------------------------------------------------------------------------- the kernel
+
+B, H, D = 2, 2, 8
+
+
+def _spec(t, s, ops, extras=()):
+    f32 = np.float32
+    return AttentionSpec(B, H, H, t, s, D, D, f32, f32, f32, f32, f32, f32, tuple(ops), extras)
+
+
+_SEG_EXTRAS = lambda t, s: (ExtraSpec((B, 1, t, 1), np.int32), ExtraSpec((B, 1, 1, s), np.int32))  # noqa: E731
+
+KERNEL_CASES = {
+    "causal_window": lambda t, s: [Scale(0.3), Causal(0, -math.inf), Window(7, None, -math.inf)],
+    "window_both_ways": lambda t, s: [Window(5, 3, -1e9)],
+    "chunk_causal": lambda t, s: [Chunk(8, -1e30), Causal(0, -1e30)],
+    "prefix": lambda t, s: [Prefix(13, -1e9)],
+    "segments_causal": lambda t, s: [Segments(0, 1, -1e9), Causal(0, -1e9)],
+    "segments_inf": lambda t, s: [Segments(0, 1, -math.inf)],
+    "segments_softcap": lambda t, s: [Segments(0, 1, -1e9), Softcap(5.0)],
+    "window_then_softcap": lambda t, s: [Window(3, None, -1e9), Causal(0, -1e9), Softcap(3.0)],
+}
+
+
+@pytest.mark.parametrize("blocks", [(8, 8), pytest.param((13, 7), marks=pytest.mark.slow)])
+@pytest.mark.parametrize("case", sorted(KERNEL_CASES))
+def test_blockwise_matches_reference(case, blocks, rng):
+    t = s = 40
+    ops = KERNEL_CASES[case](t, s)
+    segmented = any(isinstance(op, Segments) for op in ops)
+    spec = _spec(t, s, ops, _SEG_EXTRAS(t, s) if segmented else ())
+    q, k, v = (jnp.asarray(rng.standard_normal((B, H, t, D)), jnp.float32) for _ in range(3))
+    extras = ()
+    if segmented:
+        ids = np.sort(rng.integers(0, 4, (B, t)), axis=1).astype(np.int32)
+        kv = ids.copy()
+        kv[1][kv[1] == kv[1, -1]] = 99  # the last document's queries find no key
+        extras = (jnp.asarray(ids[:, None, :, None]), jnp.asarray(kv[:, None, None, :]))
+    kernel = BlockwiseKernel(*blocks, head_loop=False)
+
+    def ours(q, k, v):
+        return kernel.apply(spec, q, k, v, extras)
+
+    def ref(q, k, v):
+        return reference_attention(spec, q, k, v, extras)
+
+    out, want = ours(q, k, v), ref(q, k, v)
+    finite = np.isfinite(np.asarray(want))
+    assert np.array_equal(np.isfinite(np.asarray(out)), finite)
+    np.testing.assert_allclose(np.asarray(out)[finite], np.asarray(want)[finite], atol=2e-5)
+    if np.all(finite):
+        _assert_close(_grads(ours, (q, k, v)), _grads(ref, (q, k, v)), 5e-5)
+
+
+def test_blockwise_skips_what_descriptors_exclude():
+    t = s = 2048
+    kernel = BlockwiseKernel(128, 128, head_loop=False)
+    causal = kernel.plan(_spec(t, s, [Causal(0, -math.inf)]))
+    window = kernel.plan(_spec(t, s, [Causal(0, -math.inf), Window(127, None, -math.inf)]))
+    chunk = kernel.plan(_spec(t, s, [Chunk(256, -math.inf), Causal(0, -math.inf)]))
+    assert causal.tiles_computed() == 16 * 17 // 2
+    assert window.tiles_computed() == 16 + 15  # the diagonal tile and the one before
+    assert chunk.tiles_computed() == 8 * 3  # per chunk: 2 diagonal tiles, 1 full
+    # Window tiles entirely inside the band run without a mask.
+    plan = kernel.plan(_spec(t, s, [Window(300, 300, -math.inf)]))
+    assert any(e > f for f, e in zip(plan.kfs, plan.kfull, strict=True))
+    assert plan.ops_plain == ()
+
+
+def test_segments_skip_tiles_at_run_time(rng):
+    """Four documents of 64 in a row of 256: tiles across documents are skipped
+    (lax.cond), with the same result as computing them."""
+    t = 256
+    spec = _spec(t, t, [Segments(0, 1, -1e9), Causal(0, -1e9)], _SEG_EXTRAS(t, t))
+    ids = np.repeat(np.arange(4, dtype=np.int32), 64)[None].repeat(B, 0)
+    extras = (jnp.asarray(ids[:, None, :, None]), jnp.asarray(ids[:, None, None, :]))
+    q, k, v = (jnp.asarray(rng.standard_normal((B, H, t, D)), jnp.float32) for _ in range(3))
+    kernel = BlockwiseKernel(32, 32, head_loop=False)
+    out = kernel.apply(spec, q, k, v, extras)
+    want = reference_attention(spec, q, k, v, extras)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(want), atol=2e-5)
+    text = str(jax.make_jaxpr(lambda *a: kernel.apply(spec, *a, extras))(q, k, v))
+    assert "cond" in text
+    dense = dataclasses.replace(spec, score_ops=(Causal(0, -1e9),), extras=())
+    assert kernel.plan(spec).tiles_computed() == kernel.plan(dense).tiles_computed()
+
+
+def test_large_window_is_recognised_symbolically():
+    """A window over 8192 positions is proven without folding a T x S mask."""
+    q = jax.ShapeDtypeStruct((2, 2, 8192, 64), jnp.float32)
+
+    def fn(q, k, v):
+        t = q.shape[2]
+        band = jnp.tril(jnp.ones((t, t), bool)) ^ jnp.tril(jnp.ones((t, t), bool), -512)
+        s = jnp.where(band[None, None], q @ k.swapaxes(-1, -2), -jnp.inf)
+        return jax.nn.softmax(s, -1) @ v
+
+    report = flashpass.optimize(fn, kernel="blockwise").explain(q, q, q)
+    assert _described(report.rewrites[0].spec) == ["Window(511, 0)"]
+
+
+def test_window_mask_built_with_lax_select(rng):
+    """``lax.select`` of 0/1 constants on an iota difference (an int mask)."""
+
+    def fn(q, k, v):
+        i = lax.broadcasted_iota(jnp.int32, (q.shape[2], k.shape[2]), 0)
+        j = lax.broadcasted_iota(jnp.int32, (q.shape[2], k.shape[2]), 1)
+        band = lax.select(i - j < 3, jnp.ones_like(i), jnp.zeros_like(i)) * (j <= i)
+        return jax.nn.softmax(jnp.where(band > 0, q @ k.swapaxes(-1, -2), -1e9), -1) @ v
+
+    args = bnth(rng)
+    opt = flashpass.optimize(fn, kernel="blockwise")
+    assert _described(opt.explain(*args).rewrites[0].spec) == ["Window(2, 0)"]
+    _assert_close(opt(*args), fn(*args))
