@@ -127,6 +127,17 @@ def closed_parts(closed) -> tuple:
     return closed.jaxpr, list(closed.consts)
 
 
+def scan_counts(params) -> tuple[int, int]:
+    """``(num_consts, num_carry)`` of a ``scan`` equation: its operands are that
+    many constants, then the carry, then the scanned arrays.  JAX 0.11 replaced
+    the ``num_consts``/``num_carry`` params with ``ft_in`` (a flat tree of the
+    three groups; loop-invariant carries count as constants)."""
+    if "num_consts" in params:
+        return params["num_consts"], params["num_carry"]
+    consts, carry, _ = params["ft_in"].unpack()
+    return len(consts.vals), len(carry.vals)
+
+
 #: Bodies that a primitive evaluates with its attached constants since JAX 0.11
 #: (``ClosedJaxpr`` params before): a rewritten body there may gain constants.
 #: Any other body (``remat``'s, ``shard_map``'s...) was an open ``Jaxpr`` and
@@ -759,3 +770,16 @@ def outside_mesh():
 
     with jax.sharding.use_abstract_mesh(_mesh.empty_abstract_mesh), vma_checks(False):
         yield
+
+
+def auto_sharding(x):
+    """The `NamedSharding` of a concrete array sharded over Auto mesh axes of
+    more than one device (not part of its type), else None."""
+    if not isinstance(x, jax.Array) or isinstance(x, jax.core.Tracer):
+        return None
+    sharding = getattr(x, "sharding", None)
+    if not isinstance(sharding, jax.sharding.NamedSharding) or sharding.mesh.size <= 1:
+        return None
+    if not axis_kinds(sharding.mesh).get("auto") or not any(sharding.spec):
+        return None
+    return sharding

@@ -84,18 +84,51 @@ class ShardPlan:
 # --------------------------------------------------------------------------- planning
 
 
-def plan_sites(planned, scopes: dict) -> tuple[dict, dict]:
+def plan_sites(planned, scopes: dict, input_shardings: tuple = ()) -> tuple[dict, dict]:
     """``(shards, kept)``: root path -> `ShardPlan` for the sites that run per
-    shard, root path -> reason for those that must be kept as written."""
+    shard, root path -> reason for those that must be kept as written.
+
+    ``input_shardings`` (one per top-level input, None where unknown) are the
+    concrete arguments' shardings, which Auto mesh axes keep out of the types;
+    like ``sharding_constraint`` annotations in the program, they are read only
+    to find a sequence-sharded site to run as a ring."""
+    top = scopes.get(())
+    hints = {}
+    if top is not None:
+        hints = {k: sh for k, sh in zip(top.invars, input_shardings, strict=False) if sh}
     shards, kept = {}, {}
     for p in planned:
         scope = scopes[p.site.scope_prefix]
-        result = analyze(_before_gather(p.site, scope), p.kernel, scope.aval)
+        site = _before_gather(p.site, scope)
+        result = analyze(site, p.kernel, scope.aval)
+        if result is None or (isinstance(result, ShardPlan) and result.ring is None):
+            hinted = analyze(site, p.kernel, scope.aval, _hinted(scope, hints), ring_only=True)
+            if isinstance(hinted, ShardPlan):
+                result = hinted
         if isinstance(result, str):
             kept[p.site.root.path] = result
         elif result is not None:
             shards[p.site.root.path] = result
     return shards, kept
+
+
+def _hinted(scope, hints: dict):
+    """``sharding_of(atom)``: the type's sharding, else a ``sharding_constraint``
+    producing the value, else the concrete argument's sharding (Auto axes)."""
+
+    def sharding_of(atom):
+        found = compat.named_sharding_of(scope.aval(atom))
+        if found is not None and any(found.spec):  # Auto axes type an empty spec
+            return found
+        node = scope.producer(atom)
+        if node is not None and node.prim == "sharding_constraint":
+            constraint = node.params.get("sharding")
+            if isinstance(constraint, NamedSharding) and constraint.mesh.size > 1:
+                return constraint
+        key = scope.resolve(atom)
+        return None if isinstance(key, Const) else hints.get(key)
+
+    return sharding_of
 
 
 def _before_gather(site: AttentionSite, scope) -> AttentionSite:
@@ -123,12 +156,21 @@ def _before_gather(site: AttentionSite, scope) -> AttentionSite:
     return dataclasses.replace(site, **replaced) if replaced else site
 
 
-def analyze(site: AttentionSite, kernel, aval_of) -> ShardPlan | str | None:
+def analyze(
+    site: AttentionSite, kernel, aval_of, sharding_of=None, ring_only: bool = False
+) -> ShardPlan | str | None:
     """How ``site`` runs on its operands' mesh: a `ShardPlan`, None (unsharded:
     as is), or the reason it must be kept as written.  ``aval_of(atom)`` gives
-    the abstract value (with its sharding) of an operand."""
+    the abstract value of an operand; ``sharding_of(atom)`` its sharding
+    (default: the one in its type).  ``ring_only``: only a ring plan is wanted
+    (anything else is None)."""
     operands = _operands(site)
-    shardings = [compat.named_sharding_of(aval_of(atom)) for _, atom, _ in operands]
+    if sharding_of is None:
+
+        def sharding_of(atom):
+            return compat.named_sharding_of(aval_of(atom))
+
+    shardings = [sharding_of(atom) for _, atom, _ in operands]
     meshes = {s.mesh for s in shardings if s is not None}
     if len(meshes) > 1:
         return "the attention's operands live on different meshes; kept as written"
@@ -139,7 +181,7 @@ def analyze(site: AttentionSite, kernel, aval_of) -> ShardPlan | str | None:
     if mesh is None:
         return None
     kinds = compat.axis_kinds(mesh)
-    if kinds["auto"] and not kernel.partitionable:
+    if kinds["auto"] and not kernel.partitionable and not ring_only:
         auto = ", ".join(f"{a}={mesh.shape[a]}" for a in kinds["auto"])
         return (
             f"the operands are on a mesh with Auto axes ({auto}): XLA chooses their "
@@ -170,7 +212,7 @@ def analyze(site: AttentionSite, kernel, aval_of) -> ShardPlan | str | None:
                     f"({'x'.join(previous)} and {'x'.join(names)}); kept as written"
                 )
         specs.append((atom, roles, ndim))
-    if not axes:
+    if not axes or (ring_only and "T" not in axes and "S" not in axes):
         return None
     ring_axes = None
     if "T" in axes or "S" in axes:
@@ -408,6 +450,10 @@ def _with_spec(x, mesh, spec: PartitionSpec):
     ndim = x.ndim
     have = _entries(current.spec, ndim) if current is not None else [()] * ndim
     if have == _entries(spec, ndim):
+        return x
+    if compat.axis_kinds(mesh)["auto"]:
+        # Auto axes are not in the types (no reshard): shard_map's in_specs
+        # make XLA lay the operand out as the ring expects.
         return x
     return compat.reshard(x, NamedSharding(mesh, spec))
 
