@@ -15,4 +15,4 @@ import os
 DEVICE_FLAG = "--xla_force_host_platform_device_count"
 IN_SESSION = DEVICE_FLAG in os.environ.get("XLA_FLAGS", "")
 
-collect_ignore = ["test_session.py"] if IN_SESSION else ["multidevice"]
+collect_ignore = ["test_session.py", "test_multiprocess.py"] if IN_SESSION else ["multidevice"]
