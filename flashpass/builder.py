@@ -12,13 +12,13 @@ module; this file does not change.
 from __future__ import annotations
 
 from flashpass.patterns.common import Miss, where
-from flashpass.patterns.masks import CausalSource
-from flashpass.patterns.probabilities import KnownMask
+from flashpass.patterns.masks import CausalSource, MaskStep
+from flashpass.patterns.probabilities import ScoreMasks
 from flashpass.patterns.softcap import fold_softcap
 
 from .graph import Scope
 from .site import ExtraSource, Layout
-from .spec import Causal, Mask, excludes, fill_after
+from .spec import Causal, excludes, fill_after
 
 
 class SiteBuilder:
@@ -32,6 +32,8 @@ class SiteBuilder:
         self.extras: list = []  # ExtraSource per Bias/Mask index
         self.q_scales: list = []  # traced scalars folded into q: (atom, invert)
         self._causal: list = []  # (Causal op, CausalSource) in program order
+        self.mask_steps: list = []  # MaskSteps, to prove a re-mask of the probabilities
+        self.other_exclusions = False  # a key-excluding op not from a MaskStep
 
     # ------------------------------------------------------------------ for steps
 
@@ -54,9 +56,14 @@ class SiteBuilder:
     def build_ops(self, steps) -> Miss | None:
         """Apply every step, then fold soft-caps and settle causal ops."""
         for step in steps:
+            before = len(self.ops)
             problem = step.apply(self)
             if problem is not None:
                 return problem
+            if isinstance(step, MaskStep):
+                self.mask_steps.append((step, tuple(self.roles)))
+            elif any(hasattr(op, "fill") for op in self.ops[before:]):
+                self.other_exclusions = True
         ops = fold_softcap(self.ops)
         if isinstance(ops, str):
             node = steps[-1].node if steps else None
@@ -75,22 +82,12 @@ class SiteBuilder:
         self._causal = kept
         return None
 
-    def known_masks(self) -> list:
-        """Masks applied to the scores, to recognise them again on the probabilities."""
-        known = []
-        for op in self.ops:
-            if isinstance(op, Mask):
-                src = self.extras[op.index]
-                axes = tuple(
-                    sorted(((r, a) for r, a in src.axes.items() if a is not None), key=str)
-                )
-                resolved = self.scope.resolve(src.atom)
-                known.append(KnownMask(resolved, axes, src.transform != "not", op.index))
-        for _, source in self._causal:
-            if source.kind == "mask":
-                prof, roles = source.profile, source.roles
-                pairs = ((roles[t], a) for t, a in enumerate(prof.axes) if a is not None)
-                axes = tuple(sorted(pairs, key=str))
-                resolved = self.scope.resolve(prof.base)
-                known.append(KnownMask(resolved, axes, source.keep_when, None))
-        return known
+    def score_masks(self):
+        """What `patterns.probabilities` needs to prove a re-mask of the
+        probabilities equal to the scores' masks (see `ScoreMasks`)."""
+        fills = [
+            excludes(fill_after(op.fill, self.ops[i + 1 :]))
+            for i, op in enumerate(self.ops)
+            if hasattr(op, "fill")
+        ]
+        return ScoreMasks(tuple(self.mask_steps), exact=all(fills) and not self.other_exclusions)

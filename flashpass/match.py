@@ -28,14 +28,7 @@ from . import errors
 from .builder import SiteBuilder
 from .graph import Const, Scope
 from .site import AttentionSite, ExtraSource, Layout, Operand
-from .spec import (
-    AttentionSpec,
-    Bias,
-    ExtraSpec,
-    Mask,
-    excludes,
-    fill_after,
-)
+from .spec import AttentionSpec, ExtraSpec
 
 
 def find_sites(scope: Scope) -> tuple[list[AttentionSite], list[Miss]]:
@@ -116,8 +109,7 @@ def _build_site(scope: Scope, soft, chain, sp) -> AttentionSite | Miss:
         )
     # A deferred sum (and the cast widening it) already belongs to the site.
     ignore = frozenset() if soft.deferred is None else frozenset(soft.nodes)
-    known = build.known_masks()
-    out = output_product(scope, soft.out, roles, ignore, known)
+    out = output_product(scope, soft.out, roles, ignore, build.score_masks())
     if not out:
         return out
     root = out.node
@@ -135,14 +127,8 @@ def _build_site(scope: Scope, soft, chain, sp) -> AttentionSite | Miss:
             base, axes, invert = data
             source = ExtraSource(base, axes, None, scope.dtype(base))
             post.append(("scale", source, invert))
-        else:  # "row_any": zero the rows a Mask op masks entirely
-            (index,) = data
-            mask = next(op for op in ops if isinstance(op, Mask) and op.index == index)
-            if not excludes(fill_after(mask.fill, ops[ops.index(mask) + 1 :])):
-                return Miss(
-                    f"probabilities re-masked after a non-excluding mask{where(root)}", root
-                )
-            post.append(("row_any", index))
+        else:  # "row_keep": zero the rows the score masks exclude entirely
+            post.append(("row_keep",))
     if soft.shift is not None:
         cone = scope.forward_cone([dot.out], until=root.order)
         nodes |= scope.backward_cone([soft.shift], since=dot.order) & cone

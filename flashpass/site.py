@@ -131,7 +131,7 @@ class AttentionSite:
     layout: Layout
     out_roles: tuple  # role of each axis of the root output
     q_scales: tuple  # (atom, invert): traced scalars folded into q
-    post_ops: tuple  # ("scale", ExtraSource, invert) | ("row_any", extra index)
+    post_ops: tuple  # ("scale", ExtraSource, invert) | ("row_keep",)
     spec: AttentionSpec
     pattern: str
     location: str | None
@@ -233,8 +233,8 @@ class AttentionSite:
                 m = self._extra(read(src.atom), src)
                 m = m.astype(jnp.promote_types(m.dtype, out.dtype))
                 out = out / m if invert else out * m
-            else:
-                kept = jnp.any(extras[data[0]], axis=-1, keepdims=True)
+            else:  # "row_keep": zero the rows the score masks exclude entirely
+                kept = _rows_kept(self.spec, extras, out.shape[-2])
                 out = jnp.where(kept, out, jnp.zeros((), out.dtype))
         b, h, _ = self.layout.groups
         roles = [*b, *h, "T", "Dv"]
@@ -242,6 +242,19 @@ class AttentionSite:
         out = out.reshape(sizes)
         out = jnp.transpose(out, [roles.index(r) for r in self.out_roles])
         return out.astype(self.root.eqn.outvars[0].aval.dtype)
+
+
+def _rows_kept(spec, extras, q_len: int):
+    """``[B|1, H|1, T, 1]``: whether the spec's key-excluding ops keep any key
+    of a query row (each op's fill made -inf, applied to zero scores)."""
+    from flashpass.kernels.reference import apply_score_ops  # kernels import the engine
+
+    ops = tuple(
+        dataclasses.replace(op, fill=float("-inf")) for op in spec.score_ops if hasattr(op, "fill")
+    )
+    s = jnp.zeros((1, 1, q_len, spec.kv_len), jnp.float32)
+    s = apply_score_ops(dataclasses.replace(spec, score_ops=ops), s, extras)
+    return jnp.any(s > float("-inf"), axis=-1, keepdims=True)
 
 
 def _gather(x, axes: dict, groups: list):

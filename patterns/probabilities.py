@@ -1,6 +1,8 @@
 """Between the softmax and ``P·V``: casts, transposes, head masks, dropout.
 
-* ``p.astype(v.dtype)`` (mixed precision) and transposes are layout only.
+* ``p.astype(v.dtype)`` (mixed precision), copies and transposes are layout only.
+* ``where(m, p, 0)`` with ``m`` proven to keep exactly what the scores' masks
+  keep (Keras' masked softmax, with the mask split into factors on the scores).
 * ``p * m`` or ``p / m`` where ``m`` is constant along the key axis (Hugging
   Face's ``layer_head_mask``, a per-head or per-query scale): since
   ``(m * P) V == m * (P V)``, it is applied to the kernel output.
@@ -14,6 +16,9 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax.numpy as jnp
+
+from flashpass import compat
 from flashpass.graph import Scope
 
 from .common import ESCAPE_HINT, Miss, profile, scalar_value, where
@@ -32,27 +37,57 @@ RANDOM_PRIMS = frozenset(
 )
 
 
+#: Value-preserving ops between the probabilities and ``P·V`` (penzai's
+#: named-axis arrays copy them).
+VALUE_PRESERVING = frozenset({"copy", "copy_p", *compat.VALUE_IDENTITY_PRIMITIVES})
+
+
+def _is_float(dtype) -> bool:
+    return jnp.issubdtype(dtype, jnp.floating)
+
+
 @dataclasses.dataclass
 class ProbabilityPath:
     atom: object  # the value that enters P·V
     roles: list  # its axis roles
     nodes: set  # recognised equations on the way
-    post: list  # output ops: ("scale", atom, {role: axis}, invert) | ("row_any", mask ref)
+    post: list  # output ops: ("scale", atom, {role: axis}, invert) | ("row_keep",)
     consumer: tuple  # (node, operand position) of the P·V candidate
 
 
 @dataclasses.dataclass(frozen=True)
-class KnownMask:
-    """A mask already applied to the scores (so re-applying it to ``p`` is known)."""
+class ScoreMasks:
+    """The masks applied to the scores: ``(MaskStep, roles at that step)`` pairs,
+    and whether every key-excluding score op came from one of them with a fill
+    that still excludes after the later ops (so excluded keys weigh exactly 0)."""
 
-    base: object  # resolved atom of the mask
-    axes: tuple  # sorted (role, axis) pairs
-    keep_when: bool
-    ref: object  # None for a causal mask (every row keeps a key), else the Mask op index
+    steps: tuple = ()
+    exact: bool = False
+
+
+def _factor_keys(scope: Scope, prof, roles, keep_when: bool):
+    """The factors of a boolean mask `Profile` as comparable keys: a constant
+    causal factor by its offset, any other by its atom, axis roles and polarity.
+    Factors that keep everything are left out; None if one is not a mask."""
+    from .masks import and_factors, classify  # masks imports the chain: not at module level
+
+    keys = set()
+    for factor in and_factors(scope, prof):
+        kind = classify(scope, factor, roles, keep_when=keep_when, fill=float("-inf"))
+        if kind == "all":
+            continue
+        if kind is not None:  # a Causal op: by value, however it is spelled
+            keys.add(("causal", kind.offset))
+            continue
+        axes = tuple(
+            sorted(((roles[t], a) for t, a in enumerate(factor.axes) if a is not None), key=str)
+        )
+        keys.add((scope.resolve(factor.base), axes, keep_when))
+    return keys
 
 
 def walk_probabilities(
-    scope: Scope, p, roles: list, ignore=frozenset(), known_masks=()
+    scope: Scope, p, roles: list, ignore=frozenset(), masks=ScoreMasks()
 ) -> ProbabilityPath | Miss:
     """Follow the probabilities ``p`` forward to the equation that consumes them.
 
@@ -75,7 +110,9 @@ def walk_probabilities(
             )
             return Miss(f"the attention probabilities{where(node)} are {what}{ESCAPE_HINT}", node)
         node, pos = users[0]
-        if node.prim == "convert_element_type":
+        if node.prim in VALUE_PRESERVING or (
+            node.prim == "convert_element_type" and _is_float(scope.dtype(node.out))
+        ):
             nodes.add(node)
             atom = node.out
             continue
@@ -85,11 +122,11 @@ def walk_probabilities(
             atom = node.out
             continue
         if node.prim == "select_n" and not _is_random(scope, node.ins[0]):
-            remask = _remask(scope, node, pos, roles, known_masks)
+            remask = _remask(scope, node, pos, roles, masks)
             if isinstance(remask, Miss):
                 return remask
             if remask != "noop":
-                post.append(("row_any", remask))
+                post.append(("row_keep",))
             nodes.add(node)
             atom = node.out
             continue
@@ -145,8 +182,13 @@ def _is_random(scope: Scope, atom) -> bool:
     return bool(node is not None and memo.get(node))
 
 
-def _remask(scope: Scope, node, pos: int, roles: list, known_masks):
-    """ "noop", a Mask index for "zero fully masked rows", or a Miss."""
+def _remask(scope: Scope, node, pos: int, roles: list, masks: ScoreMasks):
+    """ "noop", "rows" (zero the rows the score masks exclude entirely) or a Miss.
+
+    ``where(m, p, 0)`` is proven, not assumed: ``m`` must keep exactly what the
+    scores' masks keep (the same factors, compared by atom or, for constant
+    causal factors, by value).  Then every key it zeroes already has weight 0,
+    except in rows the scores' masks exclude entirely, which it zeroes."""
     pred, *cases = node.ins
     if len(cases) != 2 or pos == 0:
         return Miss(f"`select_n` on the attention probabilities{where(node)}", node)
@@ -155,18 +197,19 @@ def _remask(scope: Scope, node, pos: int, roles: list, known_masks):
     if not other.is_scalar or scalar_value(scope, other.base) != 0.0:
         return Miss(f"the probabilities are replaced by a non-zero value{where(node)}", node)
     keep_when = pos == 2  # select_n picks cases[pred]; p is case pos-1
-    prof = profile(scope, pred, shape)
-    axes = tuple(sorted(((roles[t], a) for t, a in enumerate(prof.axes) if a is not None), key=str))
-    for known in known_masks:
-        if (
-            known.base == scope.resolve(prof.base)
-            and known.axes == axes
-            and known.keep_when == keep_when
-        ):
-            return "noop" if known.ref is None else known.ref
-    return Miss(
-        f"the probabilities are masked by a mask that did not mask the scores{where(node)}", node
-    )
+    wanted = _factor_keys(scope, profile(scope, pred, shape), roles, keep_when)
+    have = set()
+    for step, step_roles in masks.steps:
+        have |= _factor_keys(scope, step.profile, step_roles, step.keep_when)
+    if wanted != have:
+        return Miss(
+            f"the probabilities are masked by a mask that did not mask the scores{where(node)}",
+            node,
+        )
+    if not masks.exact:
+        return Miss(f"probabilities re-masked after a non-excluding mask{where(node)}", node)
+    # Causal factors alone keep key 0 in every row: no row is fully masked.
+    return "noop" if all(k[0] == "causal" for k in have) else "rows"
 
 
 def _is_batch_scale(scope: Scope, node, pos: int, roles: list) -> bool:

@@ -21,7 +21,7 @@ import dataclasses
 from flashpass.graph import Node, Scope
 
 from .common import Miss, where
-from .probabilities import walk_probabilities
+from .probabilities import ScoreMasks, walk_probabilities
 
 Role = object
 _ROLE_NAMES = {"T": "query", "S": "key"}
@@ -111,14 +111,14 @@ def score_products(scope: Scope, dot: Node, key_out_axis: int) -> list[ScoreProd
 
 
 def output_product(
-    scope: Scope, p, p_roles: list, ignore=frozenset(), known_masks=()
+    scope: Scope, p, p_roles: list, ignore=frozenset(), masks=None
 ) -> OutputProduct | Miss:
     """Find and check ``P·V`` fed by the probabilities ``p`` (whose axes have ``p_roles``).
 
     ``ignore`` lists consumers of ``p`` that belong to the site already (the
     sum of a deferred normalisation).
     """
-    path = walk_probabilities(scope, p, p_roles, ignore, known_masks)
+    path = walk_probabilities(scope, p, p_roles, ignore, masks or ScoreMasks())
     if not path:
         return path
     node, pos = path.consumer

@@ -473,3 +473,44 @@ STRUCTURED = {
 }
 POSITIVE.update({name: (fn, make) for name, (fn, make, _) in STRUCTURED.items()})
 CAUSAL.update({"window_iota", "window_positions_int_min", "llama4_chunked", "packed_segments"})
+
+
+# ---------------------------------------------------------------- newer libraries (issue 20)
+def remasked_conjunction(q, k, v, mask):
+    # keras-hub's Gemma: where(m, softmax(where(m, s, -1e9)), 0) with m = padding & causal,
+    # split into factors on the scores and re-applied whole to the probabilities
+    t = q.shape[1]
+    m = jnp.logical_and(mask[:, None, :], jnp.tril(jnp.ones((t, t), bool))[None])[:, None]
+    s = jnp.where(m, jnp.einsum("bqhd,bkhd->bhqk", q, k) * 0.3, -1e9)
+    p = jnp.where(m, jax.nn.softmax(s, axis=-1), 0.0)
+    return jnp.einsum("bhqk,bkhd->bqhd", p, v)
+
+
+def probabilities_copied(q, k, v):
+    # penzai's named arrays copy the probabilities before P·V
+    p = jnp.copy(jax.nn.softmax(q @ k.swapaxes(-1, -2) * 0.3, axis=-1))
+    return p @ v
+
+
+def deferred_bthd(q, k, v):
+    # MaxText-style: exp(s - max) @ v, normalised after the einsum moved heads
+    s = jnp.einsum("bhtd,bhsd->bhts", q, k) * 0.3
+    e = jnp.exp(s - jax.lax.stop_gradient(s.max(-1, keepdims=True)))
+    out = jnp.einsum("bhts,bhsd->bthd", e, v)
+    return out / jnp.moveaxis(e.sum(-1), 1, 2)[..., None]
+
+
+def unstabilised_minus_bias(q, k, v, bias):
+    e = jnp.exp(q @ k.swapaxes(-1, -2) - bias)
+    return (e / e.sum(-1, keepdims=True)) @ v
+
+
+POSITIVE.update(
+    {
+        "remasked_conjunction": (remasked_conjunction, _padded_rows_args),
+        "probabilities_copied": (probabilities_copied, bnth),
+        "deferred_bthd": (deferred_bthd, bnth),
+        "unstabilised_minus_bias": (unstabilised_minus_bias, _bias_args),
+    }
+)
+CAUSAL.add("remasked_conjunction")

@@ -1,0 +1,71 @@
+"""Near misses of the issue-20 spellings: each must keep the site as written.
+
+A re-mask of the probabilities is rewritten only when proven to keep exactly
+what the scores' masks keep; a shift that depends on the scores is no bias.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import flashpass
+
+import spellings
+
+
+def _assert_not_rewritten(fn, args, reason_part):
+    opt = flashpass.optimize(fn, kernel="reference")
+    report = opt.explain(*args)
+    assert not report.rewrites, str(report)
+    assert reason_part in " | ".join(f.reason for f in report.fallbacks), str(report)
+    np.testing.assert_allclose(np.asarray(opt(*args)), np.asarray(fn(*args)), rtol=1e-5, atol=1e-6)
+
+
+def _scores(q, k):
+    return jnp.einsum("bqhd,bkhd->bhqk", q, k) * 0.3
+
+
+def test_remask_by_one_factor_of_the_score_mask():
+    # Scores masked by padding & causal, probabilities by the padding alone: a fully
+    # masked row (left padding) would weigh keys the rewrite zeroes.
+    def fn(q, k, v, mask):
+        t = q.shape[1]
+        pad = mask[:, None, None, :]
+        m = jnp.logical_and(pad, jnp.tril(jnp.ones((t, t), bool)))
+        p = jnp.where(pad, jax.nn.softmax(jnp.where(m, _scores(q, k), -1e9), -1), 0.0)
+        return jnp.einsum("bhqk,bkhd->bqhd", p, v)
+
+    args = spellings._padded_rows_args(np.random.default_rng(0))
+    _assert_not_rewritten(fn, args, "did not mask the scores")
+
+
+def test_remask_by_a_wider_mask():
+    # The probabilities re-masked by padding & causal, the scores by the padding only.
+    def fn(q, k, v, mask):
+        t = q.shape[1]
+        pad = mask[:, None, None, :]
+        m = jnp.logical_and(pad, jnp.tril(jnp.ones((t, t), bool)))
+        p = jnp.where(m, jax.nn.softmax(jnp.where(pad, _scores(q, k), -1e9), -1), 0.0)
+        return jnp.einsum("bhqk,bkhd->bqhd", p, v)
+
+    args = spellings._mask_args(np.random.default_rng(0))
+    _assert_not_rewritten(fn, args, "did not mask the scores")
+
+
+def test_remask_after_a_fill_that_does_not_exclude():
+    # where(m, s, -1): masked keys keep a weight, which the re-mask then zeroes.
+    def fn(q, k, v, mask):
+        m = mask[:, None, None, :]
+        p = jnp.where(m, jax.nn.softmax(jnp.where(m, _scores(q, k), -1.0), -1), 0.0)
+        return jnp.einsum("bhqk,bkhd->bqhd", p, v)
+
+    args = spellings._mask_args(np.random.default_rng(0))
+    _assert_not_rewritten(fn, args, "non-excluding")
+
+
+def test_probabilities_cast_to_int_are_not_a_layout_op():
+    def fn(q, k, v):
+        p = jax.nn.softmax(q @ k.swapaxes(-1, -2), -1)
+        return (p * 100).astype(jnp.int32).astype(jnp.float32) @ v
+
+    _assert_not_rewritten(fn, spellings.bnth(np.random.default_rng(0)), "")
