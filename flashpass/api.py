@@ -96,7 +96,6 @@ class Optimized:
             p.name if p.kind == p.POSITIONAL_OR_KEYWORD else None
             for p in (self._params or {}).values()
         )
-        self._local = threading.local()
         self._cache: collections.OrderedDict = collections.OrderedDict()
         self._cache_size = cache_size
         self._lock = threading.RLock()
@@ -109,8 +108,7 @@ class Optimized:
         this = weakref.ref(self)  # no cycle: the jit below lives in self
 
         def staged(*args, **kwargs):
-            me = this()
-            entry, leaves = me._entry(args, kwargs, getattr(me._local, "call", None))
+            entry, leaves = this()._entry(args, kwargs)
             outs = compat.jaxpr_as_fun(entry.rewritten)(*leaves)
             return jax.tree_util.tree_unflatten(entry.out_tree, outs)
 
@@ -126,9 +124,6 @@ class Optimized:
     # ------------------------------------------------------------------ calling
 
     def __call__(self, *args, **kwargs):
-        # The concrete arguments, for the trace-time pass to read shardings
-        # that Auto mesh axes keep out of the types (one assignment per call).
-        self._local.call = (args, kwargs)
         try:
             return self._jitted(*args, **kwargs)
         except (TypeError, ValueError, OverflowError) as err:
@@ -137,8 +132,6 @@ class Optimized:
             problem = self._input_problem(args, kwargs)
             if problem is None or problem is err:
                 raise
-        finally:
-            self._local.call = None
         raise problem
 
     def explain(self, *args, **kwargs) -> Report:
@@ -234,26 +227,19 @@ class Optimized:
 
     # ------------------------------------------------------------------ internals
 
-    def _entry(self, args, kwargs, concrete=None) -> tuple[_Entry, list]:
+    def _entry(self, args, kwargs) -> tuple[_Entry, list]:
         """The side-table entry for these arguments (built on a miss) and the
-        dynamic argument leaves; at ``jit`` trace time the leaves are tracers,
-        and ``concrete`` the ``(args, kwargs)`` of the call being traced."""
+        dynamic argument leaves; at ``jit`` trace time the leaves are tracers."""
         dyn_args, dyn_kwargs, static_key, rebuild = self._split(args, kwargs)
         leaves, in_tree = jax.tree_util.tree_flatten((dyn_args, dyn_kwargs))
         avals = tuple(_aval(x, in_tree, i) for i, x in enumerate(leaves))
-        hints = _auto_shardings(leaves)
-        if concrete is not None and not any(hints):
-            c_args, c_kwargs, _, _ = self._split(*concrete)
-            c_leaves = jax.tree_util.tree_leaves((c_args, c_kwargs))
-            if len(c_leaves) == len(leaves):
-                hints = _auto_shardings(c_leaves)
-        key = (in_tree, avals, static_key, compat.context_mesh(), hints)
+        key = (in_tree, avals, static_key, compat.context_mesh())
         with self._lock:
             entry = self._cache.get(key)
             if entry is not None:
                 self._cache.move_to_end(key)
                 return entry, leaves
-        entry = self._build(avals, in_tree, rebuild, hints)
+        entry = self._build(avals, in_tree, rebuild)
         with self._lock:
             if not _holds_tracers(entry.rewritten.consts):
                 self._cache[key] = entry
@@ -334,7 +320,7 @@ class Optimized:
         param = (self._params or {}).get(name)
         return param is not None and param.default is not param.empty
 
-    def _build(self, avals, in_tree, rebuild, hints=()) -> _Entry:
+    def _build(self, avals, in_tree, rebuild) -> _Entry:
         self.traces += 1
 
         def flat_fn(*leaves):
@@ -351,7 +337,6 @@ class Optimized:
                 kernel=self._kernel,
                 platform=platform,
                 interpret=self._interpret,
-                input_shardings=hints,
             )
         name = getattr(self._fn, "__qualname__", "function")
         pipeline.log_report(report, name)
@@ -416,13 +401,6 @@ def _aval(x, in_tree, index):
         f"argument leaf {path} is a {type(x).__name__}, not an array or number; "
         "pass it through static_argnums/static_argnames, or close over it"
     )
-
-
-def _auto_shardings(leaves) -> tuple:
-    """Per leaf, the `NamedSharding` of a concrete array on a mesh with Auto
-    axes (which the types do not carry), else None; ``()`` when there is none."""
-    found = [compat.auto_sharding(x) for x in leaves]
-    return tuple(found) if any(s is not None for s in found) else ()
 
 
 def _numeric(dtype) -> bool:

@@ -770,16 +770,3 @@ def outside_mesh():
 
     with jax.sharding.use_abstract_mesh(_mesh.empty_abstract_mesh), vma_checks(False):
         yield
-
-
-def auto_sharding(x):
-    """The `NamedSharding` of a concrete array sharded over Auto mesh axes of
-    more than one device (not part of its type), else None."""
-    if not isinstance(x, jax.Array) or isinstance(x, jax.core.Tracer):
-        return None
-    sharding = getattr(x, "sharding", None)
-    if not isinstance(sharding, jax.sharding.NamedSharding) or sharding.mesh.size <= 1:
-        return None
-    if not axis_kinds(sharding.mesh).get("auto") or not any(sharding.spec):
-        return None
-    return sharding

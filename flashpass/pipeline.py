@@ -96,7 +96,11 @@ def choose_kernels(sites, kernels, ctx: CheckContext, interpret: bool, where_is:
 
 
 def run_pass(
-    closed, *, kernel=None, platform: str = "cpu", interpret: bool = False
+    closed,
+    *,
+    kernel=None,
+    platform: str = "cpu",
+    interpret: bool = False,
 ) -> tuple[object, Report]:
     """Stages 2-7 on a traced program: ``(rewritten ClosedJaxpr, Report)``."""
     kernels, explicit = resolve_order(kernel, platform)
@@ -116,7 +120,8 @@ def run_pass(
         return closed, _logged(report)
 
     try:  # stage 5: how sharded sites run per shard; those that cannot are kept
-        shards, kept = sharding.plan_sites(planned, {s.prefix: s for s in scopes})
+        by_prefix = {s.prefix: s for s in scopes}
+        shards, kept = sharding.plan_sites(planned, by_prefix)
     except Exception as err:
         if errors.strict():
             raise

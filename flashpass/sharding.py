@@ -84,25 +84,20 @@ class ShardPlan:
 # --------------------------------------------------------------------------- planning
 
 
-def plan_sites(planned, scopes: dict, input_shardings: tuple = ()) -> tuple[dict, dict]:
+def plan_sites(planned, scopes: dict) -> tuple[dict, dict]:
     """``(shards, kept)``: root path -> `ShardPlan` for the sites that run per
     shard, root path -> reason for those that must be kept as written.
 
-    ``input_shardings`` (one per top-level input, None where unknown) are the
-    concrete arguments' shardings, which Auto mesh axes keep out of the types;
-    like ``sharding_constraint`` annotations in the program, they are read only
-    to find a sequence-sharded site to run as a ring."""
-    top = scopes.get(())
-    hints = {}
-    if top is not None:
-        hints = {k: sh for k, sh in zip(top.invars, input_shardings, strict=False) if sh}
+    Auto mesh axes keep shardings out of the types; a ``sharding_constraint``
+    on q/k/v in the program is read instead, only to find a sequence-sharded
+    site to run as a ring (otherwise XLA partitions the kernel, as before)."""
     shards, kept = {}, {}
     for p in planned:
         scope = scopes[p.site.scope_prefix]
         site = _before_gather(p.site, scope)
         result = analyze(site, p.kernel, scope.aval)
         if result is None or (isinstance(result, ShardPlan) and result.ring is None):
-            hinted = analyze(site, p.kernel, scope.aval, _hinted(scope, hints), ring_only=True)
+            hinted = analyze(site, p.kernel, scope.aval, _constrained(scope), ring_only=True)
             if isinstance(hinted, ShardPlan):
                 result = hinted
         if isinstance(result, str):
@@ -112,9 +107,9 @@ def plan_sites(planned, scopes: dict, input_shardings: tuple = ()) -> tuple[dict
     return shards, kept
 
 
-def _hinted(scope, hints: dict):
-    """``sharding_of(atom)``: the type's sharding, else a ``sharding_constraint``
-    producing the value, else the concrete argument's sharding (Auto axes)."""
+def _constrained(scope):
+    """``sharding_of(atom)``: the type's sharding, else that of a
+    ``sharding_constraint`` producing the value (how Auto-axes code says it)."""
 
     def sharding_of(atom):
         found = compat.named_sharding_of(scope.aval(atom))
@@ -125,8 +120,7 @@ def _hinted(scope, hints: dict):
             constraint = node.params.get("sharding")
             if isinstance(constraint, NamedSharding) and constraint.mesh.size > 1:
                 return constraint
-        key = scope.resolve(atom)
-        return None if isinstance(key, Const) else hints.get(key)
+        return None
 
     return sharding_of
 

@@ -46,7 +46,11 @@ def main():
     def loss(fn):
         return lambda *a: jnp.sum(fn(*a) ** 2)
 
-    opt = flashpass.optimize(attention, kernel="blockwise")
+    def constrained(q, k, v):  # Auto axes: the program says how q/k/v are laid out
+        q, k, v = (jax.lax.with_sharding_constraint(x, sharding) for x in (q, k, v))
+        return attention(q, k, v)
+
+    opt = flashpass.optimize(constrained, kernel="blockwise")
     out = opt(*args)
     kernels = ",".join(opt.reports[-1].kernels) or "none"
     grads = jax.jit(jax.grad(loss(opt), argnums=(0, 1, 2)))(*args)

@@ -1,0 +1,103 @@
+"""Ring attention vs the all-gather program, on simulated CPU devices.
+
+q, k and v are sharded along the sequence (``P(None, "seq")``, Auto axes) over
+``--devices`` simulated CPU devices.  Side by side, for each sequence length:
+
+* ``gather``: the naive causal attention as written (q/k/v annotated with
+  ``with_sharding_constraint``); XLA all-gathers K and V to full length on
+  every device;
+* ``ring``: the same function through ``flashpass.optimize`` (a ring of
+  per-block steps with collective-permutes, flashpass/ring.py).
+
+Printed per program: the compiled per-device temporary memory
+(``memory_analysis().temp_size_in_bytes``), the all-gathers and
+collective-permutes in the HLO, and the median time of a jitted forward+
+backward step.  Simulated devices share this machine's cores, so times say
+little about a real multi-chip run (see docs/benchmarks.md); memory and
+collectives are what the program itself does.
+
+    python benchmarks/ring.py [--devices 8] [--sizes 2048 4096 8192] [--reps 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import statistics
+import sys
+import time
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--devices", type=int, default=8)
+    parser.add_argument("--sizes", type=int, nargs="+", default=[2048, 4096, 8192])
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--head-dim", type=int, default=64)
+    parser.add_argument("--reps", type=int, default=3)
+    args = parser.parse_args(argv)
+    os.environ["XLA_FLAGS"] = (
+        os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={args.devices}"
+    )
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import AxisType, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+    import flashpass
+
+    def attention(q, k, v):
+        s = jnp.einsum("bqhd,bkhd->bhqk", q, k) / jnp.sqrt(q.shape[-1]).astype(q.dtype)
+        s = jnp.where(jnp.tril(jnp.ones((q.shape[1], k.shape[1]), bool)), s, -jnp.inf)
+        return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1), v)
+
+    mesh = jax.make_mesh((args.devices,), ("seq",), axis_types=(AxisType.Auto,))
+    sharding = NamedSharding(mesh, P(None, "seq"))
+    print(
+        f"causal attention, B=1, H={args.heads}, D={args.head_dim}, f32, sequence sharded over "
+        f"{args.devices} simulated CPU devices (Auto axes); JAX {jax.__version__}"
+    )
+    print(
+        f"{'S':>6} {'program':>7} {'temp MiB/device':>16} {'all-gathers':>11} "
+        f"{'permutes':>8} {'fwd+bwd ms':>10}"
+    )
+    for n in args.sizes:
+        rng = np.random.default_rng(0)
+        shape = (1, n, args.heads, args.head_dim)
+        qkv = [jax.device_put(rng.standard_normal(shape, np.float32), sharding) for _ in range(3)]
+
+        def constrained(q, k, v):  # Auto axes: annotated, as logical-axis rules do
+            q, k, v = (jax.lax.with_sharding_constraint(x, sharding) for x in (q, k, v))
+            return attention(q, k, v)
+
+        opt = flashpass.optimize(constrained, kernel="blockwise")
+        rows = {}
+        for name, fn in (("gather", constrained), ("ring", opt)):
+            step = jax.jit(jax.grad(lambda *a, f=fn: jnp.sum(f(*a)), argnums=(0, 1, 2)))
+            compiled = step.lower(*qkv).compile()
+            hlo = compiled.as_text()
+            jax.block_until_ready(compiled(*qkv))
+            times = []
+            for _ in range(args.reps):
+                t0 = time.perf_counter()
+                jax.block_until_ready(compiled(*qkv))
+                times.append(time.perf_counter() - t0)
+            rows[name] = (
+                compiled.memory_analysis().temp_size_in_bytes / 2**20,
+                len(re.findall(r"all-gather(?:-start)?\(", hlo)),
+                len(re.findall(r"collective-permute(?:-start)?\(", hlo)),
+                statistics.median(times) * 1e3,
+            )
+            temp, gathers, permutes, ms = rows[name]
+            print(f"{n:>6} {name:>7} {temp:>16.1f} {gathers:>11} {permutes:>8} {ms:>10.1f}")
+        g, r = rows["gather"], rows["ring"]
+        print(f"{n:>6}   ratio  memory ring/gather {r[0] / g[0]:.3f}, time {r[3] / g[3]:.2f}")
+
+
+if __name__ == "__main__":
+    main()
