@@ -67,6 +67,20 @@ def test_jaxpr_classes():
         assert compat.rebuild_body(scan, name, body, compat.as_closed(body)) is not None
 
 
+def test_scan_counts():
+    with uses("scan params: num_consts/num_carry (JAX < 0.11), ft_in (jax._src.flattree)"):
+
+        def f(x, w, u):
+            def body(c, y):
+                return c * w + y * u, c
+
+            return jax.lax.scan(body, x, jnp.ones((2, *x.shape)))
+
+        closed = jax.make_jaxpr(f)(jnp.ones(3), jnp.ones(3), jnp.ones(3))
+        [scan] = [e for e in compat.closed_parts(closed)[0].eqns if e.primitive.name == "scan"]
+        assert compat.scan_counts(scan.params) == (2, 1)  # w, u; c; then xs
+
+
 def test_open_bodies():
     """``remat``'s body is evaluated without constants: it stays constant-free."""
     with uses("jax._src.core.Jaxpr (open bodies: remat)"):
@@ -234,6 +248,38 @@ def test_vma_checks():
             assert config._check_vma.value is False
         with compat.vma_checks(True):
             assert config._check_vma.value is True
+
+
+def test_outside_mesh():
+    with uses("jax._src.mesh.empty_abstract_mesh"):
+        from jax.sharding import Mesh
+        from jax.sharding import PartitionSpec as P
+
+        seen: dict = {}
+
+        def body(x):
+            seen["inside"] = compat.context_mesh()
+            with compat.outside_mesh():
+                seen["outside"] = compat.context_mesh()
+            return x
+
+        mesh = Mesh(np.array(jax.devices()[:1]), ("x",))
+        fn = compat.shard_map(
+            body, mesh=mesh, in_specs=(P("x"),), out_specs=P("x"), axis_names={"x"}, check_vma=True
+        )
+        jax.make_jaxpr(fn)(jnp.ones(4))
+        assert not seen["inside"].empty and seen["outside"].empty
+
+
+# --------------------------------------------------------------------------- argument types
+
+
+def test_struct_aval():
+    with uses("jax._src.core.shaped_abstractify"):
+        struct = jax.ShapeDtypeStruct((2, 3), jnp.bfloat16)
+        aval = compat.struct_aval(struct)
+        traced = compat.closed_parts(jax.make_jaxpr(lambda x: x)(struct))[0].invars[0].aval
+        assert aval == traced, (aval, traced)
 
 
 # --------------------------------------------------------------------------- Pallas

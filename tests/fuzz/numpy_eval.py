@@ -65,7 +65,7 @@ def _run(jaxpr, consts, args) -> list:
         invals = [read(a) for a in eqn.invars]
         outs = _apply(eqn, invals)
         for var, value in zip(eqn.outvars, outs, strict=True):
-            if not isinstance(var, compat.DropVar):
+            if not compat.is_drop_var(var):
                 env[var] = np.asarray(value).astype(var.aval.dtype, copy=False)
     return [read(v) for v in jaxpr.outvars]
 
@@ -74,9 +74,8 @@ def _body(params, *names):
     for name in names:
         body = params.get(name)
         if body is not None:
-            if isinstance(body, compat.ClosedJaxpr):
-                return body.jaxpr, [np.asarray(c) for c in body.consts]
-            return body, []
+            jaxpr, consts = compat.closed_parts(body)
+            return jaxpr, [np.asarray(c) for c in consts]
     raise Unsupported(f"no body among {names}")
 
 
@@ -235,7 +234,7 @@ def _apply(eqn, invals) -> list:  # noqa: C901 - one branch per primitive
             index, *ops = invals
             branches = p["branches"]
             i = int(np.clip(int(index), 0, len(branches) - 1))
-            return _run(branches[i].jaxpr, list(branches[i].consts), ops)
+            return _run(*compat.closed_parts(branches[i]), ops)
     raise Unsupported(
         f"numpy_eval has no rule for `{name}` (out {out_aval}); add one to tests/fuzz/numpy_eval.py"
     )
@@ -297,35 +296,37 @@ def _clamped(starts, shape, sizes):
 
 
 def _while(p, invals):
-    cond, body = p["cond_jaxpr"], p["body_jaxpr"]
+    (cond, cond_consts), (body, body_consts) = map(
+        compat.closed_parts, (p["cond_jaxpr"], p["body_jaxpr"])
+    )
     nc, nb = p["cond_nconsts"], p["body_nconsts"]
     cconsts, bconsts, carry = invals[:nc], invals[nc : nc + nb], list(invals[nc + nb :])
-    while bool(_run(cond.jaxpr, list(cond.consts), [*cconsts, *carry])[0]):
-        carry = _run(body.jaxpr, list(body.consts), [*bconsts, *carry])
+    while bool(_run(cond, cond_consts, [*cconsts, *carry])[0]):
+        carry = _run(body, body_consts, [*bconsts, *carry])
         carry = [
             np.asarray(c).astype(v.aval.dtype, copy=False)
-            for c, v in zip(carry, body.jaxpr.outvars, strict=True)
+            for c, v in zip(carry, body.outvars, strict=True)
         ]
     return carry
 
 
 def _scan(p, invals):
-    body = p["jaxpr"]
-    n_consts, n_carry, length = p["num_consts"], p["num_carry"], p["length"]
+    body, body_consts = compat.closed_parts(p["jaxpr"])
+    (n_consts, n_carry), length = compat.scan_counts(p), p["length"]
     consts = invals[:n_consts]
     carry = list(invals[n_consts : n_consts + n_carry])
     xs = invals[n_consts + n_carry :]
     ys: list = []
     order = range(length - 1, -1, -1) if p["reverse"] else range(length)
     for i in order:
-        outs = _run(body.jaxpr, list(body.consts), [*consts, *carry, *(x[i] for x in xs)])
+        outs = _run(body, body_consts, [*consts, *carry, *(x[i] for x in xs)])
         carry, y = outs[:n_carry], outs[n_carry:]
         ys.append(y)
     if p["reverse"]:
         ys.reverse()
-    n_ys = len(body.jaxpr.outvars) - n_carry
+    n_ys = len(body.outvars) - n_carry
     if length == 0:
-        stacked = [np.zeros((0, *v.aval.shape), v.aval.dtype) for v in body.jaxpr.outvars[n_carry:]]
+        stacked = [np.zeros((0, *v.aval.shape), v.aval.dtype) for v in body.outvars[n_carry:]]
     else:
         stacked = [np.stack([y[j] for y in ys]) for j in range(n_ys)]
     return [*carry, *stacked]
