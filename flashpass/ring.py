@@ -7,21 +7,24 @@ Instead of letting XLA all-gather K and V to full length on every device
 
 * step ``s`` on device ``i`` attends its query block to the K/V block that
   started on device ``(i - s) mod n``, producing the block's output and its
-  row logsumexp (statistics, never probabilities);
-* the partial outputs are merged in float32 by logsumexp;
+  row max and sum (statistics, never probabilities);
+* the partial outputs are merged in float32 (an online softmax);
 * K/V move one device along the ring (``ppermute``) between steps;
-* with a causal mask, a step whose K/V block lies entirely after the query
-  block is skipped (``lax.cond``), so a causal ring does about half the work.
+* a step whose K/V block a causal or window mask excludes entirely is
+  skipped (``lax.cond``), so a causal ring does about half the work.
 
 The backward is a ring too (`jax.custom_vjp`): each device keeps its query
-block and the saved output and logsumexp, recomputes each step's
+block and the saved output and row statistics, recomputes each step's
 probabilities from the statistics, accumulates dQ locally and sends dK/dV
 around the ring with the K/V block they belong to; after ``n`` steps every
 dK/dV block is back on its own device.
 
-Supported score ops: scales and one causal mask (any offset); grouped-query
-attention.  Sites with biases, dense masks or soft-caps keep the all-gather
-program (`unsupported` says why).  The per-step work is plain JAX on blocks of
+Supported score ops (`RING_OPS`, applied in program order on global positions,
+with the program's own fills, so rows a mask empties compute what the
+original does): scales, causal (any offset), window, chunk and prefix masks,
+and kv lengths (padding); grouped-query attention.  Sites with biases, dense
+masks, segment ids or soft-caps keep the all-gather program (`unsupported`
+says why).  The per-step work is plain JAX on blocks of
 ``(T/n) x (S/n)`` scores.
 """
 
@@ -33,29 +36,34 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from .spec import AttentionSpec, Causal, Scale
+from flashpass.kernels.reference import kv_valid_lengths, structured_keep
+
+from .spec import AttentionSpec, Causal, Chunk, KvLengths, Prefix, Scale, Window
+
+#: Score ops a ring step applies (in program order, with global positions).
+RING_OPS = (Scale, Causal, Window, Chunk, Prefix, KvLengths)
 
 
 def unsupported(spec: AttentionSpec) -> str | None:
     """Why the ring cannot run ``spec`` (None: it can)."""
-    other = [type(op).__name__ for op in spec.score_ops if not isinstance(op, Scale | Causal)]
+    other = [type(op).__name__ for op in spec.score_ops if not isinstance(op, RING_OPS)]
     if other:
-        return f"the ring supports scales and a causal mask, not {', '.join(sorted(set(other)))}"
-    if len(spec.ops_of(Causal)) > 1:
-        return "the ring supports one causal mask"
+        return (
+            "the ring supports scales, causal, window, chunk and prefix masks and kv "
+            f"lengths, not {', '.join(sorted(set(other)))}"
+        )
     return None
 
 
-def ring_attention(q, k, v, spec: AttentionSpec, axis_name, axis_size: int):
+def ring_attention(q, k, v, extras, spec: AttentionSpec, axis_name, axis_size: int):
     """Attention of local blocks ``q [B,H,T/n,D]``, ``k``/``v [B,Hkv,S/n,D]``
-    inside ``shard_map`` over ``axis_name`` (``axis_size`` devices)."""
-    return _ring(spec, axis_name, axis_size)(q, k, v)
+    inside ``shard_map`` over ``axis_name`` (``axis_size`` devices); ``extras``
+    are the spec's extra arrays (kv lengths), whole on every device."""
+    return _ring(spec, axis_name, axis_size)(q, k, v, tuple(extras))
 
 
 @functools.lru_cache(maxsize=64)
 def _ring(spec: AttentionSpec, axis_name, n: int):
-    causal = spec.causal
-    scale = spec.scale
     g = spec.groups
     perm = [(i, (i + 1) % n) for i in range(n)]
 
@@ -65,56 +73,87 @@ def _ring(spec: AttentionSpec, axis_name, n: int):
         src = (me - step) % n
         return me * spec.q_len, src * spec.kv_len
 
-    def visible(q0, k0):
-        """Whether any key of the K/V block is visible to the query block."""
-        if causal is None:
-            return jnp.bool_(True)
-        return k0 <= q0 + spec.q_len - 1 + causal.offset
+    # Steps whose K/V block every position mask excludes are skipped; with kv
+    # lengths a row may keep no key at all, and the original then averages
+    # over every key's fill, so nothing is skipped.
+    skippable = not spec.ops_of(KvLengths)
 
-    def scores(qf, kb, q0, k0):
-        s = jnp.einsum("bhgtd,bhsd->bhgts", qf, kb.astype(jnp.float32)) * scale
-        if causal is not None:
-            rows = q0 + jnp.arange(spec.q_len)[:, None]
-            cols = k0 + jnp.arange(spec.kv_len)[None, :]
-            s = jnp.where(cols <= rows + causal.offset, s, -jnp.inf)
-        return s
+    def visible(q0, k0):
+        """Whether the K/V block at ``k0`` can hold a key the query block sees."""
+        ok = jnp.bool_(True)
+        if not skippable:
+            return ok
+        q_last, k_last = q0 + spec.q_len - 1, k0 + spec.kv_len - 1
+        for op in spec.score_ops:
+            if isinstance(op, Causal):
+                ok &= k0 <= q_last + op.offset
+            elif isinstance(op, Window):
+                ok &= k_last >= q0 - op.left
+                if op.right is not None:
+                    ok &= k0 <= q_last + op.right
+        return ok
+
+    def scores(qf, kb, q0, k0, extras):
+        """The step's scores after every score op, in program order, and where
+        they still depend on q·k (the masks' keep, for the backward)."""
+        s = jnp.einsum("bhgtd,bhsd->bhgts", qf, kb.astype(jnp.float32))
+        rows = q0 + jnp.arange(spec.q_len)[:, None]
+        cols = k0 + jnp.arange(spec.kv_len)[None, :]
+        kept = jnp.bool_(True)
+        for op in spec.score_ops:
+            if isinstance(op, Scale):
+                s = s * op.value
+                continue
+            if isinstance(op, Causal):
+                keep = cols <= rows + op.offset
+            elif isinstance(op, KvLengths):
+                valid = kv_valid_lengths(op, extras[op.index], spec.kv_len * n)
+                b, h = valid.shape[:2]
+                keep = cols < valid.reshape(b, h // g if h > 1 else 1, -1, 1, 1)
+            else:
+                keep = structured_keep(op, extras, rows, cols)
+            s = jnp.where(keep, s, op.fill)
+            kept = kept & keep
+        return s, kept
 
     def grouped(x):  # [B, H, T, D] -> [B, Hkv, G, T, D]
         b, _, t, d = x.shape
         return x.reshape(b, spec.kv_heads, g, t, d)
 
-    def forward(q, k, v):
+    def forward(q, k, v, extras):
         qf = grouped(q).astype(jnp.float32)
         b, hk, _, t, _ = qf.shape
-        o = jnp.zeros((b, hk, g, t, spec.v_head_dim), jnp.float32)
-        lse = jnp.full((b, hk, g, t), -jnp.inf, jnp.float32)
+        # Running row max and sum, and the unnormalised output: a fill as large
+        # as finfo.min survives differences of equal maxima exactly (a merge in
+        # logsumexp form would round them away, and a fully masked row, which
+        # the original averages over every key, would come out wrong).
+        acc = jnp.zeros((b, hk, g, t, spec.v_head_dim), jnp.float32)
+        m = jnp.full((b, hk, g, t), -jnp.inf, jnp.float32)
+        total = jnp.zeros((b, hk, g, t), jnp.float32)
         kb, vb = k, v
         for step in range(n):
             q0, k0 = positions(step)
 
-            def attend(o, lse, kb=kb, vb=vb, q0=q0, k0=k0):
-                s = scores(qf, kb, q0, k0)
-                m = jnp.max(s, axis=-1)
-                m = jnp.where(jnp.isfinite(m), m, 0.0)
-                p = jnp.exp(s - m[..., None])
-                l_blk = jnp.sum(p, axis=-1)
+            def attend(acc, m, total, kb=kb, vb=vb, q0=q0, k0=k0):
+                s, _ = scores(qf, kb, q0, k0, extras)
+                m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+                base = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+                p = jnp.exp(s - base[..., None])
+                old = jnp.where(jnp.isfinite(m), jnp.exp(m - base), 0.0)
                 o_blk = jnp.einsum("bhgts,bhsd->bhgtd", p, vb.astype(jnp.float32))
-                lse_blk = jnp.where(l_blk > 0, m + jnp.log(l_blk), -jnp.inf)
-                o_blk = o_blk / jnp.where(l_blk > 0, l_blk, 1.0)[..., None]
-                new = jnp.logaddexp(lse, lse_blk)
-                safe = jnp.where(jnp.isfinite(new), new, 0.0)
-                w_old = jnp.where(jnp.isfinite(lse), jnp.exp(lse - safe), 0.0)
-                w_blk = jnp.where(jnp.isfinite(lse_blk), jnp.exp(lse_blk - safe), 0.0)
-                return o * w_old[..., None] + o_blk * w_blk[..., None], new
+                return acc * old[..., None] + o_blk, m_new, total * old + jnp.sum(p, axis=-1)
 
-            o, lse = lax.cond(visible(q0, k0), attend, lambda o, lse: (o, lse), o, lse)
+            acc, m, total = lax.cond(visible(q0, k0), attend, lambda *a: a, acc, m, total)
             if step < n - 1:
                 kb, vb = lax.ppermute((kb, vb), axis_name, perm)
+        o = acc / jnp.where(total > 0, total, 1.0)[..., None]
         out = o.reshape(b, hk * g, t, spec.v_head_dim).astype(spec.out_dtype)
-        return out, (q, k, v, o, lse)
+        return out, (q, k, v, extras, o, m, total)
 
     def backward(res, dout):
-        q, k, v, o, lse = res
+        q, k, v, extras, o, m, total = res
+        base = jnp.where(jnp.isfinite(m), m, 0.0)[..., None]
+        scale_back = jnp.where(total > 0, 1.0 / jnp.where(total > 0, total, 1.0), 0.0)[..., None]
         qf = grouped(q).astype(jnp.float32)
         do = grouped(dout).astype(jnp.float32)
         delta = jnp.sum(do * o, axis=-1)  # rowsum(dO * O)
@@ -126,11 +165,12 @@ def _ring(spec: AttentionSpec, axis_name, n: int):
             q0, k0 = positions(step)
 
             def grads(dq, dkb, dvb, kb=kb, vb=vb, q0=q0, k0=k0):
-                s = scores(qf, kb, q0, k0)
-                p = jnp.where(jnp.isfinite(lse)[..., None], jnp.exp(s - lse[..., None]), 0.0)
+                s, kept = scores(qf, kb, q0, k0, extras)
+                p = jnp.exp(s - base) * scale_back  # the forward's probabilities
                 dvb = dvb + jnp.einsum("bhgts,bhgtd->bhsd", p, do)
                 dp = jnp.einsum("bhgtd,bhsd->bhgts", do, vb.astype(jnp.float32))
-                ds = p * (dp - delta[..., None]) * scale
+                # d(scores)/d(q·k): the scales where no mask replaced the score.
+                ds = jnp.where(kept, p * (dp - delta[..., None]) * spec.scale, 0.0)
                 dq = dq + jnp.einsum("bhgts,bhsd->bhgtd", ds, kb.astype(jnp.float32))
                 dkb = dkb + jnp.einsum("bhgts,bhgtd->bhsd", ds, qf)
                 return dq, dkb, dvb
@@ -143,11 +183,12 @@ def _ring(spec: AttentionSpec, axis_name, n: int):
             dq.reshape(b, hk * g, t, d).astype(q.dtype),
             dkb.astype(k.dtype),
             dvb.astype(v.dtype),
+            tuple(None for _ in extras),  # integer lengths: no cotangent
         )
 
     @jax.custom_vjp
-    def ring(q, k, v):
-        return forward(q, k, v)[0]
+    def ring(q, k, v, extras):
+        return forward(q, k, v, extras)[0]
 
     ring.defvjp(forward, backward)
     return ring

@@ -353,7 +353,7 @@ def run_site(shard: ShardPlan | None, planned, read, compute):
         def compute(site, kernel, interpret, read):  # noqa: F811 - the ring replaces the kernel
             q, k, v, extras = site.to_kernel(read)
             with jax.named_scope("flashpass_ring"):
-                out = ring.ring_attention(q, k, v, site.spec, name, n)
+                out = ring.ring_attention(q, k, v, extras, site.spec, name, n)
             return site.from_kernel(out, read, extras)
 
     out = compat.shard_map(

@@ -170,3 +170,45 @@ def test_auto_axes_ring_from_sharding_constraints():
     whole = shape[0] * shape[1] * shape[2] * shape[3]
     assert _full_length_gathers(orig.hlo, whole) > 0
     assert _full_length_gathers(got.hlo, whole) == 0, dict(collectives(got.hlo))
+
+
+def _windowed(q, k, v):
+    t = q.shape[1]
+    i, j = jnp.arange(t)[:, None], jnp.arange(t)[None, :]
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, k) * 0.25
+    s = jnp.where((j <= i) & (j > i - 12), s, -jnp.inf)  # a causal window of 12
+    return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1), v)
+
+
+def _padded(q, k, v, lengths):
+    keep = jnp.arange(k.shape[1])[None, :] < lengths[:, None]
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, k) * 0.25
+    s = jnp.where(keep[:, None, None, :], s, jnp.finfo(jnp.float32).min)
+    return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1), v)
+
+
+@pytest.mark.parametrize("case", ["window", "padded"])
+def test_windowed_and_padded_rings(case):
+    """Window masks skip the steps outside the window; kv lengths (a padded
+    batch, one row fully padded) are applied per step with the program's fill."""
+    m = mesh((8,), ("seq",))
+    args = [put(m, P(None, "seq"), normal(i, (2, 64, 2, 16))) for i in range(3)]
+    if case == "window":
+        attend, extra = _windowed, []
+    else:
+        attend, extra = _padded, [put(m, P(), np.array([40, 0], np.int32))]
+
+    def fn(q, k, v, *rest):
+        k, v = jax.sharding.reshard(k, REPLICATED), jax.sharding.reshard(v, REPLICATED)
+        return attend(q, k, v, *rest)
+
+    opt = flashpass.optimize(fn, kernel="reference")
+    with jax.set_mesh(m):
+        report = opt.explain(*args, *extra)
+        got = run(opt, [*args, *extra])
+    assert report.kernels == ["ring"], str(report)
+    ref = run(attend, unsharded([*args, *extra]))
+    assert_close(got.out, ref.out)
+    for g, r in zip(got.grads, ref.grads, strict=True):
+        assert_close(g, r)
+    assert any(kind == "collective-permute" for kind, _, _ in collectives(got.hlo))
