@@ -8,7 +8,11 @@ Recognised (all normalise over exactly one axis, the key axis):
 * Hand-written ``e = exp(s - s.max(axis, keepdims=True)); e / e.sum(axis, keepdims=True)``
   (nanoGPT-style code), with or without the max subtraction, with the divisor
   broadcast via ``broadcast_in_dim``/``reshape`` or implicit size-1 broadcasting.
-* Normalisation written as ``e * (1 / sum)``.
+* Normalisation written as ``e * (1 / sum)``, over any axis.
+* Low precision: a bfloat16 ``exp`` summed in float32 (and the sum cast back,
+  ``exp(log_softmax)`` too), a weak-typed ``exp`` cast to a strong type before use.
+* ``exp(s - bias)`` with a ``bias`` that varies along the axis: no shift, the
+  subtraction is left to the score chain (a negated bias).
 
 Semantics, not spelling: the shift ``c`` in ``exp(s - c)`` may be anything that
 is constant along the normalised axis (softmax is invariant to it, value and
