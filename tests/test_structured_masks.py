@@ -31,6 +31,7 @@ from flashpass.kernels.blockwise import BlockwiseKernel
 from flashpass.kernels.reference import reference_attention
 from flashpass.spec import (
     AttentionSpec,
+    Bias,
     Causal,
     Chunk,
     ExtraSpec,
@@ -290,6 +291,64 @@ def test_segments_skip_tiles_at_run_time(rng):
     assert "cond" in text
     dense = dataclasses.replace(spec, score_ops=(Causal(0, -1e9),), extras=())
     assert kernel.plan(spec).tiles_computed() == kernel.plan(dense).tiles_computed()
+
+
+def test_default_tiles_follow_the_band():
+    """Default tiles are at most a quarter of a window's or chunk's width (at
+    least 64), so the tiles a query block visits hug the band; unbounded
+    bands keep the usual sizes."""
+    from flashpass.kernels.blockwise import default_blocks
+    from flashpass.kernels.blockwise.plan import band_width
+
+    n, inf = 8192, -math.inf
+    window = _spec(n, n, [Causal(0, inf), Window(511, None, inf)])
+    assert band_width(window) == 512
+    assert default_blocks(window) == default_blocks(window, backward=True) == (128, 128)
+    assert BlockwiseKernel().plan(window).bq == 128  # under the head loop too
+    assert default_blocks(_spec(n, n, [Window(512, 511, inf)])) == (256, 256)
+    assert default_blocks(_spec(n, n, [Chunk(1024, inf), Causal(0, inf)])) == (256, 256)
+    assert default_blocks(_spec(n, n, [Window(8, 0, inf)])) == (64, 64)
+    open_right = _spec(n, n, [Window(511, None, inf)])
+    assert band_width(open_right) is None
+    assert default_blocks(open_right) == default_blocks(_spec(n, n, []))
+    # A window that cannot skip (a bias after it) keeps the usual tiles.
+    assert band_width(_spec(n, n, [Window(511, 0, inf), Bias(0, (1, 1, n, n), "float32")])) is None
+
+
+def test_segment_tiles_inside_one_document_drop_the_mask(rng):
+    """A tile whose query and key ids are all one document runs without the
+    segment mask (`segments_case`); forward and gradient are unchanged."""
+    from flashpass.kernels.blockwise.bounds import (
+        SEGMENTS_APART,
+        SEGMENTS_INSIDE,
+        SEGMENTS_MIXED,
+        segments_case,
+    )
+
+    def case(q, k):
+        return int(segments_case(jnp.asarray(q)[:, None], jnp.asarray(k)[None, :]))
+
+    assert case([2, 2], [2, 2]) == SEGMENTS_INSIDE
+    assert case([2, 2], [2, 3]) == SEGMENTS_MIXED
+    assert case([1, 2], [2, 2]) == SEGMENTS_MIXED
+    assert case([1, 1], [2, 2]) == SEGMENTS_APART
+
+    t = 128
+    spec = _spec(t, t, [Segments(0, 1, -1e9), Causal(0, -1e9)], _SEG_EXTRAS(t, t))
+    ids = np.repeat(np.arange(4, dtype=np.int32), 32)[None].repeat(B, 0)
+    ids[1] = np.repeat(np.arange(2, dtype=np.int32), 64)  # other documents per row
+    extras = (jnp.asarray(ids[:, None, :, None]), jnp.asarray(ids[:, None, None, :]))
+    q, k, v = (jnp.asarray(rng.standard_normal((B, H, t, D)), jnp.float32) for _ in range(3))
+    kernel = BlockwiseKernel(16, 16, head_loop=False)
+
+    def ours(q, k, v):
+        return kernel.apply(spec, q, k, v, extras)
+
+    def ref(q, k, v):
+        return reference_attention(spec, q, k, v, extras)
+
+    _assert_close(ours(q, k, v), ref(q, k, v))
+    _assert_close(_grads(ours, (q, k, v)), _grads(ref, (q, k, v)), 5e-5)
 
 
 def test_large_window_is_recognised_symbolically():

@@ -13,7 +13,8 @@ partial (element masks needed) or full (the static ops keep every entry).
 Per query block the visited key tiles are one range, and so are the full ones
 (each op's kept keys per row are one interval whose ends grow with the row),
 and likewise per key block.  Segment ids are data: tiles in the visited range
-are skipped at run time when their query and key id ranges are disjoint.
+are skipped at run time when their query and key id ranges are disjoint, and
+run without the element mask when all their ids are one (`segments_case`).
 """
 
 from __future__ import annotations
@@ -113,11 +114,22 @@ def segment_ops(spec: AttentionSpec, run) -> Segments | None:
     return found[0] if found else None
 
 
-def segments_meet(q_ids, kv_ids):
-    """Whether some query id of a tile can equal some key id (per batch and
-    head row, any of them): the id ranges ``[min, max]`` overlap.  Exact for
-    any ids; with sorted (packed) ids only tiles that really meet pass."""
+#: `segments_case` values: the tile is skipped, computed with the segment
+#: mask, or computed without it (every query and key in one segment).
+SEGMENTS_APART, SEGMENTS_MIXED, SEGMENTS_INSIDE = 0, 1, 2
+
+
+def segments_case(q_ids, kv_ids):
+    """Which `lax.switch` branch a tile takes (`SEGMENTS_APART` ...).  Apart:
+    no query id can equal a key id in any batch or head row, the id ranges
+    ``[min, max]`` are disjoint (exact for any ids; with sorted, packed ids
+    only tiles that really meet are computed).  Inside: every id of the tile,
+    on both sides and in every row, is one value (the element mask keeps
+    everything, so it is left out).  Else mixed."""
     axes = (-2, -1)
     q_lo, q_hi = q_ids.min(axis=axes), q_ids.max(axis=axes)
     k_lo, k_hi = kv_ids.min(axis=axes), kv_ids.max(axis=axes)
-    return jnp.any((q_lo <= k_hi) & (k_lo <= q_hi))
+    inside = jnp.all((q_lo == q_hi) & (k_lo == k_hi) & (q_lo == k_lo))
+    meet = jnp.any((q_lo <= k_hi) & (k_lo <= q_hi))
+    return jnp.where(inside, SEGMENTS_INSIDE, jnp.where(meet, SEGMENTS_MIXED, SEGMENTS_APART))
+

@@ -21,7 +21,7 @@ from jax.custom_derivatives import SymbolicZero
 
 from .. import _util
 from . import heads
-from .bounds import segments_meet
+from .bounds import segments_case
 from .plan import Plan, Plans
 from .tiles import (
     add_at,
@@ -75,7 +75,7 @@ def forward(plan: Plan, q, k, v, extras):
         ex_q = [slice_t(x, iq * plan.bq, plan.bq) for x in ex5]
         q_pos = row_pos(plan, iq)
 
-        def kv_body(edge):
+        def kv_body(edge, one_segment=False):
             def body(ik, state):
                 m, den, acc = state
                 k_t = lax.dynamic_slice_in_dim(kp, ik * bk, bk, axis=2)
@@ -84,7 +84,7 @@ def forward(plan: Plan, q, k, v, extras):
                 ex_t = [slice_s(x, ik * bk, bk) for x in ex_q]
                 a, b = dot_operands(plan, q_t, k_t)
                 s = jnp.einsum("bhtd,bhsd->bhts", a, b, preferred_element_type=cdt)
-                s = tile_score_fn(plan, ex_t, q_pos, k_pos, edge)(s, {})
+                s = tile_score_fn(plan, ex_t, q_pos, k_pos, edge, one_segment=one_segment)(s, {})
                 m_new = jnp.maximum(m, jnp.max(s, axis=-1))
                 # A row with only -inf so far keeps m = -inf; shift by 0 instead
                 # so exp() gives 0, not nan.
@@ -117,30 +117,33 @@ def forward(plan: Plan, q, k, v, extras):
             beta_p = beta.astype(p_dtype).astype(cdt)  # as the reference rounds p
             return m_new, den, acc * alpha[..., None] + beta_p[..., None] * vsum
 
-        def segmented(body):
+        def skipped(ik, state):
+            if not finite_segments:
+                return state
+            n = jnp.asarray(jnp.minimum(bk, spec.kv_len - ik * bk)).astype(cdt)
+            return fold(state, n, lax.dynamic_slice_in_dim(vblocks, ik, 1, axis=2))
+
+        def segmented(edge):
             # Tiles whose query and key segment ids cannot meet are skipped at
-            # run time (their keys score c: folded in when c is finite).
+            # run time (their keys score c: folded in when c is finite), and
+            # tiles inside one segment run without the segment mask.
             if plan.segments is None:
-                return body
+                return kv_body(edge)
             op = plan.segments
             qids = ex_q[op.q_index]
+            branches = (skipped, kv_body(edge), kv_body(edge, one_segment=True))
 
             def run(ik, state):
                 kids = slice_s(ex_q[op.kv_index], ik * bk, bk)
-                meet = segments_meet(qids, kids)
-                if not finite_segments:
-                    return lax.cond(meet, body, lambda _, st: st, ik, state)
-                n = jnp.asarray(jnp.minimum(bk, spec.kv_len - ik * bk)).astype(cdt)
-                vsum = lax.dynamic_slice_in_dim(vblocks, ik, 1, axis=2)
-                return lax.cond(meet, body, lambda _, st: fold(st, n, vsum), ik, state)
+                return lax.switch(segments_case(qids, kids), branches, ik, state)
 
             return run
 
         kstart, kfs = bound(plan.kstart, iq), bound(plan.kfs, iq)
         kfull, kend = bound(plan.kfull, iq), bound(plan.kend, iq)
-        state = loop(kstart, kfs, segmented(kv_body(True)), state)
-        state = loop(kfs, kfull, segmented(kv_body(False)), state)
-        m, den, acc = loop(kfull, kend, segmented(kv_body(True)), state)
+        state = loop(kstart, kfs, segmented(True), state)
+        state = loop(kfs, kfull, segmented(False), state)
+        m, den, acc = loop(kfull, kend, segmented(True), state)
         if plan.skipped_score is not None:
             # The keys outside [kstart, kend) blocks: a prefix and a suffix.
             first, last = bound(plan.kstart_key, iq), bound(plan.kend_key, iq)
@@ -213,7 +216,7 @@ def backward(plan: Plan, q, k, v, extras, out, m, den, dout, wanted):
         k_dot = dot_operands(plan, k_t, q5)[0]
         k_tr = jnp.swapaxes(k_dot, 2, 3)  # [B, Hkv, D, bk], once per key block
 
-        def q_body(edge):
+        def q_body(edge, one_segment=False):
             def body(iq, state):
                 dqt, dk_t, dv_t, dbias = state
                 q_t = scaled_q(plan, q_tile(plan, q5, iq))
@@ -223,7 +226,9 @@ def backward(plan: Plan, q, k, v, extras, out, m, den, dout, wanted):
                 b, a = dot_operands(plan, k_t, q_t)
                 st = jnp.einsum("bhsd,bhtd->bhst", b, a, preferred_element_type=cdt)
                 biases = {i: ex_t[i].astype(cdt) for i in bias_idx}
-                scores = tile_score_fn(plan, ex_t, row_pos(plan, iq), k_pos, edge, transposed=True)
+                scores = tile_score_fn(
+                    plan, ex_t, row_pos(plan, iq), k_pos, edge, True, one_segment
+                )
                 st, score_vjp = jax.vjp(scores, st, biases)
                 et = jnp.exp(st - m_t)
                 # One exp per tile: without the barrier XLA recomputes it in
@@ -252,11 +257,12 @@ def backward(plan: Plan, q, k, v, extras, out, m, den, dout, wanted):
             dbias,
         )
 
-        def segmented(body):
-            # As in the forward: tiles whose segment ids cannot meet are skipped;
-            # with a finite c their keys still get dV from the rows' weights.
+        def segmented(edge):
+            # As in the forward: tiles whose segment ids cannot meet are skipped
+            # (with a finite c their keys still get dV from the rows' weights),
+            # tiles inside one segment run without its mask.
             if plan.segments is None:
-                return body
+                return q_body(edge)
             op = plan.segments
             kids = ex_k[op.kv_index]
 
@@ -268,17 +274,19 @@ def backward(plan: Plan, q, k, v, extras, out, m, den, dout, wanted):
                 dv_rows = jnp.einsum("bht,bhtd->bhd", w, q_tile(plan, do_n, iq))
                 return dqt, dk_t, dv_t + dv_rows[:, :, None], dbias
 
+            branches = (skipped, q_body(edge), q_body(edge, one_segment=True))
+
             def run(iq, state):
                 qids = slice_t(ex_k[op.q_index], iq * bq, bq)
-                return lax.cond(segments_meet(qids, kids), body, skipped, iq, state)
+                return lax.switch(segments_case(qids, kids), branches, iq, state)
 
             return run
 
         qstart, qfull = bound(plan.qstart, ik), bound(plan.qfull, ik)
         qfe, qend = bound(plan.qfe, ik), bound(plan.qend, ik)
-        state = loop(qstart, qfull, segmented(q_body(True)), state)
-        state = loop(qfull, qfe, segmented(q_body(False)), state)
-        dqt, dk_t, dv_t, dbias = loop(qfe, qend, segmented(q_body(True)), state)
+        state = loop(qstart, qfull, segmented(True), state)
+        state = loop(qfull, qfe, segmented(False), state)
+        dqt, dk_t, dv_t, dbias = loop(qfe, qend, segmented(True), state)
         dk = lax.dynamic_update_slice_in_dim(dk, dk_t, ik * bk, axis=2)
         dv = lax.dynamic_update_slice_in_dim(dv, dv_t, ik * bk, axis=2)
         return dqt, dk, dv, dbias

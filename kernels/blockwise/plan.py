@@ -17,11 +17,14 @@ from flashpass.spec import (
     STRUCTURED,
     AttentionSpec,
     Bias,
+    Causal,
+    Chunk,
     KvLengths,
     Mask,
     Scale,
     Segments,
     Softcap,
+    Window,
 )
 
 from .. import _util
@@ -50,6 +53,12 @@ OUTER_BLOCK, MIN_BLOCK, MAX_INNER_BLOCK = 512, 128, 1024
 #: more of the diagonal, so there it starts at `HEAD_LOOP_MIN_CAUSAL_LEN`.
 HEAD_LOOP_BLOCK = 1024
 HEAD_LOOP_MIN_CAUSAL_LEN = 8192
+#: Under a window or chunk that keeps at most ``w`` keys per row, tiles are at
+#: most ``w / BAND_TILES`` (a power of two, at least `MIN_BAND_BLOCK`): the tiles
+#: a query block visits then cover ~1.25 ``w`` keys per row, not the ~4 ``w`` of
+#: 1024-wide tiles (W=512 at S=8192: 128 x 128 tiles run 3x faster than the
+#: default, smaller ones lose to loop overhead; docs/benchmarks.md, "Masks").
+BAND_TILES, MIN_BAND_BLOCK = 4, 64
 
 _KNOWN_OPS = (Scale, Bias, Mask, Softcap, KvLengths, *STRUCTURED)
 
@@ -199,7 +208,31 @@ def default_blocks(
     if inner < MIN_BLOCK:
         inner = MIN_BLOCK
         outer = max(_pow2_floor(TILE_ELEMENTS // (heads * inner)), MIN_BLOCK)
+    width = band_width(spec)
+    if width is not None:
+        cap = max(_pow2_floor(width // BAND_TILES), MIN_BAND_BLOCK)
+        inner, outer = min(inner, cap), min(outer, cap)
     return (inner, outer) if backward else (outer, inner)
+
+
+def band_width(spec: AttentionSpec) -> int | None:
+    """Most keys a query row keeps under the skippable window and chunk ops
+    (`bounds.skip_run`), or None when they do not bound it (no such op, or a
+    window open to the right without a causal op)."""
+    run = bounds.skip_run(spec)
+    if run is None:
+        return None
+    ops = spec.score_ops[run[0] : run[1] + 1]
+    causal = [op.offset for op in ops if isinstance(op, Causal)]
+    widths = []
+    for op in ops:
+        if isinstance(op, Chunk):
+            widths.append(op.size)
+        elif isinstance(op, Window):
+            right = op.right if op.right is not None else min(causal, default=None)
+            if right is not None:
+                widths.append(op.left + right + 1)
+    return min(widths, default=None)
 
 
 def make_plan(spec: AttentionSpec, block_q: int, block_k: int) -> Plan:

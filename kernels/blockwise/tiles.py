@@ -125,7 +125,9 @@ def dot_operands(plan: Plan, a, b):
     return a.astype(plan.cdt), b.astype(plan.cdt)
 
 
-def tile_score_fn(plan: Plan, ex_tile, q_pos, k_pos, edge: bool, transposed: bool = False):
+def tile_score_fn(
+    plan: Plan, ex_tile, q_pos, k_pos, edge: bool, transposed: bool = False, one_segment=False
+):
     """``f(s_raw, biases) -> s``: the spec's ops on one tile, as a function of
     the raw scores and the (5-D, compute-dtype) bias tiles so the backward can
     differentiate it.  Edge tiles also apply the causal op and key padding.
@@ -136,9 +138,14 @@ def tile_score_fn(plan: Plan, ex_tile, q_pos, k_pos, edge: bool, transposed: boo
     positions swapped and negated: its causal test ``k <= q + offset`` on
     (row, column) positions (-k_j, -q_i) reads ``-q_i <= -k_j + offset``,
     i.e. ``k_j <= q_i + offset``, the same test for the transposed entry.
+
+    ``one_segment``: every query and key of the tile is in one segment
+    (`bounds.segments_case`), so the `Segments` op keeps everything: left out.
     """
     spec = plan.spec
     ops = plan.ops_edge if edge else plan.ops_plain
+    if one_segment:
+        ops = tuple(op for op in ops if op != plan.segments)
     # KvLengths runs as the element mask ``k < n`` of this tile (keys are rows
     # of a transposed tile, so the position trick below does not apply to it).
     lengths = {op.index: op for op in ops if isinstance(op, KvLengths)}
