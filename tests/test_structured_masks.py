@@ -95,6 +95,9 @@ def test_spelling_becomes_descriptors(name, rng):
     assert len(report.rewrites) == 1 and not report.fallbacks, str(report)
     got = _described(report.rewrites[0].spec)
     assert sorted(got) == sorted(want), got
+    # The report's mask column names the descriptors, in a fixed order.
+    words = [w for w in ("Causal", "Window", "Chunk", "Prefix", "Segments") if w in str(want)]
+    assert report.rewrites[0].mask == "+".join(w.lower() for w in words)
     # No T x S kernel input: nothing but q/k/v has two sequence-long axes.
     t = spellings.T
     for shape in _kernel_inputs(opt.rewritten_jaxpr(*args)):
@@ -199,11 +202,16 @@ def test_near_miss_keeps_an_exact_reading(name, rng):
 
 def test_other_kernels_decline_descriptors_with_a_reason(rng):
     q, k, v = bnth(rng, t=1024, s=1024)
-    fn = spellings.window_iota
-    report = flashpass.optimize(fn, kernel=["splash", "blockwise"], interpret=True).explain(q, k, v)
+    order = ["splash", "blockwise"]
+    fn = spellings.prefix_lm
+    report = flashpass.optimize(fn, kernel=order, interpret=True).explain(q, k, v)
     assert report.kernels == ["blockwise"]
     reasons = " ".join(report.rewrites[0].rejected["splash"])
-    assert "window" in reasons
+    assert "prefix" in reasons
+    # Splash takes a causal window as its LocalMask.
+    window = flashpass.optimize(spellings.window_iota, kernel=order, interpret=True)
+    report = window.explain(q, k, v)
+    assert report.kernels == ["splash"] and report.rewrites[0].mask == "causal+window"
 
 
 # --------------------------------------------------------------------------- the kernel
