@@ -466,6 +466,14 @@ def splash_attention_module():
     return splash_attention
 
 
+def splash_chunked_causal_mask(shape, chunk_size: int):
+    """Splash's ``ChunkedCausalMask`` (not exported by the package's
+    ``__init__``: read from its ``splash_attention_mask`` module)."""
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask
+
+    return splash_attention_mask.ChunkedCausalMask(shape, chunk_size=chunk_size)
+
+
 def make_splash_kernel(mask, **kwargs):
     """``splash_attention.make_splash_mha(mask, **kwargs)``, usable inside a trace.
 

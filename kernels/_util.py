@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -106,6 +107,9 @@ class LinearForm:
     causal_offset: int | None
     #: why the spec does not have this form (empty: it does).
     reasons: tuple[str, ...]
+    #: the structured ops (`Window`, `Chunk`, `Prefix`, `Segments`) the caller
+    #: accepted (``linear_form(structured=...)``), checked to exclude keys.
+    structured: tuple = ()
 
 
 def exclusion_reasons(spec: AttentionSpec, position: int) -> list[str]:
@@ -115,7 +119,7 @@ def exclusion_reasons(spec: AttentionSpec, position: int) -> list[str]:
     reasons = []
     value = spec.final_fill(position, op.fill)
     if not excludes(value):
-        kind = "mask" if isinstance(op, Mask) else "causal mask"
+        kind = _STRUCTURED_WORDS.get(type(op), "mask" if isinstance(op, Mask) else "causal mask")
         reasons.append(
             f"{kind} fill {op.fill} ends as score {value:.6g} after the ops that "
             f"follow it, which does not exclude keys (needs <= {EXCLUDING_FILL} or "
@@ -128,8 +132,10 @@ def exclusion_reasons(spec: AttentionSpec, position: int) -> list[str]:
     return reasons
 
 
-def linear_form(spec: AttentionSpec) -> LinearForm:
-    """Rewrite ``spec.score_ops`` as a `LinearForm` (see module doc)."""
+def linear_form(spec: AttentionSpec, structured: frozenset = frozenset()) -> LinearForm:
+    """Rewrite ``spec.score_ops`` as a `LinearForm` (see module doc); the
+    structured op types in ``structured`` are kept (the caller maps them to
+    its own masks) instead of rejected."""
     reasons: list[str] = []
     scale = 1.0
     biases: list[list] = []
@@ -137,6 +143,7 @@ def linear_form(spec: AttentionSpec) -> LinearForm:
     post = 1.0  # product of the Scales after the Softcap
     masks: list[int] = []
     offsets: list[int] = []
+    kept: list = []
     for position, op in enumerate(spec.score_ops):
         if isinstance(op, Scale):
             if cap is None:
@@ -166,8 +173,12 @@ def linear_form(spec: AttentionSpec) -> LinearForm:
                 offsets.append(op.offset)
         elif isinstance(op, KvLengths):
             reasons.append(KV_LENGTHS_REASON)
+        elif type(op) in structured:
+            reasons += exclusion_reasons(spec, position)
+            kept.append(op)
         elif type(op) in _STRUCTURED_WORDS:
-            reasons += [r for r in structured_reasons(spec) if r not in reasons]
+            missing = [r for r in structured_reasons(spec, structured) if r not in reasons]
+            reasons += missing
         else:
             reasons.append(f"unknown score op {type(op).__name__}")
     if cap is not None and post != 1.0:
@@ -188,6 +199,7 @@ def linear_form(spec: AttentionSpec) -> LinearForm:
         masks=tuple(masks),
         causal_offset=offset,
         reasons=tuple(reasons),
+        structured=tuple(kept),
     )
 
 
@@ -264,10 +276,14 @@ _STRUCTURED_WORDS = {
 }
 
 
-def structured_reasons(spec: AttentionSpec) -> list[str]:
+def structured_reasons(spec: AttentionSpec, accepted: frozenset = frozenset()) -> list[str]:
     """One reason per structured-mask op (`Window`, `Chunk`, `Prefix`,
-    `Segments`) in ``spec``: library adapters do not take them yet."""
-    found = {type(op) for op in spec.score_ops if type(op) in _STRUCTURED_WORDS}
+    `Segments`) in ``spec`` whose type is not in ``accepted``."""
+    found = {
+        type(op)
+        for op in spec.score_ops
+        if type(op) in _STRUCTURED_WORDS and type(op) not in accepted
+    }
     return [
         f"{_STRUCTURED_WORDS[kind]} is not supported by this kernel; the 'blockwise' "
         "kernel takes it as a descriptor and skips the blocks it excludes"
@@ -275,7 +291,13 @@ def structured_reasons(spec: AttentionSpec) -> list[str]:
     ]
 
 
-def linear_reasons(spec: AttentionSpec, kernel: str, *, bias_instead: str | None = None):
+def linear_reasons(
+    spec: AttentionSpec,
+    kernel: str,
+    *,
+    bias_instead: str | None = None,
+    structured: frozenset = frozenset(),
+):
     """``(reasons, form)`` of an adapter built on `linear_form`: `input_reasons`,
     then (if there are none) the spec's `LinearForm` and its reasons.  With
     ``bias_instead`` the kernel takes no bias, and the reason names that kernel
@@ -283,7 +305,7 @@ def linear_reasons(spec: AttentionSpec, kernel: str, *, bias_instead: str | None
     reasons = input_reasons(spec, kernel)
     if reasons:
         return reasons, None
-    form = linear_form(spec)
+    form = linear_form(spec, structured)
     reasons = list(form.reasons)
     if bias_instead is not None and form.biases:
         reasons.append(
@@ -412,6 +434,39 @@ def combined_keep(spec: AttentionSpec, masks, extras, *, offset: int | None = No
         seen = jnp.take_along_axis(seen, jnp.asarray(last)[None, None, :, None], axis=-1)
         empty = seen == 0
     return keep, empty
+
+
+def segment_arrays(spec, op: Segments, extras, keep=None, offset=None, kv_len=None):
+    """``(q_ids [b, T], kv_ids [b, kv_len], empty [b, 1, T, 1])`` int32 for a
+    kernel's ``SegmentIds`` from a `Segments` op (ids shared by the heads).
+
+    Keys ``keep`` (``[b|1, 1, 1, S]``, key masks) excludes and padded keys
+    (up to ``kv_len``) get an id no query has (one above the largest query
+    id, or below the smallest at the top of the range), so one segment-id
+    comparison applies both.  ``empty``: rows
+    whose id meets no kept key ``j <= i + offset``, found in O(S log S) from the
+    ids sorted stably (the first kept key of the row's id): `fill_empty_rows`.
+    """
+    q_ids = extras[op.q_index][:, 0, :, 0].astype(jnp.int32)
+    kv_ids = extras[op.kv_index][:, 0, 0, :].astype(jnp.int32)
+    b = max(q_ids.shape[0], kv_ids.shape[0])
+    q_ids = jnp.broadcast_to(q_ids, (b, spec.q_len))
+    kv_ids = jnp.broadcast_to(kv_ids, (b, spec.kv_len))
+    top = jnp.max(q_ids)
+    outside = jnp.where(top < np.iinfo(np.int32).max, top + 1, jnp.min(q_ids) - 1)
+    if keep is not None:
+        kv_ids = jnp.where(keep[:, 0, 0, :], kv_ids, outside)
+    order = jnp.argsort(kv_ids, axis=-1, stable=True)
+    ids_sorted = jnp.take_along_axis(kv_ids, order, axis=-1)
+    at = jax.vmap(jnp.searchsorted)(ids_sorted, q_ids)
+    at = jnp.minimum(at, spec.kv_len - 1)
+    found = jnp.take_along_axis(ids_sorted, at, axis=-1) == q_ids
+    if offset is not None:
+        first = jnp.take_along_axis(order, at, axis=-1)  # the id's first kept key
+        found = found & (first <= np.arange(spec.q_len) + offset)
+    pad = (kv_len or spec.kv_len) - spec.kv_len
+    kv_ids = jnp.concatenate([kv_ids, jnp.broadcast_to(outside, (b, pad))], axis=-1)
+    return q_ids, kv_ids, ~found[:, None, :, None]
 
 
 def fill_empty_rows(spec: AttentionSpec, out, v, empty):

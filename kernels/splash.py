@@ -22,6 +22,12 @@ for ``q``, ``k``, ``v``.  This module maps an `AttentionSpec` onto it exactly:
 * Masks that only vary over keys and batch (``[B|1, 1, 1, S]``, padding):
   key segment ids (``0`` kept, ``1`` excluded; queries ``0``).  Any other
   mask: the kernel's dynamic mask, ANDed with the causal mask.
+* Structured masks (#18), with no ``T x S`` array: ``Window(l, r)`` as the
+  static ``LocalMask((l, r))`` (a causal op folded into ``r``), ``Chunk`` with
+  ``Causal(0)`` as ``ChunkedCausalMask``, ``Segments`` as ``SegmentIds`` (the
+  user's ids; keys a key mask or padding excludes get an id no query has, and
+  rows left with no key are found from the sorted ids, `_util.segment_arrays`).
+  A window or chunk with a boolean mask or segment ids is rejected.
 * Sequence padding: queries to a multiple of 16 (one block up to
   ``max_block``) or of 128, keys to a multiple of 128; padded keys get segment
   id 1 (or are false in the dynamic mask), padded queries are sliced off.
@@ -53,7 +59,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from flashpass import compat
-from flashpass.spec import AttentionSpec
+from flashpass.spec import AttentionSpec, Chunk, Segments, Window
 
 from . import _util
 
@@ -74,14 +80,54 @@ class _Plan:
     key_masks: tuple[int, ...]  # masks expressed as kv segment ids
     dynamic_masks: tuple[int, ...]  # masks expressed as the dynamic mask
     segment_ids: bool  # key segment ids are passed (key masks or key padding)
+    window: tuple | None = None  # LocalMask window_size, causal folded in
+    chunk: int | None = None  # ChunkedCausalMask chunk size
+    segments: Segments | None = None  # the user's ids as SegmentIds
+
+
+#: Structured ops splash takes: `Window` (LocalMask), `Chunk` with a causal
+#: mask (ChunkedCausalMask), `Segments` (SegmentIds).
+_STRUCTURED = frozenset({Window, Chunk, Segments})
 
 
 def _reasons(spec: AttentionSpec) -> list[str]:
-    return _util.linear_reasons(spec, "splash attention", bias_instead="pallas_tpu")[0]
+    reasons, form = _util.linear_reasons(
+        spec, "splash attention", bias_instead="pallas_tpu", structured=_STRUCTURED
+    )
+    if form is None or not form.structured:
+        return reasons
+    kinds = [type(op) for op in form.structured]
+    if any(kinds.count(kind) > 1 for kind in _STRUCTURED):
+        reasons.append("two window, chunk or segment-id masks of one kind are not supported")
+    if Window in kinds and Chunk in kinds:
+        reasons.append("a local window together with a chunk mask is not supported")
+    if Chunk in kinds and form.causal_offset != 0:
+        reasons.append(
+            "a chunk mask is supported only together with a causal mask of offset 0 "
+            "(splash's ChunkedCausalMask)"
+        )
+    static = [k for k in kinds if k is not Segments]
+    # (Rows such a combination empties would need a T x S pass to find.)
+    if static and (form.masks or Segments in kinds):
+        reasons.append(
+            "a local window or chunk mask together with a boolean mask or segment ids "
+            "is not supported"
+        )
+    if Segments in kinds:
+        if any(spec.extras[i].shape[2] != 1 for i in form.masks):
+            reasons.append("segment ids together with a mask varying over queries")
+        op = next(op for op in form.structured if isinstance(op, Segments))
+        for i in (op.q_index, op.kv_index):
+            extra = spec.extras[i]
+            if extra.shape[1] != 1:
+                reasons.append("segment ids that differ between heads are not supported")
+            if np.dtype(extra.dtype).itemsize > 4:
+                reasons.append(f"segment ids of dtype {np.dtype(extra.dtype).name} (> 32 bits)")
+    return reasons
 
 
 def _plan(spec: AttentionSpec, max_block: int) -> _Plan:
-    form = _util.linear_form(spec)
+    form = _util.linear_form(spec, _STRUCTURED)
     key_masks, dynamic_masks = [], []
     for index in form.masks:
         shape = tuple(spec.extras[index].shape)
@@ -89,8 +135,19 @@ def _plan(spec: AttentionSpec, max_block: int) -> _Plan:
     if dynamic_masks:  # one mechanism: all masks go into the dynamic mask
         dynamic_masks, key_masks = list(form.masks), []
     kv_len = _util.round_up(spec.kv_len, _util.TPU_LANES)
+    found = {type(op): op for op in form.structured}
+    window = None
+    if Window in found:
+        op = found[Window]
+        right = op.right
+        if form.causal_offset is not None:  # the causal mask bounds the right side
+            right = form.causal_offset if right is None else min(right, form.causal_offset)
+        window = (op.left, right)
+    user_ids = found.get(Segments)
     # Segment ids (key masks, key padding) need query blocks of 128 in the dK/dV kernel.
-    segments = bool(key_masks) or (kv_len > spec.kv_len and not dynamic_masks)
+    segments = (
+        bool(key_masks) or user_ids is not None or (kv_len > spec.kv_len and not dynamic_masks)
+    )
     q_multiple = _util.TPU_LANES if segments else _util.TPU_Q_MULTIPLE
     q_len, block_q = _util.tpu_query_tiling(spec.q_len, max_block, q_multiple)
     return _Plan(
@@ -105,6 +162,9 @@ def _plan(spec: AttentionSpec, max_block: int) -> _Plan:
         key_masks=tuple(key_masks),
         dynamic_masks=tuple(dynamic_masks),
         segment_ids=segments,
+        window=window,
+        chunk=found[Chunk].size if Chunk in found else None,
+        segments=user_ids,
     )
 
 
@@ -134,7 +194,9 @@ class SplashKernel(_util.TpuKernel):
 
     name = "splash"
     dtypes = frozenset({"bfloat16", "float16", "float32"})  # float16 computed in float32
-    descriptors = frozenset({"causal", "mask", "key_mask", "softcap", "gqa"})
+    descriptors = frozenset(
+        {"causal", "mask", "key_mask", "softcap", "gqa", "window", "chunk", "segments"}
+    )
     spec_reasons = staticmethod(_reasons)
 
     def apply(self, spec: AttentionSpec, q, k, v, extras=(), *, interpret: bool = False):
@@ -157,9 +219,17 @@ class SplashKernel(_util.TpuKernel):
 
         # Key segment ids [b, S'] (b in {1, B}): 1 excludes a key.  Rows left with
         # no key are finite (every score is the mask value) and replaced below.
-        kv_ids = None
+        kv_ids = q_ids = None
         empty = None
-        if plan.key_masks:
+        if plan.segments is not None:
+            keep = None
+            if plan.key_masks:
+                keep = _util.combined_keep(spec, plan.key_masks, extras)[0]
+            q_ids, kv_ids, empty = _util.segment_arrays(
+                spec, plan.segments, extras, keep, form.causal_offset, plan.kv_len
+            )
+            q_ids = jnp.pad(q_ids, ((0, 0), (0, plan.q_len - T)), mode="edge")
+        elif plan.key_masks:
             keep, empty = _util.combined_keep(
                 spec, plan.key_masks, extras, offset=form.causal_offset
             )  # keep: [b, 1, 1, S]
@@ -189,19 +259,28 @@ class SplashKernel(_util.TpuKernel):
         offset = form.causal_offset
         cap = form.softcap
         has_ids, has_dynamic = kv_ids is not None, dynamic is not None
+        has_q_ids = q_ids is not None
+        window, chunk = plan.window, plan.chunk
 
-        def one(q, k, v, ids, mask):
+        def one(q, k, v, ids, mask, qids):
             """Splash attention of one example: [H, T, D] x [Hkv, S, D]."""
             sa = compat.splash_attention_module()
             if mask is None:
-                if offset is None:
-                    static = sa.FullMask((q_len, kv_len))
+                shape = (q_len, kv_len)
+                if window is not None:  # the causal mask is folded into its right side
+                    static = sa.LocalMask(shape, window_size=window, offset=0)
+                elif chunk is not None:
+                    static = compat.splash_chunked_causal_mask(shape, chunk)
+                elif offset is None:
+                    static = sa.FullMask(shape)
                 else:
-                    static = sa.CausalMask((q_len, kv_len), offset=offset)
+                    static = sa.CausalMask(shape, offset=offset)
                 mask = sa.MultiHeadMask([static])
             segment_ids = None
             if ids is not None:
-                segment_ids = sa.SegmentIds(q=jnp.zeros((q_len,), jnp.int32), kv=ids)
+                if qids is None:
+                    qids = jnp.zeros((q_len,), jnp.int32)
+                segment_ids = sa.SegmentIds(q=qids, kv=ids)
             splash = compat.make_splash_kernel(
                 mask,
                 block_sizes=block_sizes,
@@ -216,14 +295,15 @@ class SplashKernel(_util.TpuKernel):
             rest = list(rest)
             ids = rest.pop(0) if has_ids else None
             mask = rest.pop(0) if has_dynamic else None
-            axes = [None if x is None or x.shape[0] == 1 else 0 for x in (ids, mask)]
-            ids, mask = (
-                x if x is None or axis == 0 else x[0]
-                for x, axis in zip((ids, mask), axes, strict=True)
+            qids = rest.pop(0) if has_q_ids else None
+            xs = (ids, mask, qids)
+            axes = [None if x is None or x.shape[0] == 1 else 0 for x in xs]
+            ids, mask, qids = (
+                x if x is None or axis == 0 else x[0] for x, axis in zip(xs, axes, strict=True)
             )
-            return jax.vmap(one, in_axes=(0, 0, 0, *axes))(q, k, v, ids, mask)
+            return jax.vmap(one, in_axes=(0, 0, 0, *axes))(q, k, v, ids, mask, qids)
 
-        args = [q, k, v] + [x for x in (kv_ids, dynamic) if x is not None]
+        args = [q, k, v] + [x for x in (kv_ids, dynamic, q_ids) if x is not None]
         # interpret=True goes to the kernel itself: the context-wide TPU interpret
         # mode does not support the grid axis that vmap adds.
         out = compat.pallas_tpu_traced(kernel, interpret=False)(*args)

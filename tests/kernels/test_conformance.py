@@ -281,6 +281,9 @@ DEFAULT_NUMERICS = {
         ("odd", "f32"),
         ("softcap", "f32"),
         ("gqa", "bf16"),
+        ("window", "f32"),
+        ("chunk", "f32"),
+        ("segments", "f32"),
     },
     "pallas_gpu": {("causal", "f32"), ("padding", "f32"), ("odd", "f32"), ("gqa", "bf16")},
     "cudnn": {(c, d) for c in CASES for d in DTYPES},  # skipped without a GPU
