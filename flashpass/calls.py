@@ -8,7 +8,9 @@ the pass's own output as opaque (`graph.is_kernel_call`).
 
 from __future__ import annotations
 
-import functools
+import collections
+import threading
+import typing
 
 import jax
 
@@ -17,16 +19,56 @@ from .graph import KERNEL_PREFIX
 __all__ = ["KERNEL_PREFIX", "kernel_call"]
 
 
-@functools.lru_cache(maxsize=256)
-def kernel_call(kernel, spec, interpret: bool):
-    """A jitted, named call of ``kernel`` for ``spec``: ``flashpass_<name>``.
+class _KernelCalls:
+    """``kernel_call(kernel, spec, interpret)``: a jitted, named call of
+    ``kernel`` for ``spec`` (``flashpass_<name>``).
 
     Cached, so identical sites (every layer of a model) share one ``jit`` and
-    its trace cache: the kernel is traced once, not once per layer.
+    its trace cache: the kernel is traced once, not once per layer.  The cache
+    is an LRU of `MAX_SIZE` specs; an evicted call's ``jit`` caches are cleared,
+    so serving many shapes does not keep every shape's kernel traces alive.
     """
 
+    MAX_SIZE = 64
+
+    def __init__(self):
+        self._calls: collections.OrderedDict = collections.OrderedDict()
+        self._lock = threading.Lock()
+
+    def __call__(self, kernel, spec, interpret: bool):
+        key = (kernel, spec, interpret)
+        with self._lock:
+            found = self._calls.get(key)
+            if found is not None:
+                self._calls.move_to_end(key)
+                return found
+            found = self._calls[key] = _make(kernel, spec, interpret)
+            while len(self._calls) > self.MAX_SIZE:
+                _, evicted = self._calls.popitem(last=False)
+                evicted.clear_cache()
+            return found
+
+    def cache_info(self) -> CacheInfo:
+        return CacheInfo(self.MAX_SIZE, len(self._calls))
+
+    def cache_clear(self) -> None:
+        with self._lock:
+            for call in self._calls.values():
+                call.clear_cache()
+            self._calls.clear()
+
+
+class CacheInfo(typing.NamedTuple):
+    maxsize: int
+    currsize: int
+
+
+def _make(kernel, spec, interpret: bool):
     def call(q, k, v, *extras):
         return kernel.apply(spec, q, k, v, extras, interpret=interpret)
 
     call.__name__ = call.__qualname__ = f"{KERNEL_PREFIX}{kernel.name}"
     return jax.jit(call)
+
+
+kernel_call = _KernelCalls()
