@@ -14,6 +14,7 @@ from __future__ import annotations
 from flashpass.patterns.common import Miss, where
 from flashpass.patterns.masks import CausalSource, MaskStep
 from flashpass.patterns.probabilities import ScoreMasks
+from flashpass.patterns.regroup import UNIT, Merged
 from flashpass.patterns.softcap import fold_softcap
 
 from .graph import Scope
@@ -34,6 +35,7 @@ class SiteBuilder:
         self._causal: list = []  # (Causal op, CausalSource) in program order
         self.mask_steps: list = []  # MaskSteps, to prove a re-mask of the probabilities
         self.other_exclusions = False  # a key-excluding op not from a MaskStep
+        self.problem: Miss | None = None  # set by a step's side array the layout can't take
 
     # ------------------------------------------------------------------ for steps
 
@@ -42,7 +44,12 @@ class SiteBuilder:
 
     def add_extra(self, prof, transform, dtype) -> tuple[int, tuple]:
         """Record a side array read by a Bias/Mask op: ``(index, 4-D shape)``."""
-        axes = {self.roles[t]: prof.axes[t] for t in range(len(self.roles))}
+        # Unit axes carry nothing (the base axis there has size 1); a merged head axis
+        # (patterns/regroup.py) has no canonical extra layout unless broadcast.
+        axes = {r: a for r, a in zip(self.roles, prof.axes, strict=True) if r != UNIT}
+        merged = [r for r, a in axes.items() if isinstance(r, Merged) and a is not None]
+        if merged and self.problem is None:
+            self.problem = Miss(f"a side array varies along the merged {merged[0]} score axis")
         self.extras.append(ExtraSource(prof.base, axes, transform, dtype))
         shape4 = self.layout.extra_shape({r: a is not None for r, a in axes.items()})
         return len(self.extras) - 1, shape4
@@ -57,8 +64,11 @@ class SiteBuilder:
         """Apply every step, then fold soft-caps and settle causal ops."""
         for step in steps:
             before = len(self.ops)
-            problem = step.apply(self)
+            problem = step.apply(self)  # a Miss is falsy: test for None
+            problem = self.problem if problem is None else problem
             if problem is not None:
+                if problem.node is None:
+                    problem = Miss(problem.reason + where(step.node), step.node)
                 return problem
             if isinstance(step, MaskStep):
                 self.mask_steps.append((step, tuple(self.roles)))

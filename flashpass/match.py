@@ -71,10 +71,19 @@ def match_site(scope: Scope, soft) -> AttentionSite | Miss:
 
     # Which dot output axis is the softmax axis?  Follow transposes forward.
     positions = list(range(len(scope.shape(dot.out))))
+    lost = None  # the step that made the softmax axis out of several score axes
     for step in chain.steps:
         perm = step.permutation()
         if perm is not None:
-            positions = [positions[p] for p in perm]
+            positions = [None if p is None else positions[p] for p in perm]
+            if lost is None and positions[soft.axis] is None:
+                lost = step.node
+    if positions[soft.axis] is None:
+        return Miss(
+            f"the softmax is over an axis `{lost.prim}` made out of several score axes (or a "
+            f"new one), not the key axis{where(lost)}",
+            lost,
+        )
     readings = score_products(scope, dot, positions[soft.axis])
     if not readings:
         return readings
@@ -109,7 +118,7 @@ def _build_site(scope: Scope, soft, chain, sp) -> AttentionSite | Miss:
         )
     # A deferred sum (and the cast widening it) already belongs to the site.
     ignore = frozenset() if soft.deferred is None else frozenset(soft.nodes)
-    out = output_product(scope, soft.out, roles, ignore, build.score_masks())
+    out = output_product(scope, soft.out, roles, ignore, build.score_masks(), sp.roles)
     if not out:
         return out
     root = out.node
@@ -223,6 +232,8 @@ def _deferred_division(scope: Scope, pv, total, score_roles: list, out_roles: li
     prof = profile(scope, div.ins[1], scope.shape(div.out))
     base, axes = _through_layout(scope, prof.base, prof.axes, total)
     sum_roles = [r for r in score_roles if r != "S"]
+    if any(r not in sum_roles for r in out_roles if r != "Dv"):  # regrouped scores
+        return Miss(f"P·V is divided by a sum over regrouped scores{where(div)}", div)
     expect = tuple(None if r == "Dv" else sum_roles.index(r) for r in out_roles)
     if base != scope.resolve(total) or axes != expect:
         return Miss(f"P·V is divided by something other than the softmax sum{where(div)}", div)

@@ -38,7 +38,8 @@ class Step:
         return [a for a in self.node.ins if a is not self.chain_in]
 
     def permutation(self) -> tuple | None:
-        """The axis permutation this step applies to the scores, if any."""
+        """The axis permutation this step applies to the scores, if any: for each
+        output axis the input axis it is, or None (an axis a regrouping made)."""
         return None
 
     def apply(self, build) -> Miss | None:
@@ -111,4 +112,4 @@ def _walk(scope: Scope, atom, steps: list) -> Chain | Miss:
 
 def ensure_loaded() -> None:
     """Import the piece modules so their rules are registered."""
-    from . import bias, layout, lengths, masks, scale, softcap, structured  # noqa: F401
+    from . import bias, layout, lengths, masks, regroup, scale, softcap, structured  # noqa: F401

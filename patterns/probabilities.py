@@ -22,6 +22,8 @@ from flashpass import compat
 from flashpass.graph import Scope
 
 from .common import ESCAPE_HINT, Miss, profile, scalar_value, where
+from .regroup import PRIMS as REGROUP_PRIMS
+from .regroup import UNIT, Merged, regroup
 
 #: Primitives whose presence marks a value as random (dropout masks).
 RANDOM_PRIMS = frozenset(
@@ -121,6 +123,14 @@ def walk_probabilities(
             nodes.add(node)
             atom = node.out
             continue
+        if node.prim in REGROUP_PRIMS and pos == 0 and len(node.ins) == 1:
+            new = regroup(node, roles, scope.shape(atom), scope.shape(node.out))
+            if isinstance(new, str):
+                return Miss(f"`{node.prim}` of the probabilities {new}{where(node)}", node)
+            roles = new
+            nodes.add(node)
+            atom = node.out
+            continue
         if node.prim == "select_n" and not _is_random(scope, node.ins[0]):
             remask = _remask(scope, node, pos, roles, masks)
             if isinstance(remask, Miss):
@@ -154,7 +164,9 @@ def walk_probabilities(
                     f"axis{where(node)}",
                     node,
                 )
-            axes = {roles[t]: prof.axes[t] for t in range(len(roles))}
+            axes = {r: a for r, a in zip(roles, prof.axes, strict=True) if r != UNIT}
+            if any(isinstance(r, Merged) and a is not None for r, a in axes.items()):
+                return Miss(f"the probabilities are scaled along a merged axis{where(node)}", node)
             post.append(("scale", prof.base, axes, node.prim == "div"))
             nodes.add(node)
             atom = node.out

@@ -22,6 +22,7 @@ from flashpass.graph import Node, Scope
 
 from .common import Miss, where
 from .probabilities import ScoreMasks, walk_probabilities
+from .regroup import UNIT, resolve_units
 
 Role = object
 _ROLE_NAMES = {"T": "query", "S": "key"}
@@ -111,12 +112,14 @@ def score_products(scope: Scope, dot: Node, key_out_axis: int) -> list[ScoreProd
 
 
 def output_product(
-    scope: Scope, p, p_roles: list, ignore=frozenset(), masks=None
+    scope: Scope, p, p_roles: list, ignore=frozenset(), masks=None, score_roles=None
 ) -> OutputProduct | Miss:
     """Find and check ``P·V`` fed by the probabilities ``p`` (whose axes have ``p_roles``).
 
     ``ignore`` lists consumers of ``p`` that belong to the site already (the
-    sum of a deferred normalisation).
+    sum of a deferred normalisation).  ``score_roles`` (the score product's) name
+    the size-1 roles a regrouping removed (patterns/regroup.py), given back to
+    P's unit axes here.
     """
     path = walk_probabilities(scope, p, p_roles, ignore, masks or ScoreMasks())
     if not path:
@@ -135,6 +138,10 @@ def output_product(
         pc, pb, vc, vb, v = rc, rb, lc, lb, node.ins[0]
     if node.ins[0] is node.ins[1] or scope.resolve(node.ins[0]) == scope.resolve(node.ins[1]):
         return Miss(f"P·V multiplies the probabilities by themselves{where(node)}", node)
+    if score_roles is not None and (UNIT in p_roles or set(score_roles) - set(p_roles)):
+        p_roles = resolve_units(p_roles, score_roles, pb)
+        if isinstance(p_roles, str):
+            return Miss(p_roles + where(node), node)
     prank, vrank = len(p_roles), len(scope.shape(v))
     if len(pc) != 1 or p_roles[pc[0]] != "S":
         got = [_ROLE_NAMES.get(p_roles[a], "batch") for a in pc] or ["no"]

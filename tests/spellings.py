@@ -514,3 +514,39 @@ POSITIVE.update(
     }
 )
 CAUSAL.add("remasked_conjunction")
+
+
+# ---------------------------------------------------------------- regrouped scores (#20)
+
+
+def gemma_gqa(q, k, v):
+    # DeepMind gemma: GQA scores [B, T, K, G, S] reshaped to [B, T, K*G, S] for the
+    # soft-cap, mask and softmax, and the probabilities reshaped back before P·V.
+    b, t, n, h = q.shape
+    kv = k.shape[2]
+    logits = jnp.einsum("BTKGH,BSKH->BTKGS", q.reshape(b, t, kv, n // kv, h) * 0.3, k)
+    logits = logits.reshape(b, t, n, k.shape[1])
+    logits = jnp.tanh(logits / 50.0) * 50.0
+    causal = jnp.tril(jnp.ones((t, k.shape[1]), bool))[None]
+    logits = jnp.where(jnp.expand_dims(causal, -2), logits, -2.3819763e38)
+    probs = jax.nn.softmax(logits, axis=-1).astype(k.dtype)
+    probs = probs.reshape(b, t, kv, n // kv, k.shape[1])
+    encoded = jnp.einsum("BTKGS,BSKH->BTKGH", probs, v)
+    return encoded.reshape(b, t, n, h)
+
+
+def _gqa_mqa_args(rng):
+    # one kv head: the size-1 kv-head axis is dropped by the reshape and restored
+    return (_normal(rng, (B, T, 4, D)), _normal(rng, (B, S, 1, D)), _normal(rng, (B, S, 1, D)))
+
+
+POSITIVE.update(
+    {
+        # jnp.matmul squeezes a unit batch or head axis around each product
+        "matmul_batch_one": (matmul_bnth, lambda r: tuple(x[:1] for x in bnth(r))),
+        "matmul_one_head": (matmul_bnth, lambda r: tuple(x[:, :1] for x in bnth(r))),
+        "gemma_gqa": (gemma_gqa, _gqa_args),
+        "gemma_mqa": (gemma_gqa, _gqa_mqa_args),
+    }
+)
+CAUSAL.update({"gemma_gqa", "gemma_mqa"})

@@ -15,8 +15,8 @@ Three kinds of site:
   grouped-query 5-D form, constant / ``sqrt`` / ``rsqrt`` / traced / pre-scaled
   scales, causal masks (``tril``, iota, ``arange``, a closed-over numpy buffer,
   additive ``triu``), boolean and additive input masks, biases, soft-caps,
-  seven softmax spellings, float32 and bfloat16 inputs (softmax in float32:
-  see `KNOWN_GAPS`), T != S, batch and head sizes 1 and 2, and ``jit`` /
+  seven softmax spellings, float32 and bfloat16 inputs, T != S, batch and head
+  sizes 1 and 2 (``jnp.matmul`` squeezes unit batch axes), and ``jit`` /
   ``checkpoint`` wrappers.  It must be rewritten and compute the original
   function.
 * ``near_miss``: a positive site with one mutation that makes it *not*
@@ -949,16 +949,18 @@ REGIONS = {
 #: properties stay strict; tests/fuzz/test_known_gaps.py pins each one with a
 #: strict xfail, so fixing a gap fails that test until the repair is removed.
 KNOWN_GAPS = {
-    "G5": "q @ k.swapaxes(-1, -2) or p @ v with a size-1 batch or head axis (batch-1 "
-    "inference, single head): jnp.matmul squeezes unit batch axes and broadcasts back, "
-    "so a broadcast_in_dim / squeeze sits between the products and the softmax (reported)",
+    "G6": "a size-1 batch or head axis that only one of the two products squeezes (jnp.matmul "
+    "for one product, einsum or dot_general for the other): the score product and P·V then "
+    "disagree on the axis, which q/k or v does not have (reported); G5, both products "
+    "spelled with jnp.matmul, is closed",
 }
 
 
 def known_gap(site: Site) -> str | None:
     """The id of the first known gap ``site`` falls into, or None."""
-    if "matmul" in (site.scores_product, site.output_product) and 1 in (site.b, site.h):
-        return "G5"
+    matmuls = (site.scores_product == "matmul") + (site.output_product == "matmul")
+    if matmuls == 1 and 1 in (site.b, site.h):
+        return "G6"
     return None
 
 
@@ -968,7 +970,7 @@ def avoid_known_gaps(site: Site) -> Site:
         gap = known_gap(site)
         if gap is None:
             return site
-        if gap == "G5":
+        if gap == "G6":
             site = dataclasses.replace(
                 site,
                 scores_product=site.scores_product.replace("matmul", "einsum"),

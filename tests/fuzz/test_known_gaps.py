@@ -1,11 +1,11 @@
 """True attention that flashpass does not rewrite yet (coverage gaps), and the
-spellings of gaps since closed (G1-G4), kept as positive tests.
+spellings of gaps since closed (G1-G5), kept as positive tests.
 
-Each test is the minimal spelling of one gap in attention_programs.KNOWN_GAPS
-(the property generators steer around them) and is a strict xfail: when a
-change closes a gap, its test fails here — remove the xfail and the repair in
-`attention_programs.avoid_known_gaps`, so the properties cover the spelling.
-None of these is a wrong result: the site is kept as written.
+Each open gap's test is the minimal spelling of one gap in
+attention_programs.KNOWN_GAPS (the property generators steer around them) and
+is a strict xfail: when a change closes a gap, its test fails here — remove the
+xfail and the repair in `attention_programs.avoid_known_gaps`, so the properties
+cover the spelling.  None of these is a wrong result: the site is kept as written.
 """
 
 import attention_programs as ap
@@ -118,9 +118,20 @@ def test_unstabilised_softmax_of_scores_minus_bias():
     _assert_rewritten(fn, q, k, v, bias)
 
 
-@_gap("G5")
-def test_g5_matmul_with_batch_size_one():
+@pytest.mark.parametrize("shape", [(1, 2, 4, 4), (2, 1, 4, 4), (1, 1, 4, 4)])
+def test_matmul_with_a_unit_batch_or_head_axis(shape):
+    # Formerly G5: jnp.matmul squeezes the unit axes before each product and
+    # broadcasts them back (patterns/regroup.py).
     def fn(q, k, v):
         return jax.nn.softmax(q @ jnp.swapaxes(k, -1, -2), axis=-1) @ v
+
+    _assert_rewritten(fn, *_args(shape=shape))
+
+
+@_gap("G6")
+def test_g6_unit_batch_axis_squeezed_by_one_product_only():
+    # the score product never has the unit batch axis that the P·V einsum batches over
+    def fn(q, k, v):
+        return jnp.einsum("bhts,bhsd->bhtd", jax.nn.softmax(q @ jnp.swapaxes(k, -1, -2)), v)
 
     _assert_rewritten(fn, *_args(shape=(1, 2, 4, 4)))
