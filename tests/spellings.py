@@ -14,6 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from flashpass.compat import JAX_VERSION
+
 B, T, S, H, D = 2, 16, 16, 3, 8
 
 
@@ -542,11 +544,21 @@ def _gqa_mqa_args(rng):
 
 POSITIVE.update(
     {
-        # jnp.matmul squeezes a unit batch or head axis around each product
-        "matmul_batch_one": (matmul_bnth, lambda r: tuple(x[:1] for x in bnth(r))),
-        "matmul_one_head": (matmul_bnth, lambda r: tuple(x[:, :1] for x in bnth(r))),
         "gemma_gqa": (gemma_gqa, _gqa_args),
         "gemma_mqa": (gemma_gqa, _gqa_mqa_args),
     }
 )
+#: JAX 0.9's jnp.matmul keeps a unit batch axis as a unit *free* axis of the
+#: score product instead of squeezing it (known gap G5 there, see
+#: tests/fuzz/attention_programs.py); from JAX 0.10 on it squeezes and
+#: broadcasts back, which patterns/regroup.py reads.
+UNIT_AXIS_MATMUL = JAX_VERSION >= (0, 10)
+if UNIT_AXIS_MATMUL:
+    POSITIVE.update(
+        {
+            # jnp.matmul squeezes a unit batch or head axis around each product
+            "matmul_batch_one": (matmul_bnth, lambda r: tuple(x[:1] for x in bnth(r))),
+            "matmul_one_head": (matmul_bnth, lambda r: tuple(x[:, :1] for x in bnth(r))),
+        }
+    )
 CAUSAL.update({"gemma_gqa", "gemma_mqa"})

@@ -1,11 +1,11 @@
-"""One test per private or experimental JAX API that flashpass/compat.py uses.
+"""One test per private or experimental JAX API that flashpass/compat/ uses.
 
 flashpass reaches into JAX internals (jaxpr classes, tracing, DCE, source info,
 ``shard_map`` equations) and experimental modules (Pallas kernels).  When a JAX
 release moves or changes one of them, the pass must not quietly degrade (keep
 every site, take a slow path, lose report locations): the test of that API
 fails here, naming it and the installed JAX version.  The fix goes in
-compat.py; nothing else imports these APIs.
+flashpass/compat/; nothing else imports these APIs.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ def uses(api: str):
     except Exception as err:  # every failure names the API
         raise AssertionError(
             f"JAX {jax.__version__}: {api} moved or changed ({type(err).__name__}: {err}); "
-            "update flashpass/compat.py"
+            "update flashpass/compat/"
         ) from err
 
 

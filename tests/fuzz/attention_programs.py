@@ -41,6 +41,8 @@ import jax.numpy as jnp
 import numpy as np
 from hypothesis import strategies as st
 
+from flashpass.compat import JAX_VERSION
+
 # Tiny dimensions keep every example cheap.  B and H are 2 by default, sometimes
 # 1 (B == H lets batch/head permutations type-check); the grouped form has H
 # key/value heads of G = 2 query heads each; T == S in some shapes so that
@@ -948,7 +950,13 @@ REGIONS = {
 #: gaps, not wrong results).  The generators repair them away so the
 #: properties stay strict; tests/fuzz/test_known_gaps.py pins each one with a
 #: strict xfail, so fixing a gap fails that test until the repair is removed.
+#: Whether jnp.matmul squeezes unit batch axes (JAX 0.10+; see G5).
+UNIT_AXIS_MATMUL = JAX_VERSION >= (0, 10)
+
 KNOWN_GAPS = {
+    "G5": "JAX 0.9 only: jnp.matmul with a size-1 batch or head axis keeps it as a unit free "
+    "axis of the score product ('key operand of the score product has 2 free axes'); JAX "
+    "0.10+ squeezes it, which is recognised",
     "G6": "a size-1 batch or head axis that only one of the two products squeezes (jnp.matmul "
     "for one product, einsum or dot_general for the other): the score product and P·V then "
     "disagree on the axis, which q/k or v does not have (reported); G5, both products "
@@ -961,6 +969,8 @@ def known_gap(site: Site) -> str | None:
     matmuls = (site.scores_product == "matmul") + (site.output_product == "matmul")
     if matmuls == 1 and 1 in (site.b, site.h):
         return "G6"
+    if matmuls and 1 in (site.b, site.h) and not UNIT_AXIS_MATMUL:
+        return "G5"
     return None
 
 
@@ -970,7 +980,7 @@ def avoid_known_gaps(site: Site) -> Site:
         gap = known_gap(site)
         if gap is None:
             return site
-        if gap == "G6":
+        if gap in ("G5", "G6"):
             site = dataclasses.replace(
                 site,
                 scores_product=site.scores_product.replace("matmul", "einsum"),

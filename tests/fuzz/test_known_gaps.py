@@ -119,6 +119,9 @@ def test_unstabilised_softmax_of_scores_minus_bias():
 
 
 @pytest.mark.parametrize("shape", [(1, 2, 4, 4), (2, 1, 4, 4), (1, 1, 4, 4)])
+@pytest.mark.xfail(
+    not ap.UNIT_AXIS_MATMUL, strict=True, reason=f"G5 on this JAX: {ap.KNOWN_GAPS['G5']}"
+)
 def test_matmul_with_a_unit_batch_or_head_axis(shape):
     # Formerly G5: jnp.matmul squeezes the unit axes before each product and
     # broadcasts them back (patterns/regroup.py).

@@ -1,0 +1,94 @@
+"""Every JAX-version difference and every private or experimental JAX import.
+
+flashpass touches JAX internals (jaxpr data structures, source info, DCE) and
+experimental modules (Pallas kernels).  They all go through this package,
+``flashpass.compat`` (jaxprs in _jaxpr.py, kernels in _kernels.py, sharding in
+_sharding.py; the rest of flashpass imports only from here), so a JAX upgrade
+that moves something breaks here, loudly, and nowhere else.
+
+Supported: JAX 0.9.x to 0.12.x (CI runs the version in constraints.txt, the
+oldest, 0.9.0, and the newest, 0.12.0.1).  tests/test_compat.py has one test
+per private or experimental API used here: when a JAX release moves one, that
+test names it and the installed version.
+"""
+
+from __future__ import annotations
+
+from ._jaxpr import (  # noqa: F401
+    _BODY_TYPES,
+    _CAN_EMIT,
+    _CAN_EMIT_LITERALS,
+    _CLOSED_BODY_PARAMS,
+    JAX_VERSION,
+    UNIFIED_JAXPR,
+    DropVar,
+    JaxprEqn,
+    Literal,
+    Primitive,
+    ShapedArray,
+    Var,
+    _ClosedJaxpr,
+    _emit_signature_ok,
+    _emit_unchanged,
+    _eval_jaxpr,
+    as_closed,
+    bind_equation,
+    bodies_in_params,
+    closed_jaxpr,
+    closed_parts,
+    compile_time_eval,
+    dce_closed_jaxpr,
+    eval_jaxpr,
+    evaluate_equation,
+    get_aval,
+    is_body,
+    is_drop_var,
+    is_literal,
+    jaxpr_as_fun,
+    literal_value,
+    rebuild_body,
+    replace_bodies,
+    scan_counts,
+    struct_aval,
+    subjaxprs_of_params,
+    user_frames,
+    user_location,
+)
+from ._kernels import (  # noqa: F401
+    _ASSUMED_CUDNN,
+    ASSUMED_GPU_KIND,
+    _abstract_gpu,
+    _cudnn_attention_module,
+    _pallas_tpu_trace_context,
+    assume_cudnn,
+    cudnn_version,
+    gpu_attention_module,
+    gpu_compute_capability,
+    lower_for_gpu,
+    lower_for_tpu,
+    make_splash_kernel,
+    pallas_tpu_traced,
+    parse_stablehlo,
+    splash_attention_module,
+    splash_chunked_causal_mask,
+    stablehlo_ops,
+    tokamax_module,
+    tpu_flash_attention_module,
+    tpu_interpret_mode,
+    traced_with,
+)
+from ._sharding import (  # noqa: F401
+    VALUE_IDENTITY_PRIMITIVES,
+    axis_kinds,
+    context_mesh,
+    equation_context,
+    is_shard_map,
+    named_sharding_of,
+    outside_mesh,
+    reshard,
+    shard_map,
+    shard_map_params,
+    traced_sharding,
+    varying_axes,
+    vma_checks,
+)

@@ -1,0 +1,334 @@
+"""Jaxpr data structures, re-binding and evaluation, source info (see compat/__init__.py)."""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+
+import jax
+
+try:
+    from jax._src import core as _core
+    from jax._src import source_info_util as _siu
+    from jax._src.interpreters import partial_eval as _pe
+except ImportError as err:  # pragma: no cover - a JAX that moved its internals
+    raise ImportError(
+        f"flashpass supports JAX 0.9 to 0.12; JAX {jax.__version__} has no {err.name}"
+    ) from err
+
+JAX_VERSION: tuple[int, ...] = tuple(int(p) for p in jax.__version__.split(".")[:3] if p.isdigit())
+
+
+# --------------------------------------------------------------------------- jaxpr types
+
+#: JAX 0.11 merged ``ClosedJaxpr`` into ``Jaxpr`` (one class that may carry its
+#: constants; 0.11 kept ``ClosedJaxpr`` as an alias, 0.12 removed the name).
+#: Before, a higher-order primitive's body was either a ``ClosedJaxpr`` or an
+#: *open* ``Jaxpr`` (no constants).  Other modules never test these classes:
+#: they use `is_body`, `bodies_in_params`, `as_closed`, `closed_parts`,
+#: `replace_bodies` and `rebuild_body` below.
+UNIFIED_JAXPR: bool = getattr(_core, "ClosedJaxpr", None) in (None, _core.Jaxpr)
+_ClosedJaxpr = _core.Jaxpr if UNIFIED_JAXPR else _core.ClosedJaxpr
+_BODY_TYPES: tuple = (_core.Jaxpr,) if UNIFIED_JAXPR else (_core.ClosedJaxpr, _core.Jaxpr)
+JaxprEqn = _core.JaxprEqn
+Var = _core.Var
+Literal = _core.Literal
+DropVar = _core.DropVar
+ShapedArray = _core.ShapedArray
+Primitive = _core.Primitive
+
+
+def is_literal(atom) -> bool:
+    return isinstance(atom, _core.Literal)
+
+
+def literal_value(atom):
+    return atom.val
+
+
+def get_aval(x):
+    """Abstract value of a concrete or traced array."""
+    return jax.typeof(x)
+
+
+def is_drop_var(var) -> bool:
+    """Whether an equation's output ``var`` is dropped (``_``)."""
+    return isinstance(var, _core.DropVar)
+
+
+def subjaxprs_of_params(params) -> list:
+    """All bodies (jaxprs) held in an equation's params, as `is_body` values."""
+    return [body for _, _, body in bodies_in_params(params)]
+
+
+def is_body(value) -> bool:
+    """Whether a param value is a jaxpr: the body of a higher-order primitive."""
+    return isinstance(value, _BODY_TYPES)
+
+
+def bodies_in_params(params) -> list[tuple[str, int | None, object]]:
+    """``(param name, index, body)`` for every jaxpr in an equation's params:
+    ``index`` is the position inside a tuple param (``cond``'s ``branches``),
+    else None."""
+    found = []
+    for name, value in params.items():
+        if isinstance(value, tuple):
+            found.extend((name, j, item) for j, item in enumerate(value) if is_body(item))
+        elif is_body(value):
+            found.append((name, None, value))
+    return found
+
+
+def replace_bodies(params, new_bodies: dict) -> dict:
+    """A copy of ``params`` with the bodies at ``{(name, index): body}`` (keys
+    as `bodies_in_params` gives them) replaced."""
+    out = dict(params)
+    for (name, index), body in new_bodies.items():
+        if index is None:
+            out[name] = body
+        else:
+            items = list(out[name])
+            items[index] = body
+            out[name] = tuple(items)
+    return out
+
+
+def closed_jaxpr(jaxpr, consts=()):
+    """``jaxpr`` (an open jaxpr) closed over ``consts``."""
+    return _ClosedJaxpr(jaxpr, list(consts))
+
+
+def as_closed(body):
+    """A body as a closed jaxpr (``.jaxpr``, ``.consts``): open bodies are
+    wrapped with no constants; closed ones (and every body since JAX 0.11)
+    are returned as they are."""
+    if UNIFIED_JAXPR or isinstance(body, _core.ClosedJaxpr):
+        return body
+    return closed_jaxpr(body, ())
+
+
+def closed_parts(closed) -> tuple:
+    """``(jaxpr, consts)`` of a closed jaxpr (or any body): the jaxpr whose
+    ``constvars``/``invars``/``eqns``/``outvars`` to walk, and the constants'
+    values (one per ``constvar``)."""
+    closed = as_closed(closed)
+    if UNIFIED_JAXPR:
+        return closed, list(closed.consts)
+    return closed.jaxpr, list(closed.consts)
+
+
+def scan_counts(params) -> tuple[int, int]:
+    """``(num_consts, num_carry)`` of a ``scan`` equation: its operands are that
+    many constants, then the carry, then the scanned arrays.  JAX 0.11 replaced
+    the ``num_consts``/``num_carry`` params with ``ft_in`` (a flat tree of the
+    three groups; loop-invariant carries count as constants)."""
+    if "num_consts" in params:
+        return params["num_consts"], params["num_carry"]
+    consts, carry, _ = params["ft_in"].unpack()
+    return len(consts.vals), len(carry.vals)
+
+
+#: Bodies that a primitive evaluates with its attached constants since JAX 0.11
+#: (``ClosedJaxpr`` params before): a rewritten body there may gain constants.
+#: Any other body (``remat``'s, ``shard_map``'s...) was an open ``Jaxpr`` and
+#: is evaluated with none, so a rewrite must keep it constant-free.
+_CLOSED_BODY_PARAMS = frozenset(
+    {
+        ("scan", "jaxpr"),
+        ("while", "cond_jaxpr"),
+        ("while", "body_jaxpr"),
+        ("cond", "branches"),
+        ("jit", "jaxpr"),
+        ("pjit", "jaxpr"),
+        ("closed_call", "call_jaxpr"),
+        ("core_call", "call_jaxpr"),
+        ("custom_jvp_call", "call_jaxpr"),
+        ("custom_vjp_call", "call_jaxpr"),
+        ("custom_vjp_call_jaxpr", "fun_jaxpr"),
+    }
+)
+
+
+def rebuild_body(eqn, name: str, original, new_closed):
+    """``new_closed`` (a closed jaxpr with ``original``'s signature) in the form
+    ``eqn``'s param ``name`` holds ``original``: closed, or open.  Raises
+    ValueError when an open body would have to close over constants."""
+    if UNIFIED_JAXPR:
+        is_open = not original.consts and (eqn.primitive.name, name) not in _CLOSED_BODY_PARAMS
+    else:
+        is_open = not isinstance(original, _core.ClosedJaxpr)
+    if not is_open:
+        return new_closed
+    jaxpr, consts = closed_parts(new_closed)
+    if consts:
+        raise ValueError("the rewritten body would close over constants")
+    return jaxpr
+
+
+def bind_equation(eqn, invals, params=None) -> list:
+    """Bind ``eqn``'s primitive on ``invals`` (optionally with replaced params),
+    keeping its source info and context, as ``eval_jaxpr`` does."""
+    if params is None:
+        out = _emit_unchanged(eqn, invals)
+        if out is not None:
+            return out
+    params = eqn.params if params is None else params
+    bind_params = eqn.primitive.get_bind_params(params)
+    subfuns: tuple = ()
+    if isinstance(bind_params, tuple):  # JAX < 0.10 returned (subfuns, params)
+        subfuns, bind_params = bind_params
+    name_stack = _siu.current_name_stack() + eqn.source_info.name_stack
+    with _siu.user_context(eqn.source_info.traceback, name_stack=name_stack), eqn.ctx.manager:
+        out = eqn.primitive.bind(*subfuns, *invals, **bind_params)
+    return list(out) if eqn.primitive.multiple_results else [out]
+
+
+def _emit_signature_ok() -> bool:
+    try:
+        names = list(inspect.signature(_pe.DynamicJaxprTrace.emit_eqn).parameters)
+    except (AttributeError, TypeError, ValueError):
+        return False
+    return names[:8] == [
+        "self",
+        "in_tracers",
+        "out_avals",
+        "primitive",
+        "params",
+        "effects",
+        "source_info",
+        "ctx",
+    ]
+
+
+_CAN_EMIT = _emit_signature_ok()
+# Literal operands become tracers as ``inline_jaxpr_into_trace`` makes them.
+_CAN_EMIT_LITERALS = _CAN_EMIT and list(
+    inspect.signature(_pe.DynamicJaxprTracer.__init__).parameters
+)[:4] == ["self", "trace", "aval", "val"]
+
+
+def _emit_unchanged(eqn, invals):
+    """Stage ``eqn`` as written into the current jaxpr trace, or None.
+
+    When an equation is re-staged unchanged onto tracers whose types are the
+    ones it was traced with, its output types are known: skipping ``bind``'s
+    abstract evaluation and staging rules makes re-tracing a large model ~3x
+    cheaper (the rewrite re-traces every equation, see rewrite.py).  Anything
+    unusual (constants, effects, another trace, a changed type) takes
+    the general ``bind`` path.
+    """
+    if not _CAN_EMIT or eqn.effects:
+        return None
+    trace = _core.trace_ctx.trace
+    if type(trace) is not _pe.DynamicJaxprTrace:
+        return None
+    src = eqn.source_info.replace(name_stack=_siu.current_name_stack() + eqn.source_info.name_stack)
+    tracers = list(invals)
+    for i, (x, var) in enumerate(zip(invals, eqn.invars, strict=True)):
+        if type(var) is _core.Literal:
+            if not _CAN_EMIT_LITERALS:
+                return None
+            tracers[i] = _pe.DynamicJaxprTracer(trace, var.aval, var, src)
+        elif type(x) is not _pe.DynamicJaxprTracer or x._trace is not trace or x.aval != var.aval:
+            return None
+    return trace.emit_eqn(
+        tracers,
+        [v.aval for v in eqn.outvars],
+        eqn.primitive,
+        eqn.params,
+        eqn.effects,
+        src,
+        eqn.ctx,
+    )
+
+
+def eval_jaxpr(jaxpr, consts, *args):
+    return _core.eval_jaxpr(jaxpr, consts, *args)
+
+
+def jaxpr_as_fun(closed_jaxpr):
+    """``closed_jaxpr`` as a function, like ``jax.core.jaxpr_as_fun``, whose
+    equations are re-staged with `bind_equation` (so tracing it under ``jit``
+    takes the fast path that re-emits unchanged equations)."""
+
+    jaxpr, consts = closed_parts(closed_jaxpr)
+
+    def fun(*args):
+        return _eval_jaxpr(jaxpr, consts, args)
+
+    return fun
+
+
+def _eval_jaxpr(jaxpr, consts, args) -> list:
+    env: dict = {}
+
+    def read(atom):
+        return atom.val if type(atom) is _core.Literal else env[atom]
+
+    for var, value in zip(jaxpr.constvars, consts, strict=True):
+        env[var] = value
+    for var, value in zip(jaxpr.invars, args, strict=True):
+        env[var] = value
+    for eqn in jaxpr.eqns:
+        outs = bind_equation(eqn, [read(a) for a in eqn.invars])
+        for var, value in zip(eqn.outvars, outs, strict=True):
+            if type(var) is not DropVar:
+                env[var] = value
+    return [read(v) for v in jaxpr.outvars]
+
+
+def dce_closed_jaxpr(closed):
+    """Remove dead equations, keeping every input and output (the signature)."""
+    jaxpr, consts = closed_parts(closed)
+    # JAX < 0.10 takes one bool per output (no bare ``True`` shorthand).
+    used = [True] * len(jaxpr.outvars)
+    # Since JAX 0.11 the constants stay attached (constvars are never pruned).
+    new, _ = _pe.dce_jaxpr(jaxpr, used, instantiate=True)
+    return new if UNIFIED_JAXPR else closed_jaxpr(new, consts)
+
+
+# --------------------------------------------------------------------------- source info
+
+
+def user_location(eqn) -> str | None:
+    """``"file.py:LINE"`` of the innermost user frame that created ``eqn``."""
+    frame = _siu.user_frame(eqn.source_info.traceback)
+    if frame is None:
+        return None
+    return f"{frame.file_name}:{frame.start_line}"
+
+
+def user_frames(eqn) -> list[tuple[str, int]]:
+    """All user frames (innermost first) that created ``eqn``."""
+    return [(f.file_name, f.start_line) for f in _siu.user_frames(eqn.source_info.traceback)]
+
+
+# --------------------------------------------------------------------------- evaluation helpers
+
+
+@contextlib.contextmanager
+def compile_time_eval():
+    """Context in which JAX ops run eagerly on concrete values, whatever trace
+    is active around the pass (an outer ``jit``, ``scan``, ``shard_map``...).
+
+    ``jax.ensure_compile_time_eval`` only folds ops whose operands are all
+    concrete while the outer trace stays current; an equation re-emitted
+    into that trace (`bind_equation`'s fast path, a literal operand) would
+    still be staged.  Making the eager evaluation trace current rules that out.
+    """
+    with _core.set_current_trace(_core.eval_trace), jax.ensure_compile_time_eval():
+        yield
+
+
+def evaluate_equation(eqn, invals) -> list:
+    """``eqn`` evaluated eagerly on concrete ``invals`` (constant folding)."""
+    with compile_time_eval():
+        return bind_equation(eqn, invals)
+
+
+# --------------------------------------------------------------------------- argument types
+
+
+def struct_aval(struct):
+    """The abstract value ``jit`` gives a `jax.ShapeDtypeStruct` argument."""
+    return _core.shaped_abstractify(struct)

@@ -1,0 +1,322 @@
+"""Pallas, splash, cuDNN and cross-platform lowering (see compat/__init__.py)."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+
+import jax
+
+from ._jaxpr import JAX_VERSION
+
+# --------------------------------------------------------------------------- Pallas
+
+
+@functools.cache
+def tpu_flash_attention_module():
+    """``jax.experimental.pallas.ops.tpu.flash_attention`` (imported lazily)."""
+    from jax.experimental.pallas.ops.tpu import flash_attention
+
+    return flash_attention
+
+
+@contextlib.contextmanager
+def tpu_interpret_mode():
+    """Run Pallas TPU kernels in interpret mode (on CPU) inside this context."""
+    from jax.experimental.pallas import tpu as pltpu
+
+    with pltpu.force_tpu_interpret_mode():
+        yield
+
+
+# --- Pallas TPU adapter helpers
+
+
+@contextlib.contextmanager
+def _pallas_tpu_trace_context(interpret: bool):
+    with contextlib.ExitStack() as stack:
+        # The TPU flash kernel's index maps break under x64 (lax.select of an
+        # int32 program id and an int64 literal); its inputs are 32-bit anyway.
+        stack.enter_context(jax.enable_x64(False))
+        if interpret:
+            stack.enter_context(tpu_interpret_mode())
+        yield
+
+
+def pallas_tpu_traced(fn, *, interpret: bool = False):
+    """Wrap ``fn`` so the Pallas TPU kernels it calls, including those of its
+    backward pass, are traced with x64 off and, if ``interpret``, in interpret mode.
+
+    Both settings are read when ``pallas_call`` is *traced*: `tpu_interpret_mode`
+    becomes the call's ``interpret`` parameter (lowering and compiling do not
+    consult it).  A ``custom_vjp``'s backward is traced later, when the caller
+    differentiates, possibly outside any context, so the contexts are entered
+    here in the primal, forward and backward rules.  ``fn`` takes and returns
+    arrays only; the wrapper has reverse-mode AD only.
+    """
+
+    @jax.custom_vjp
+    def call(*args):
+        with _pallas_tpu_trace_context(interpret):
+            return fn(*args)
+
+    def fwd(*args):
+        with _pallas_tpu_trace_context(interpret):
+            out, vjp = jax.vjp(fn, *args)
+        return out, vjp  # `vjp` is a pytree of residual arrays (a tree_util.Partial).
+
+    def bwd(vjp, cotangent):
+        with _pallas_tpu_trace_context(interpret):
+            return vjp(cotangent)
+
+    call.defvjp(fwd, bwd)
+    return call
+
+
+def lower_for_tpu(fn, *args) -> str:
+    """StableHLO text of ``fn(*args)`` lowered for TPU, on any host (no TPU needed).
+
+    ``args`` may be arrays or `jax.ShapeDtypeStruct`s.  Pallas TPU kernels
+    appear as ``tpu_custom_call`` custom calls.  Uses `jax.export`, whose
+    ``platforms`` argument is the public way to cross-lower.
+    """
+    from jax import export
+
+    exported = export.export(jax.jit(fn), platforms=["tpu"])(*args)
+    return exported.mlir_module()
+
+
+# --------------------------------------------------------------------------- MLIR
+
+
+def stablehlo_ops(module) -> list[tuple[str, list[tuple[int, ...]], str | None]]:
+    """``(op name, result tensor shapes, custom-call target)`` for every operation
+    of a StableHLO module (``Lowered.compiler_ir("stablehlo")``), using the MLIR
+    Python bindings that ship in jaxlib."""
+    from jaxlib.mlir import ir
+
+    found = []
+
+    def visit(op) -> None:
+        shapes = []
+        for result in op.results:
+            try:
+                shapes.append(tuple(ir.RankedTensorType(result.type).shape))
+            except (ValueError, TypeError):  # not a ranked tensor (token, tuple...)
+                pass
+        target = None
+        if op.name == "stablehlo.custom_call" and "call_target_name" in op.attributes:
+            target = ir.StringAttr(op.attributes["call_target_name"]).value
+        found.append((op.name, shapes, target))
+        for region in op.regions:
+            for block in region.blocks:
+                for inner in block.operations:
+                    visit(inner.operation)
+
+    with module.context:
+        for op in module.body.operations:
+            visit(op.operation)
+    return found
+
+
+def parse_stablehlo(text: str):
+    """Parse StableHLO text (e.g. from `lower_for_tpu`) into an MLIR module."""
+    from jax._src.interpreters import mlir as jax_mlir
+    from jaxlib.mlir import ir
+
+    context = jax_mlir.make_ir_context()
+    return ir.Module.parse(text, context=context)
+
+
+# --- kernel adapters (issue 4)
+
+
+@functools.cache
+def splash_attention_module():
+    """``jax.experimental.pallas.ops.tpu.splash_attention`` (imported lazily)."""
+    from jax.experimental.pallas.ops.tpu import splash_attention
+
+    return splash_attention
+
+
+def splash_chunked_causal_mask(shape, chunk_size: int):
+    """Splash's ``ChunkedCausalMask`` (not exported by the package's
+    ``__init__``: read from its ``splash_attention_mask`` module)."""
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask
+
+    return splash_attention_mask.ChunkedCausalMask(shape, chunk_size=chunk_size)
+
+
+def make_splash_kernel(mask, **kwargs):
+    """``splash_attention.make_splash_mha(mask, **kwargs)``, usable inside a trace.
+
+    ``mask`` is a static ``MultiHeadMask`` or a traced boolean ``[heads, T, S]``
+    array.  ``make_splash_mha`` turns every `MaskInfo` field, including the
+    Python flag ``is_dynamic_mask``, into an array; inside ``jit``/``vmap`` that
+    flag is a tracer and the kernel's ``if mask_info.is_dynamic_mask`` (it only
+    picks a ``named_scope``) fails.  The flag is restored to a Python bool.
+    """
+    sa = splash_attention_module()
+    kernel = sa.make_splash_mha(mask, **kwargs)
+    dynamic = not isinstance(mask, sa.MultiHeadMask)
+    for name in ("fwd_mask_info", "dq_mask_info", "dkv_mask_info"):
+        info = getattr(kernel, name)
+        if info is not None:
+            setattr(kernel, name, info._replace(is_dynamic_mask=dynamic))
+    return kernel
+
+
+@functools.cache
+def gpu_attention_module():
+    """``jax.experimental.pallas.ops.gpu.attention`` (the Triton flash attention)."""
+    from jax.experimental.pallas.ops.gpu import attention
+
+    return attention
+
+
+def traced_with(fn, make_context):
+    """Wrap ``fn`` (arrays in, arrays out) so that it, its forward and its
+    backward are traced inside ``make_context()``.
+
+    Settings such as ``jax.enable_x64`` or ``jax.default_matmul_precision`` are
+    read when a kernel is *traced*; a ``custom_vjp`` backward is traced later,
+    when the caller differentiates, outside any context the adapter entered, so
+    the context is entered in the primal, forward and backward rules (as
+    `pallas_tpu_traced` does).  Reverse-mode AD only.
+    """
+
+    @jax.custom_vjp
+    def call(*args):
+        with make_context():
+            return fn(*args)
+
+    def fwd(*args):
+        with make_context():
+            out, vjp = jax.vjp(fn, *args)
+        return out, vjp
+
+    def bwd(vjp, cotangent):
+        with make_context():
+            return vjp(cotangent)
+
+    call.defvjp(fwd, bwd)
+    return call
+
+
+def _cudnn_attention_module():
+    from jax._src.cudnn import fused_attention_stablehlo
+
+    return fused_attention_stablehlo
+
+
+_ASSUMED_CUDNN: list[int] = []
+
+
+def cudnn_version() -> int | None:
+    """The cuDNN version JAX's fused attention would use (e.g. ``90800``), or
+    None when this jaxlib has no CUDA support (a CPU-only install)."""
+    if _ASSUMED_CUDNN:
+        return _ASSUMED_CUDNN[-1]
+    try:
+        from jax._src.lib import cuda_versions
+    except ImportError:  # pragma: no cover - very old/new jaxlib layouts
+        return None
+    if cuda_versions is None:
+        return None
+    try:
+        return int(cuda_versions.cudnn_get_version())
+    except Exception:  # no usable cuDNN library
+        return None
+
+
+@contextlib.contextmanager
+def assume_cudnn(version: int = 90800):
+    """Trace and lower cuDNN attention on a host without CUDA (tests, previews).
+
+    JAX's ``dot_product_attention(implementation="cudnn")`` asks the CUDA
+    plugin for the cuDNN version while tracing and fails without one; inside
+    this context that question is answered with ``version`` (so are
+    `cudnn_version` and the checks that depend on it).  Nothing can *run*.
+    """
+    module = _cudnn_attention_module()
+    original = module.check_cudnn_version
+    module.check_cudnn_version = lambda: version
+    _ASSUMED_CUDNN.append(version)
+    try:
+        yield
+    finally:
+        _ASSUMED_CUDNN.pop()
+        module.check_cudnn_version = original
+
+
+def gpu_compute_capability() -> tuple[int, int] | None:
+    """Compute capability of the first local CUDA GPU, or None without one."""
+    try:
+        devices = jax.local_devices(backend="gpu")
+    except RuntimeError:
+        return None
+    for device in devices:
+        capability = getattr(device, "compute_capability", None)
+        if capability:
+            major, _, minor = str(capability).partition(".")
+            return int(major), int(minor or 0)
+    return None
+
+
+def lower_for_gpu(fn, *args) -> str:
+    """StableHLO text of ``fn(*args)`` lowered for CUDA, on any host (no GPU needed).
+
+    Pallas Triton kernels appear as ``__gpu$xla.gpu.triton`` custom calls and
+    cuDNN attention as ``__cudnn$fmha...`` ones.  Uses `jax.export` with its
+    custom-call stability check disabled (the module is inspected, never
+    serialised).  cuDNN attention additionally needs `assume_cudnn` on a host
+    without CUDA.
+    """
+    if JAX_VERSION < (0, 10):  # export has no "ALL" custom-call wildcard: lower directly
+        return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    from jax import export
+
+    def lower():
+        return export.export(
+            jax.jit(fn),
+            platforms=["cuda"],
+            disabled_checks=[export.DisabledSafetyCheck.custom_call("ALL")],
+        )(*args).mlir_module()
+
+    try:
+        return lower()
+    except RuntimeError as err:
+        # JAX >= 0.11 lowers Pallas Triton kernels for a device it asks for its
+        # compute capability.  (An abstract mesh cannot be set up front: cuDNN
+        # attention refuses to lower under one.)
+        if "AbstractDevice" not in str(err) or gpu_compute_capability() is not None:
+            raise
+    with _abstract_gpu():
+        return lower()
+
+
+#: The GPU `lower_for_gpu` lowers for on a host without one.
+ASSUMED_GPU_KIND = "NVIDIA H100"
+
+
+def _abstract_gpu():
+    """Context that makes ``ASSUMED_GPU_KIND`` the device to lower for, on a
+    host without a GPU: since JAX 0.11 the Pallas Triton lowering asks the
+    device (or the abstract mesh's `jax.sharding.AbstractDevice`) for its
+    compute capability."""
+    device = jax.sharding.AbstractDevice(
+        device_kind=ASSUMED_GPU_KIND, num_cores=None, platform="gpu"
+    )
+    mesh = jax.sharding.AbstractMesh((1,), ("_gpu",), abstract_device=device)
+    return jax.sharding.use_abstract_mesh(mesh)
+
+
+def tokamax_module():
+    """The ``tokamax`` package when it is installed, else None (never required)."""
+    import importlib.util
+
+    if importlib.util.find_spec("tokamax") is None:
+        return None
+    import tokamax
+
+    return tokamax

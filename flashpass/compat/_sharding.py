@@ -1,0 +1,131 @@
+"""Meshes, shardings, shard_map and varying manual axes (see compat/__init__.py)."""
+
+from __future__ import annotations
+
+import contextlib
+
+import jax
+
+from ._jaxpr import _siu, bind_equation, get_aval  # noqa: F401
+
+# --- sharding (issue 6)
+
+#: Primitives that only change a value's type (its varying manual axes inside
+#: ``shard_map``), never its value: constant folding looks through them.
+VALUE_IDENTITY_PRIMITIVES = frozenset({"pvary"})
+
+
+def named_sharding_of(aval):
+    """``aval``'s `NamedSharding` when it lives on a mesh of more than one
+    device, else None (unsharded, single device, or no sharding at all)."""
+    sharding = getattr(aval, "sharding", None)
+    mesh = getattr(sharding, "mesh", None)
+    if mesh is None or mesh.empty or mesh.size <= 1:
+        return None
+    return sharding
+
+
+def traced_sharding(aval):
+    """The sharding to re-trace ``aval`` with (`jax.ShapeDtypeStruct`'s
+    ``sharding``): its `NamedSharding` on a mesh of several devices unless some
+    mesh axis is manual (a ``shard_map`` body), else None."""
+    sharding = named_sharding_of(aval)
+    if sharding is None or axis_kinds(sharding.mesh).get("manual"):
+        return None
+    return sharding
+
+
+def context_mesh():
+    """The abstract mesh of the current trace context (``jax.set_mesh``,
+    ``shard_map`` bodies); empty when none is set."""
+    return jax.sharding.get_abstract_mesh()
+
+
+def axis_kinds(mesh) -> dict[str, tuple[str, ...]]:
+    """``{"explicit": names, "auto": names, "manual": names}`` of ``mesh``'s
+    axes of more than one device."""
+    kinds: dict[str, list[str]] = {"explicit": [], "auto": [], "manual": []}
+    if mesh is None or mesh.empty:
+        return {k: () for k in kinds}
+    types = getattr(mesh, "axis_types", None) or (jax.sharding.AxisType.Auto,) * len(
+        mesh.axis_names
+    )
+    for name, kind in zip(mesh.axis_names, types, strict=True):
+        if mesh.shape[name] > 1:
+            kinds[str(kind.name).lower()].append(name)
+    return {k: tuple(v) for k, v in kinds.items()}
+
+
+def shard_map(fn, *, mesh, in_specs, out_specs, axis_names, check_vma: bool):
+    """`jax.shard_map` (public since JAX 0.7; ``check_vma`` was ``check_rep``)."""
+    return jax.shard_map(
+        fn,
+        mesh=mesh,
+        in_specs=in_specs,
+        out_specs=out_specs,
+        axis_names=frozenset(axis_names),
+        check_vma=check_vma,
+    )
+
+
+def reshard(x, sharding):
+    """`jax.sharding.reshard` of ``x`` to ``sharding`` (Explicit mesh axes)."""
+    return jax.sharding.reshard(x, sharding)
+
+
+def is_shard_map(eqn) -> bool:
+    return eqn.primitive.name == "shard_map"
+
+
+def shard_map_params(eqn) -> dict:
+    """A ``shard_map`` equation's arguments to `shard_map`, and its body."""
+    p = eqn.params
+    return {
+        "mesh": p["mesh"],
+        "in_specs": tuple(p["in_specs"]),
+        "out_specs": tuple(p["out_specs"]),
+        # JAX < 0.10 calls the equation's param ``manual_axes``.
+        "axis_names": frozenset(
+            p["newly_manual_axes"] if "newly_manual_axes" in p else p["manual_axes"]
+        ),
+        "check_vma": bool(p["check_vma"]),
+        "body": p["jaxpr"],
+    }
+
+
+def varying_axes(x) -> frozenset:
+    """The manual mesh axes ``x`` varies over (its type inside a ``shard_map``
+    body with ``check_vma=True``); empty elsewhere."""
+    aval = jax.typeof(x)
+    mat = getattr(aval, "mat", None)
+    if mat is not None:
+        return frozenset(mat.varying)
+    return frozenset(getattr(aval, "vma", ()))
+
+
+def vma_checks(enabled: bool):
+    """Context: trace with ``shard_map``'s varying-manual-axes checks on or off
+    (off, primitives give their outputs no varying axes)."""
+    from jax._src import config as _config
+
+    return _config._check_vma(enabled)
+
+
+@contextlib.contextmanager
+def equation_context(eqn):
+    """The source info and context ``bind_equation`` binds ``eqn`` in, for
+    re-binding it through a public API instead (e.g. `shard_map`)."""
+    name_stack = _siu.current_name_stack() + eqn.source_info.name_stack
+    with _siu.user_context(eqn.source_info.traceback, name_stack=name_stack), eqn.ctx.manager:
+        yield
+
+
+@contextlib.contextmanager
+def outside_mesh():
+    """Trace with no mesh context (no manual axes, no varying-axes checks):
+    for work that must not depend on where the pass runs, such as probing a
+    kernel from inside a user's ``shard_map`` body."""
+    from jax._src import mesh as _mesh
+
+    with jax.sharding.use_abstract_mesh(_mesh.empty_abstract_mesh), vma_checks(False):
+        yield
