@@ -132,4 +132,3 @@ def segments_case(q_ids, kv_ids):
     inside = jnp.all((q_lo == q_hi) & (k_lo == k_hi) & (q_lo == k_lo))
     meet = jnp.any((q_lo <= k_hi) & (k_lo <= q_hi))
     return jnp.where(inside, SEGMENTS_INSIDE, jnp.where(meet, SEGMENTS_MIXED, SEGMENTS_APART))
-
