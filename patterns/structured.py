@@ -59,6 +59,15 @@ def _role_axes(build, factor):
     return {build.roles[t]: a for t, a in enumerate(factor.axes) if a is not None}
 
 
+def _query_key_axes(build, factor, fill):
+    """`_role_axes` of a factor that varies along both the query and key axes
+    and is filled with an excluding value, else None (not a position mask)."""
+    if not excludes(fill):
+        return None
+    axes = _role_axes(build, factor)
+    return axes if "T" in axes and "S" in axes else None
+
+
 def _sizes(build) -> tuple[int, int]:
     return build.layout.sizes["T"], build.layout.sizes["S"]
 
@@ -188,10 +197,8 @@ def band_op(keep: np.ndarray, t_len: int, s_len: int, fill: float):
 @mask_recogniser
 def recognise_diagonal(build, factor, keep_when, fill) -> bool:
     """A mask that depends on ``j - i`` only, as `Window` (or `Causal`)."""
-    if not excludes(fill):
-        return False
-    axes = _role_axes(build, factor)
-    if "T" not in axes or "S" not in axes:
+    axes = _query_key_axes(build, factor, fill)
+    if axes is None:
         return False
     t_len, s_len = _sizes(build)
     scope = build.scope
@@ -243,10 +250,8 @@ def _toeplitz(keep: np.ndarray) -> np.ndarray | None:
 @mask_recogniser
 def recognise_prefix(build, factor, keep_when, fill) -> bool:
     """``(j <= i) | (j < L)`` with a static ``L`` (symbolic or by value)."""
-    if not excludes(fill) or not keep_when:
-        return False
-    axes = _role_axes(build, factor)
-    if "T" not in axes or "S" not in axes:
+    axes = _query_key_axes(build, factor, fill)
+    if axes is None or not keep_when:
         return False
     t_len, s_len = _sizes(build)
     scope = build.scope
