@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import compat
-from .rewrite import KERNEL_PREFIX
+from .calls import KERNEL_PREFIX
 
 #: Parameters that decide semantics; everything else is omitted.  Only params
 #: that every supported JAX spells the same way are listed: ``scan``'s

@@ -88,7 +88,6 @@ from ._sharding import (  # noqa: F401
     reshard,
     shard_map,
     shard_map_params,
-    traced_sharding,
     varying_axes,
     vma_checks,
 )

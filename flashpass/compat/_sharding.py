@@ -25,16 +25,6 @@ def named_sharding_of(aval):
     return sharding
 
 
-def traced_sharding(aval):
-    """The sharding to re-trace ``aval`` with (`jax.ShapeDtypeStruct`'s
-    ``sharding``): its `NamedSharding` on a mesh of several devices unless some
-    mesh axis is manual (a ``shard_map`` body), else None."""
-    sharding = named_sharding_of(aval)
-    if sharding is None or axis_kinds(sharding.mesh).get("manual"):
-        return None
-    return sharding
-
-
 def context_mesh():
     """The abstract mesh of the current trace context (``jax.set_mesh``,
     ``shard_map`` bodies); empty when none is set."""
