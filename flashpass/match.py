@@ -17,6 +17,8 @@ The anchor is the softmax (found from its ``exp``).  From there:
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax.numpy as jnp
 
 from flashpass.patterns import chain as chain_mod
@@ -25,6 +27,7 @@ from flashpass.patterns.products import output_product, score_products
 from flashpass.patterns.softmax import match_softmax
 
 from . import errors
+from .backward import match_backward
 from .builder import SiteBuilder
 from .graph import Const, Scope
 from .site import AttentionSite, ExtraSource, Layout, Operand
@@ -142,9 +145,10 @@ def _build_site(scope: Scope, soft, chain, sp) -> AttentionSite | Miss:
         cone = scope.forward_cone([dot.out], until=root.order)
         nodes |= scope.backward_cone([soft.shift], since=dot.order) & cone
 
-    problem = _check_closed(scope, dot, root, nodes)
+    problem = _check_unknown(scope, dot, root, nodes)
     if problem is not None:
         return problem
+    escape = _escape(scope, root, nodes)
 
     for name, atom in (("query", sp.q), ("key", sp.k), ("value", out.v)):
         if not jnp.issubdtype(scope.dtype(atom), jnp.floating):
@@ -175,7 +179,7 @@ def _build_site(scope: Scope, soft, chain, sp) -> AttentionSite | Miss:
     pieces = [type(op).__name__.lower() for op in ops]
     if layout.grouped:
         pieces.insert(0, "grouped")
-    return AttentionSite(
+    site = AttentionSite(
         scope_prefix=scope.prefix,
         nodes=frozenset(nodes),
         root=root,
@@ -191,6 +195,13 @@ def _build_site(scope: Scope, soft, chain, sp) -> AttentionSite | Miss:
         pattern="softmax(QKᵀ)V" + (f" [{', '.join(pieces)}]" if pieces else ""),
         location=root.location or soft.exp.location,
     )
+    if escape is None:
+        return site
+    # Read outside the site: by autodiff's backward of it (a training step), or not.
+    backward = match_backward(scope, site)
+    if not backward:
+        return Miss(f"{escape.reason} ({backward.reason})", escape.node)
+    return dataclasses.replace(site, nodes=site.nodes | backward.nodes, backward=backward)
 
 
 def _ops_extras(ops, extras, layout):
@@ -225,10 +236,11 @@ def _deferred_division(scope: Scope, pv, total, score_roles: list, out_roles: li
             break
         layout.add(node)
         atom = node.out
-    users = scope.consumers(atom)
-    if len(users) != 1 or users[0][0].prim != "div" or users[0][1] != 0:
+    # Other readers (autodiff's backward) are checked as escapes.
+    divs = [n for n, pos in scope.consumers(atom) if n.prim == "div" and pos == 0]
+    if len(divs) != 1:
         return Miss(f"exp(scores) @ v is not divided by the sum of exp{where(pv)}", pv)
-    div = users[0][0]
+    div = divs[0]
     prof = profile(scope, div.ins[1], scope.shape(div.out))
     base, axes = _through_layout(scope, prof.base, prof.axes, total)
     sum_roles = [r for r in score_roles if r != "S"]
@@ -268,8 +280,8 @@ def _role_name(role) -> str:
     return {"T": "query", "S": "key"}.get(role, "batch")
 
 
-def _check_closed(scope: Scope, dot, root, nodes: set) -> Miss | None:
-    """Nothing unrecognised in between, and no intermediate escapes the site."""
+def _check_unknown(scope: Scope, dot, root, nodes: set) -> Miss | None:
+    """Nothing unrecognised in between."""
     between = scope.forward_cone([dot.out], until=root.order) & scope.backward_cone(
         [root.out], since=dot.order
     )
@@ -277,6 +289,11 @@ def _check_closed(scope: Scope, dot, root, nodes: set) -> Miss | None:
     if unknown:
         n = unknown[0]
         return Miss(f"unrecognised `{n.prim}` inside the attention pattern{where(n)}", n)
+    return None
+
+
+def _escape(scope: Scope, root, nodes: set) -> Miss | None:
+    """The first intermediate read outside the site, if any."""
     for node in sorted(nodes, key=lambda n: n.order):
         if node is root:
             continue

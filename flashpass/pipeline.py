@@ -27,7 +27,7 @@ import numpy as np
 
 from flashpass.kernels import CheckContext
 
-from . import errors, sharding
+from . import compat, errors, sharding
 from .graph import build_scopes
 from .match import find_sites
 from .report import Fallback, InternalError, Report, Rewrite
@@ -79,7 +79,13 @@ def choose_kernels(sites, kernels, ctx: CheckContext, interpret: bool, where_is:
     each site, or the reasons every kernel gave."""
     planned, fallbacks = [], []
     for scope, site in sites:
-        chosen, rejections = choose(site.spec, kernels, ctx)
+        # A site whose backward is replaced needs the kernel's gradient.
+        usable = [k for k in kernels if k.grad or site.backward is None]
+        chosen, rejections = choose(site.spec, usable, ctx)
+        before = kernels if chosen is None else kernels[: kernels.index(chosen)]
+        for k in before:
+            if k not in usable:
+                rejections[k.name] = [f"{k.name} has no backward, and this site is differentiated"]
         if chosen is None:
             fallbacks.append(
                 Fallback(
@@ -107,6 +113,9 @@ def run_pass(
     ctx = CheckContext(platform=platform, interpret=interpret, explicit=explicit)
     report = Report(platform=platform, jax_version=jax.__version__)
 
+    # Dead equations are dropped first: autodiff leaves some (a reduce_max's unused
+    # tangent), and a dead reader of an intermediate would block its site.
+    closed = compat.dce_closed_jaxpr(closed)
     scopes = build_scopes(closed)  # stage 2: the use-def view
     where_is = _scope_names(scopes)
 
@@ -235,6 +244,7 @@ def _rewrite_entry(p: PlannedSite, scope_name: str, ring: bool = False) -> Rewri
         scope=scope_name,
         spec=spec.describe(),
         rejected=dict(p.rejected),
+        backward=p.site.backward is not None,
     )
 
 

@@ -25,6 +25,13 @@ class Rewrite:
     scope: str  # where in the program: "top level", "scan body at ...", ...
     spec: dict = dataclasses.field(default_factory=dict, repr=False)
     rejected: dict = dataclasses.field(default_factory=dict)  # earlier kernels -> reasons
+    #: True when the site's backward (in a differentiated program: a training
+    #: step) was replaced too: the report's "forward+backward".
+    backward: bool = False
+
+    @property
+    def passes(self) -> str:
+        return "forward+backward" if self.backward else "forward"
 
     def to_dict(self) -> dict:
         return _jsonable(dataclasses.asdict(self))
@@ -102,7 +109,10 @@ class Report:
             + (f", {len(self.errors)} internal error(s)" if self.errors else "")
         ]
         if self.rewrites:
+            # The passes column appears for differentiated programs only.
+            trained = any(r.backward for r in self.rewrites)
             rows = [("#", "kernel", "location", "q / k / v", "dtype", "mask", "bias", "scale")]
+            rows[0] += ("passes",) if trained else ()
             for i, r in enumerate(self.rewrites):
                 rows.append(
                     (
@@ -115,6 +125,7 @@ class Report:
                         "yes" if r.bias else "no",
                         f"{r.scale:.4g}",
                     )
+                    + ((r.passes,) if trained else ())
                 )
             lines += ["", "rewritten:", *_table(rows)]
         if self.fallbacks:

@@ -51,10 +51,14 @@ class Plan:
         self.scopes = {s.prefix: s for s in scopes}
         self.shards = shards
         self.by_root = {p.site.root.path: p for p in planned}
+        # A differentiated site's backward is emitted at its first equation.
+        self.by_anchor = {
+            p.site.backward.anchor.path: p for p in planned if p.site.backward is not None
+        }
         self.skip = set()
         self.inline = set()
         for p in planned:
-            self.skip |= p.site.paths - {p.site.root.path}
+            self.skip |= p.site.paths - {p.site.root.path} - self.by_anchor.keys()
             self.inline |= p.site.inline_calls
         self.site_prefixes = {p.site.scope_prefix for p in planned}
         # Equations whose bodies hold sites (a prefix's steps into a body are strings).
@@ -91,6 +95,7 @@ class _Evaluator:
         self.plan = plan
         self.scope = scope
         self.env: dict = {}
+        self.pullbacks: dict = {}  # differentiated site -> its kernel's vjp, until its backward
 
     def write(self, key, value) -> None:
         self.env[key] = value
@@ -130,6 +135,10 @@ class _Evaluator:
             if planned is not None:
                 self._replace(eqn, inst, planned)
                 continue
+            planned = plan.by_anchor.get(path)
+            if planned is not None:
+                self._backward(planned)
+                continue
             if path in plan.inline:
                 # Values inside the site were never computed: pass them on as _MISSING.
                 invals = [self.read(inst, a, _MISSING) for a in eqn.invars]
@@ -151,8 +160,35 @@ class _Evaluator:
 
     def _replace(self, eqn, inst, planned: PlannedSite) -> None:
         shard = self.plan.shards.get(planned.site.root.path)
-        out = sharding.run_site(shard, planned, self.read_key, _kernel_output)
+        backward = planned.site.backward
+        if backward is None:
+            out = sharding.run_site(shard, planned, self.read_key, _kernel_output)
+        else:
+            # The forward now, its pullback at the site's backward: JAX's vjp of the
+            # kernel call saves the kernel's own residuals (e.g. the logsumexp).
+            keys = [self.scope.resolve(a) for a in backward.inputs]
+
+            def forward(*values):
+                given = dict(zip(keys, values, strict=True))
+
+                def read(atom):
+                    if isinstance(atom, Const):
+                        return atom.value
+                    key = self.scope.resolve(atom)
+                    return given[key] if key in given else self.read_key(atom)
+
+                return sharding.run_site(shard, planned, read, _kernel_output)
+
+            out, pullback = jax.vjp(forward, *(self.read_key(k) for k in keys))
+            self.pullbacks[planned] = pullback
         self.write((inst, eqn.outvars[0]), out)
+
+    def _backward(self, planned: PlannedSite) -> None:
+        backward = planned.site.backward
+        grads = self.pullbacks.pop(planned)(self.read_key(backward.cotangent))
+        for key, grad in zip(backward.grads, grads, strict=True):
+            if not isinstance(key, Const):
+                self.write(key, grad)
 
     def _params(self, eqn, path):
         """``eqn.params`` with every body that holds sites rewritten (None when

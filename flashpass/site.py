@@ -135,6 +135,9 @@ class AttentionSite:
     spec: AttentionSpec
     pattern: str
     location: str | None
+    #: In a differentiated program: the site's backward (`flashpass.backward`),
+    #: replaced by the kernel's backward; None for a forward-only site.
+    backward: object = None
 
     @property
     def paths(self) -> set:
@@ -146,6 +149,8 @@ class AttentionSite:
         out = [self.q.atom, self.k.atom, self.v.atom, *(e.atom for e in self.extras)]
         out += [atom for atom, _ in self.q_scales]
         out += [data[0].atom for kind, *data in self.post_ops if kind == "scale"]
+        if self.backward is not None:
+            out.append(self.backward.cotangent)
         return out
 
     @property

@@ -24,7 +24,7 @@ class Miss:
     ``exp`` in a GELU is an irrelevant miss and stays silent.
     """
 
-    __slots__ = ("reason", "node", "relevant", "internal")
+    __slots__ = ("reason", "node", "relevant", "internal", "readers")
 
     def __init__(
         self,
@@ -32,11 +32,13 @@ class Miss:
         node: Node | None = None,
         relevant: bool = True,
         internal: str | None = None,
+        readers: tuple = (),
     ):
         self.reason = reason
         self.node = node
         self.relevant = relevant
         self.internal = internal  # the matcher crashed: "Type: message" (see errors.py)
+        self.readers = readers  # a value read by several nodes: each (a path may go on)
 
     def __bool__(self) -> bool:
         return False

@@ -110,7 +110,12 @@ def walk_probabilities(
                 if scope.is_output(atom)
                 else f"used {len(users)} times, expected only by the P·V product"
             )
-            return Miss(f"the attention probabilities{where(node)} are {what}{ESCAPE_HINT}", node)
+            readers = () if scope.is_output(atom) else tuple(u for u, _ in users)
+            return Miss(
+                f"the attention probabilities{where(node)} are {what}{ESCAPE_HINT}",
+                node,
+                readers=readers,
+            )
         node, pos = users[0]
         if node.prim in VALUE_PRESERVING or (
             node.prim == "convert_element_type" and _is_float(scope.dtype(node.out))

@@ -122,6 +122,15 @@ def output_product(
     P's unit axes here.
     """
     path = walk_probabilities(scope, p, p_roles, ignore, masks or ScoreMasks())
+    if not path and path.readers:
+        # Read more than once (in a differentiated program, by autodiff's backward):
+        # try each reader as the way on to P·V.  The others are then reads from
+        # outside the site, which match.py proves to be its backward or rejects.
+        for reader in path.readers:
+            others = frozenset(path.readers) - {reader}
+            found = output_product(scope, p, p_roles, ignore | others, masks, score_roles)
+            if found:
+                return found
     if not path:
         return path
     node, pos = path.consumer

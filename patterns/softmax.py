@@ -172,10 +172,15 @@ def _log_normalisation(scope: Scope, e, z, axis: int):
     shape = scope.shape(e)
     atom, helpers, saw_log = z, set(), False
     while True:
-        users = scope.consumers(atom)
+        # One way on; other readers (autodiff's backward) are checked as escapes.
+        users = [
+            n
+            for n, _ in scope.consumers(atom)
+            if n.prim in (*_KEEPDIMS_PRIMS, "sub") or (n.prim == "log" and not saw_log)
+        ]
         if len(users) != 1:
             return None
-        node = users[0][0]
+        node = users[0]
         if node.prim in _KEEPDIMS_PRIMS or (node.prim == "log" and not saw_log):
             if node.prim == "convert_element_type" and not _is_float(scope.dtype(node.out)):
                 return None
@@ -195,15 +200,19 @@ def _log_normalisation(scope: Scope, e, z, axis: int):
 
 
 def _feeds_a_product(scope: Scope, e, sum_nodes: set) -> bool:
-    atom = e
-    while True:
-        users = [n for n, _ in scope.consumers(atom) if n not in sum_nodes]
-        if len(users) != 1:
-            return False
-        if users[0].prim == "convert_element_type":
-            atom = users[0].out
-            continue
-        return users[0].prim == "dot_general"
+    """Whether ``e`` (or a cast of it) is read by a product: only a relevance
+    test (the P·V product is checked later); in a differentiated program the
+    backward reads ``e`` too."""
+    stack = [e]
+    while stack:
+        for node, _ in scope.consumers(stack.pop()):
+            if node in sum_nodes:
+                continue
+            if node.prim == "convert_element_type":
+                stack.append(node.out)
+            elif node.prim == "dot_general":
+                return True
+    return False
 
 
 def _is_reciprocal(scope: Scope, node: Node) -> bool:

@@ -1,0 +1,324 @@
+"""Training steps: an attention site's backward, proven to be the vjp of its forward.
+
+A function that differentiates its own loss (``jax.value_and_grad`` inside a
+train step) is traced *after* differentiation: the forward site is there, and
+further on the equations JAX's autodiff wrote for it, reading the site's
+intermediates (the T×S probabilities) as residuals.  `match_backward` finds
+those equations without a pattern per spelling:
+
+1. the matched forward equations become a function of the site's inputs, and
+   JAX's own ``vjp`` of that function is traced: the *template*, the exact
+   equations autodiff writes for this forward (forward residuals and backward);
+2. the template is unified with the program, equation by equation (same
+   primitive, same parameters, operands in the same positions), starting from
+   the site's inputs; the output cotangent and the input cotangents are the
+   program values the template's ones land on;
+3. nothing the template computes may be read outside it, except the forward
+   output and the input cotangents.
+
+The program's equations then *are* ``vjp(forward)`` on those values, so
+replacing them by the kernel's forward and backward computes the same
+function.  Which inputs are differentiated is not known (an input can be a
+constant of the loss); each subset is tried, largest first.  Anything that
+does not unify keeps the site as written, with the reason.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from flashpass.patterns.common import Miss, where
+
+from . import compat
+from .graph import Const, Node, Scope
+
+#: Most subsets of differentiated inputs tried per site.
+MAX_TEMPLATES = 16
+#: Most unification steps (candidate trials) per template.
+MAX_STEPS = 20_000
+
+
+@dataclasses.dataclass(frozen=True)
+class Backward:
+    """A site's backward in the program: what the kernel's backward replaces."""
+
+    nodes: frozenset  # forward residual and backward equations (not the forward site's)
+    cotangent: object  # key of the output's cotangent
+    inputs: tuple  # keys of the differentiated inputs
+    grads: tuple  # key (or Const) of each input's cotangent, in ``inputs`` order
+    anchor: Node  # where the backward is emitted: its first equation
+
+
+def match_backward(scope: Scope, site) -> Backward | Miss:
+    """The backward of ``site`` (whose intermediates are read outside it), or why not."""
+    # Differentiated inputs are values the kernel reads (its cotangents are the
+    # kernel's); between them and the site, equations such as a broadcast of a
+    # per-head mask join the forward, with their own backward.
+    reads = [a for a in dict.fromkeys(scope.resolve(a) for a in site.atoms)]
+    diffable = [a for a in reads if not isinstance(a, Const) and _is_float(scope.dtype(a))]
+    last = None
+    for subset in _subsets(diffable):
+        forward = _forward(scope, site, subset)
+        inputs = _inputs(forward)
+        if not set(subset) <= set(inputs):
+            continue
+        diff = tuple(inputs.index(a) for a in subset)
+        template = _template(scope, forward, inputs, diff, site.root.out)
+        found = _unify(template, scope, inputs, diff, site)
+        if isinstance(found, Backward):
+            return found
+        last = found
+    reason = last if isinstance(last, str) else "no backward equations match it"
+    return Miss(f"its intermediates are read by a backward pass that {reason}{where(site.root)}")
+
+
+def _forward(scope: Scope, site, diff: tuple) -> list[Node]:
+    """The site's equations and those from the differentiated reads to them."""
+    reads = _inputs(sorted(site.nodes, key=lambda n: n.order))
+    glue = scope.forward_cone(diff, until=site.root.order) & scope.backward_cone(reads)
+    return sorted(site.nodes | glue, key=lambda n: n.order)
+
+
+def _inputs(forward: list[Node]) -> list:
+    produced = {o for n in forward for o in n.outs if o is not None}
+    out: list = []
+    for n in forward:
+        for a in n.ins:
+            if not isinstance(a, Const) and a not in produced and a not in out:
+                out.append(a)
+    return out
+
+
+def _subsets(indices: list):
+    yield from itertools.islice(
+        (
+            combo
+            for size in range(len(indices), 0, -1)
+            for combo in itertools.combinations(indices, size)
+        ),
+        MAX_TEMPLATES,
+    )
+
+
+def _template(scope: Scope, forward: list[Node], inputs: list, diff: tuple, out_key) -> Scope:
+    """The view of ``(inputs..., ct) -> (out, vjp(ct)...)`` for the forward equations."""
+
+    def f(*vals):
+        env = dict(zip(inputs, vals, strict=True))
+        for n in forward:
+            args = [a.value if isinstance(a, Const) else env[a] for a in n.ins]
+            for o, val in zip(n.outs, compat.bind_equation(n.eqn, args), strict=True):
+                if o is not None:
+                    env[o] = val
+        return env[out_key]
+
+    def joint(*args):
+        *vals, ct = args
+
+        def part(*d):
+            full = list(vals)
+            for i, x in zip(diff, d, strict=True):
+                full[i] = x
+            return f(*full)
+
+        out, vjp = jax.vjp(part, *(vals[i] for i in diff))
+        return (out, *vjp(ct))
+
+    avals = [scope.aval(a) for a in inputs] + [scope.aval(out_key)]
+    closed = jax.make_jaxpr(joint)(*avals)
+    return Scope(compat.dce_closed_jaxpr(closed), prefix=("template",))
+
+
+def _unify(t: Scope, j: Scope, inputs: list, diff: tuple, site) -> Backward | str:
+    """Map every template equation onto a program equation (see the module doc)."""
+    n_in = len(inputs)
+    env = {t.invars[i]: inputs[i] for i in range(n_in)}
+    state = _State(env, {v: k for k, v in env.items()}, {}, set())
+    solved = _search(t, j, state, site, [MAX_STEPS])
+    if solved is None:
+        return "does not compute vjp(attention) (its equations differ from JAX's own vjp)"
+    env, pairs = solved.env, solved.pairs
+    matched = set(pairs.values())
+    if not site.nodes <= matched:
+        return "recomputes the attention elsewhere"
+    ct_key = env.get(t.invars[n_in])
+    if ct_key is None or isinstance(ct_key, Const):
+        return "has no output cotangent"
+    outs = [env.get(o) if not isinstance(o, Const) else o for o in t.outputs]
+    if any(o is None for o in outs) or outs[0] != site.root.out:
+        return "does not produce every cotangent"
+    exits = {o for o in outs if not isinstance(o, Const)}
+    for node in matched:
+        if node.eqn.effects:
+            return f"has an effect (`{node.prim}`)"
+        for o in node.outs:
+            if o is None or o in exits:
+                continue
+            if j.is_output(o):
+                return f"returns an intermediate (`{node.prim}`){where(node)}"
+            for user, _ in j.consumers(o):
+                if user not in matched:
+                    return f"shares `{node.prim}`{where(node)} with `{user.prim}`{where(user)}"
+    backward = {n for n in matched if n in j.forward_cone([ct_key])}
+    if not backward:
+        return "never reads the output cotangent"
+    anchor = min(backward, key=lambda n: n.order)
+    if anchor.order <= site.root.order:
+        return "runs before the forward"
+    return Backward(
+        nodes=frozenset(matched - site.nodes),
+        cotangent=ct_key,
+        inputs=tuple(inputs[i] for i in diff),
+        grads=tuple(outs[1:]),
+        anchor=anchor,
+    )
+
+
+@dataclasses.dataclass
+class _State:
+    env: dict  # template key -> program atom
+    rev: dict  # program key -> template key
+    pairs: dict  # template node -> program node
+    used: set  # program nodes already paired
+
+    def copy(self) -> _State:
+        return _State(dict(self.env), dict(self.rev), dict(self.pairs), set(self.used))
+
+
+def _search(t: Scope, j: Scope, state: _State, site, budget: list) -> _State | None:
+    """Pair every template node; unambiguous pairs first, then try each choice."""
+    while True:
+        progress = False
+        ambiguous = None
+        for tn in t.nodes:
+            if tn in state.pairs:
+                continue
+            cands = _candidates(tn, t, j, state)
+            budget[0] -= 1
+            if budget[0] < 0:
+                return None
+            if cands is None:  # nothing to anchor it yet
+                continue
+            if not cands:
+                return None
+            if len(cands) > 1:
+                preferred = [c for c in cands if c in site.nodes]
+                cands = preferred if len(preferred) == 1 else cands
+            if len(cands) == 1:
+                _bind(tn, cands[0], state)
+                progress = True
+            elif ambiguous is None:
+                ambiguous = (tn, cands)
+        if len(state.pairs) == len(t.nodes):
+            return state
+        if progress:
+            continue
+        if ambiguous is None:
+            return None
+        tn, cands = ambiguous
+        for cand in cands:
+            trial = state.copy()
+            _bind(tn, cand, trial)
+            found = _search(t, j, trial, site, budget)
+            if found is not None:
+                return found
+        return None
+
+
+def _candidates(tn: Node, t: Scope, j: Scope, state: _State) -> list | None:
+    """Program nodes ``tn`` can pair with (None: none of its values is mapped yet)."""
+    pool = None
+    for pos, a in enumerate(tn.ins):
+        if isinstance(a, Const) or a not in state.env:
+            continue
+        mapped = state.env[a]
+        if isinstance(mapped, Const):
+            continue
+        pool = [n for n, p in j.consumers(mapped) if p == pos]
+        break
+    if pool is None:
+        for o in tn.outs:
+            if o is not None and o in state.env and not isinstance(state.env[o], Const):
+                producer = j.producer(state.env[o])
+                pool = [] if producer is None else [producer]
+                break
+    if pool is None:
+        return None
+    return [n for n in dict.fromkeys(pool) if n not in state.used and _fits(tn, n, state)]
+
+
+def _fits(tn: Node, jn: Node, state: _State) -> bool:
+    if tn.prim != jn.prim or len(tn.ins) != len(jn.ins) or len(tn.outs) != len(jn.outs):
+        return False
+    if not _same_params(tn.params, jn.params):
+        return False
+    for a, b in zip(tn.ins, jn.ins, strict=True):
+        if isinstance(a, Const):
+            if not (isinstance(b, Const) and _same_const(a, b)):
+                return False
+        elif a in state.env:
+            mapped = state.env[a]
+            if isinstance(mapped, Const):
+                if not (isinstance(b, Const) and _same_const(mapped, b)):
+                    return False
+            elif mapped != b:
+                return False
+        elif isinstance(b, Const) or state.rev.get(b, a) != a:
+            return False
+    for a, b in zip(tn.outs, jn.outs, strict=True):
+        if a is None or b is None:
+            if (a is None) != (b is None):
+                return False
+            continue
+        if a in state.env and state.env[a] != b:
+            return False
+        if state.rev.get(b, a) != a:
+            return False
+    return True
+
+
+def _bind(tn: Node, jn: Node, state: _State) -> None:
+    state.pairs[tn] = jn
+    state.used.add(jn)
+    for a, b in itertools.chain(zip(tn.ins, jn.ins), zip(tn.outs, jn.outs)):
+        if a is None or isinstance(a, Const) or a in state.env:
+            continue
+        state.env[a] = b
+        state.rev[b] = a
+
+
+def _same_params(a: dict, b: dict) -> bool:
+    if a.keys() != b.keys():
+        return False
+    for name in a:
+        x, y = a[name], b[name]
+        if x is y:
+            continue
+        try:
+            if compat.is_body(x) or compat.is_body(y):
+                same = str(x) == str(y)
+            else:
+                same = bool(x == y)
+        except Exception:
+            same = False
+        if not same:
+            return False
+    return True
+
+
+def _same_const(a: Const, b: Const) -> bool:
+    if a.value is b.value:
+        return True
+    x, y = np.asarray(a.value), np.asarray(b.value)
+    if x.shape != y.shape or x.dtype != y.dtype or x.size > 1 << 16:
+        return False
+    return bool(np.array_equal(x, y, equal_nan=True))
+
+
+def _is_float(dtype) -> bool:
+    return bool(jnp.issubdtype(dtype, jnp.floating))
