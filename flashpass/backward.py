@@ -285,7 +285,8 @@ def _fits(tn: Node, jn: Node, state: _State) -> bool:
 def _bind(tn: Node, jn: Node, state: _State) -> None:
     state.pairs[tn] = jn
     state.used.add(jn)
-    for a, b in itertools.chain(zip(tn.ins, jn.ins), zip(tn.outs, jn.outs)):
+    pairs = zip((*tn.ins, *tn.outs), (*jn.ins, *jn.outs), strict=True)
+    for a, b in pairs:
         if a is None or isinstance(a, Const) or a in state.env:
             continue
         state.env[a] = b
