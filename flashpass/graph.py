@@ -103,9 +103,13 @@ class ChildScope:
 class Scope:
     """The view of one jaxpr with transparent calls inlined."""
 
-    def __init__(self, closed, prefix: Path = ()):
+    def __init__(self, closed, prefix: Path = (), outer: dict | None = None):
+        """``outer``: body input key -> ``(parent Scope, operand atom)`` for the
+        inputs that hold an operand of the enclosing equation unchanged
+        (`compat.passthrough_operands`): constant folding follows them out."""
         self.closed = closed = compat.as_closed(closed)
         self.prefix = prefix
+        self.outer = outer or {}
         self.nodes: list[Node] = []
         self.children: list[ChildScope] = []
         self._producer: dict[Key, Node] = {}
@@ -175,6 +179,15 @@ class Scope:
     def _collect_children(self, node: Node) -> None:
         for name, index, body in compat.bodies_in_params(node.params):
             self.children.append(ChildScope(node, name, index, compat.as_closed(body)))
+
+    def outer_of(self, child: ChildScope) -> dict:
+        """The ``outer`` map of ``child``'s scope (see `Scope.__init__`)."""
+        jaxpr, _ = compat.closed_parts(child.closed)
+        out = {}
+        for i, j in compat.passthrough_operands(child.node.eqn, child.param, child.index).items():
+            if i < len(jaxpr.invars) and j < len(child.node.ins):
+                out[(child.prefix, jaxpr.invars[i])] = (self, child.node.ins[j])
+        return out
 
     # ------------------------------------------------------------------ queries
 
@@ -267,6 +280,9 @@ class Scope:
 
     def _fold(self, key):
         node = self.producer(key)
+        if node is None and key in self.outer:  # e.g. a constant hoisted out of a scan
+            parent, atom = self.outer[key]
+            return parent.fold(atom)
         if node is None or node.eqn.effects or compat.subjaxprs_of_params(node.params):
             return None
         if node.prim in compat.VALUE_IDENTITY_PRIMITIVES:  # e.g. pvary in shard_map bodies
@@ -296,10 +312,10 @@ def is_kernel_call(eqn) -> bool:
 def build_scopes(closed) -> list[Scope]:
     """The top-level scope and, recursively, every opaque body's scope."""
     scopes: list[Scope] = []
-    pending = [(closed, ())]
+    pending = [(closed, (), None)]
     while pending:
-        jaxpr, prefix = pending.pop(0)
-        scope = Scope(jaxpr, prefix)
+        jaxpr, prefix, outer = pending.pop(0)
+        scope = Scope(jaxpr, prefix, outer)
         scopes.append(scope)
-        pending.extend((child.closed, child.prefix) for child in scope.children)
+        pending.extend((c.closed, c.prefix, scope.outer_of(c)) for c in scope.children)
     return scopes

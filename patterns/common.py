@@ -10,9 +10,9 @@ from flashpass import compat
 from flashpass.graph import Const, Node, Scope
 
 ESCAPE_HINT = (
-    "; to rewrite it, do not return or reuse the attention weights (for a training step, "
-    "apply flashpass.optimize to the model or loss function inside jax.grad, not to the "
-    "function that computes gradients)"
+    "; to rewrite it, do not return or reuse the attention weights (a differentiated "
+    "`lax.scan` saves them for its backward scan: wrap the scanned function in "
+    "`jax.checkpoint` to have both rewritten)"
 )
 
 
@@ -143,6 +143,20 @@ def scalar_value(scope: Scope, atom) -> float | None:
     if not np.all(flat == flat[0]) and not np.all(np.isnan(flat)):
         return None
     return float(flat[0])
+
+
+def uniform_value(scope: Scope, atom) -> float | None:
+    """The Python float of ``atom`` when every element is that constant: a
+    broadcast scalar, also one an enclosing scope hoisted out of a loop body
+    (a ``scan``'s loop-invariant constant, through `Scope.outer`)."""
+    prof = profile(scope, atom, scope.shape(atom))
+    if prof.is_scalar:
+        return scalar_value(scope, prof.base)
+    base = scope.resolve(prof.base)
+    if isinstance(base, Const) or scope.producer(base) is not None or base not in scope.outer:
+        return None
+    parent, outer_atom = scope.outer[base]
+    return uniform_value(parent, outer_atom)
 
 
 def is_const(atom) -> bool:

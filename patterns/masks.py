@@ -21,7 +21,7 @@ import numpy as np
 from flashpass.spec import EXCLUDING_FILL, Bias, Causal, Mask, excludes
 
 from .chain import Step, rule
-from .common import Miss, Profile, profile, scalar_value, where
+from .common import Miss, Profile, profile, scalar_value, uniform_value, where
 
 
 @dataclasses.dataclass
@@ -194,8 +194,12 @@ def _select(scope, node, out):
         chain, fill_atom = cases[chain_pos], cases[1 - chain_pos]
         fill_prof = profile(scope, fill_atom, shape)
         if not fill_prof.is_scalar:
-            continue
-        fill = scalar_value(scope, fill_prof.base)
+            # A broadcast fill hoisted out of a loop body (autodiff of a scan does it).
+            fill = uniform_value(scope, fill_atom)
+            if fill is None:
+                continue
+        else:
+            fill = scalar_value(scope, fill_prof.base)
         if fill is None:
             return Miss(f"masked scores are filled with a traced value{where(node)}", node)
         # select_n picks cases[pred]: the scores survive where pred == chain_pos.

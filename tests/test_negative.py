@@ -73,14 +73,15 @@ def test_scores_reused(rng):
     _assert_not_rewritten(fn, spellings.bnth(rng), "also used")
 
 
-def test_gradient_inside_the_function(rng):
-    # a training step: the backward pass reuses the probabilities
+def test_gradient_without_the_attention_output(rng):
+    # Only d/dq of a sum: the output and the probabilities are dead after DCE, the
+    # backward reads exp and its sum only.  No forward site: nothing is rewritten
+    # (tests/test_training.py covers differentiated programs that keep the output).
     def step(q, k, v):
         return jax.grad(lambda q: (jax.nn.softmax(q @ k.swapaxes(-1, -2), -1) @ v).sum())(q)
 
     report = _report(step, *spellings.bnth(rng))
     assert not report.rewrites
-    assert any("inside jax.grad" in f.reason for f in report.fallbacks)
 
 
 @pytest.mark.parametrize("act", [jax.nn.sigmoid, jax.nn.relu, lambda s: s])

@@ -46,6 +46,7 @@ from ._jaxpr import (  # noqa: F401
     is_literal,
     jaxpr_as_fun,
     literal_value,
+    passthrough_operands,
     rebuild_body,
     replace_bodies,
     scan_counts,

@@ -128,6 +128,28 @@ def scan_counts(params) -> tuple[int, int]:
     return len(consts.vals), len(carry.vals)
 
 
+#: Higher-order primitives whose body receives every operand unchanged.
+_WHOLE_OPERAND_BODIES = frozenset(
+    {"checkpoint", "remat", "remat2", "custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr"}
+)
+
+
+def passthrough_operands(eqn, name: str, index: int | None) -> dict[int, int]:
+    """``{body input position: operand position}`` for the body inputs of
+    ``eqn``'s body ``name`` that hold an operand's value unchanged on every
+    iteration: a ``scan``'s constants, a ``cond`` branch's operands, all of a
+    ``remat``/custom-derivative body's.  Constant folding looks through them."""
+    prim = eqn.primitive.name
+    if prim == "scan" and name == "jaxpr":
+        n_consts, _ = scan_counts(eqn.params)
+        return {i: i for i in range(n_consts)}
+    if prim == "cond" and name == "branches":
+        return {i: i + 1 for i in range(len(eqn.invars) - 1)}
+    if prim in _WHOLE_OPERAND_BODIES and name in ("jaxpr", "call_jaxpr", "fun_jaxpr"):
+        return {i: i for i in range(len(eqn.invars))}
+    return {}
+
+
 #: Bodies that a primitive evaluates with its attached constants since JAX 0.11
 #: (``ClosedJaxpr`` params before): a rewritten body there may gain constants.
 #: Any other body (``remat``'s, ``shard_map``'s...) was an open ``Jaxpr`` and
