@@ -52,10 +52,18 @@ class Backward:
     inputs: tuple  # keys of the differentiated inputs
     grads: tuple  # key (or Const) of each input's cotangent, in ``inputs`` order
     anchor: Node  # where the backward is emitted: its first equation
+    #: A backward in another scope (the backward loop of a scan): that scope's
+    #: prefix and how the two loops pass residuals (`scans.ScanPair`).
+    scope_prefix: tuple | None = None
+    pair: object = None
 
 
-def match_backward(scope: Scope, site) -> Backward | Miss:
-    """The backward of ``site`` (whose intermediates are read outside it), or why not."""
+def match_backward(scope: Scope, site, view=None) -> Backward | Miss:
+    """The backward of ``site`` (whose intermediates are read outside it), or why not.
+
+    ``view``: where to look for it, when not in ``scope`` (a `scans.Linked` view of
+    a forward loop body and its backward loop's body)."""
+    view = scope if view is None else view
     # Differentiated inputs are values the kernel reads (its cotangents are the
     # kernel's); between them and the site, equations such as a broadcast of a
     # per-head mask join the forward, with their own backward.
@@ -69,7 +77,7 @@ def match_backward(scope: Scope, site) -> Backward | Miss:
             continue
         diff = tuple(inputs.index(a) for a in subset)
         template = _template(scope, forward, inputs, diff, site.root.out)
-        found = _unify(template, scope, inputs, diff, site)
+        found = _unify(template, view, inputs, diff, site)
         if isinstance(found, Backward):
             return found
         last = found
@@ -168,7 +176,8 @@ def _unify(t: Scope, j: Scope, inputs: list, diff: tuple, site) -> Backward | st
     if not backward:
         return "never reads the output cotangent"
     anchor = min(backward, key=lambda n: n.order)
-    if anchor.order <= site.root.order:
+    after = getattr(j, "after", None)
+    if not (after(anchor, site.root) if after else anchor.order > site.root.order):
         return "runs before the forward"
     return Backward(
         nodes=frozenset(matched - site.nodes),
@@ -210,7 +219,7 @@ def _search(t: Scope, j: Scope, state: _State, site, budget: list) -> _State | N
                 preferred = [c for c in cands if c in site.nodes]
                 cands = preferred if len(preferred) == 1 else cands
             if len(cands) == 1:
-                _bind(tn, cands[0], state)
+                _bind(tn, cands[0], state, getattr(j, "canon", None))
                 progress = True
             elif ambiguous is None:
                 ambiguous = (tn, cands)
@@ -223,7 +232,7 @@ def _search(t: Scope, j: Scope, state: _State, site, budget: list) -> _State | N
         tn, cands = ambiguous
         for cand in cands:
             trial = state.copy()
-            _bind(tn, cand, trial)
+            _bind(tn, cand, trial, getattr(j, "canon", None))
             found = _search(t, j, trial, site, budget)
             if found is not None:
                 return found
@@ -249,15 +258,16 @@ def _candidates(tn: Node, t: Scope, j: Scope, state: _State) -> list | None:
                 break
     if pool is None:
         return None
-    return [n for n in dict.fromkeys(pool) if n not in state.used and _fits(tn, n, state)]
+    canon = getattr(j, "canon", None)
+    return [n for n in dict.fromkeys(pool) if n not in state.used and _fits(tn, n, state, canon)]
 
 
-def _fits(tn: Node, jn: Node, state: _State) -> bool:
+def _fits(tn: Node, jn: Node, state: _State, canon=None) -> bool:
     if tn.prim != jn.prim or len(tn.ins) != len(jn.ins) or len(tn.outs) != len(jn.outs):
         return False
     if not _same_params(tn.params, jn.params):
         return False
-    for a, b in zip(tn.ins, jn.ins, strict=True):
+    for a, b in zip(tn.ins, _canon(jn.ins, canon), strict=True):
         if isinstance(a, Const):
             if not (isinstance(b, Const) and _same_const(a, b)):
                 return False
@@ -282,15 +292,19 @@ def _fits(tn: Node, jn: Node, state: _State) -> bool:
     return True
 
 
-def _bind(tn: Node, jn: Node, state: _State) -> None:
+def _bind(tn: Node, jn: Node, state: _State, canon=None) -> None:
     state.pairs[tn] = jn
     state.used.add(jn)
-    pairs = zip((*tn.ins, *tn.outs), (*jn.ins, *jn.outs), strict=True)
+    pairs = zip((*tn.ins, *tn.outs), (*_canon(jn.ins, canon), *jn.outs), strict=True)
     for a, b in pairs:
         if a is None or isinstance(a, Const) or a in state.env:
             continue
         state.env[a] = b
         state.rev[b] = a
+
+
+def _canon(atoms, canon) -> list:
+    return list(atoms) if canon is None else [canon(a) for a in atoms]
 
 
 def _same_params(a: dict, b: dict) -> bool:

@@ -200,7 +200,9 @@ def _build_site(scope: Scope, soft, chain, sp) -> AttentionSite | Miss:
     # Read outside the site: by autodiff's backward of it (a training step), or not.
     backward = match_backward(scope, site)
     if not backward:
-        return Miss(f"{escape.reason} ({backward.reason})", escape.node)
+        miss = Miss(f"{escape.reason} ({backward.reason})", escape.node)
+        miss.site = site  # its backward may be in another scope (flashpass/scans.py)
+        return miss
     return dataclasses.replace(site, nodes=site.nodes | backward.nodes, backward=backward)
 
 

@@ -26,12 +26,14 @@ import jax
 import numpy as np
 
 from flashpass.kernels import CheckContext
+from flashpass.patterns.common import Miss
 
 from . import compat, errors, sharding
 from .graph import build_scopes
 from .match import find_sites
 from .report import Fallback, InternalError, Report, Rewrite
 from .rewrite import Plan, PlannedSite, rewrite
+from .scans import match_pair
 from .select import choose, resolve_order
 
 logger = logging.getLogger("flashpass")
@@ -59,9 +61,18 @@ class _Matched:
 def match(scopes, where_is: dict) -> _Matched:
     """Stage 3: every site of every scope, and the near misses."""
     found = _Matched([], [], [])
+    by_prefix = {s.prefix: s for s in scopes}
+    children = {c.prefix: (s, c) for s in scopes for c in s.children}
     for scope in scopes:
         sites, misses = find_sites(scope)
         for miss in misses:
+            if miss.site is not None and scope.prefix in children:
+                # Its intermediates leave a loop body: autodiff's backward loop may read them.
+                parent, child = children[scope.prefix]
+                paired = match_pair(parent, child, scope, miss.site, by_prefix)
+                if not isinstance(paired, Miss):
+                    found.sites.append((scope, paired))
+                    continue
             scope_name = where_is[scope.prefix]
             if miss.internal is not None:
                 error = InternalError(

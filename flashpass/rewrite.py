@@ -61,6 +61,16 @@ class Plan:
             self.skip |= p.site.paths - {p.site.root.path} - self.by_anchor.keys()
             self.inline |= p.site.inline_calls
         self.site_prefixes = {p.site.scope_prefix for p in planned}
+        # A site in a forward loop whose backward is in the backward loop (scans.py):
+        # both scan equations are re-emitted, passing the kernel's residuals.
+        self.scan_pairs: dict = {}  # scan path -> planned sites
+        self.trees: dict = {}  # planned site -> treedef of its pullback, set by the forward loop
+        for p in planned:
+            pair = p.site.backward.pair if p.site.backward is not None else None
+            if pair is not None:
+                self.scan_pairs.setdefault(pair.forward.path, []).append(p)
+                self.scan_pairs.setdefault(pair.backward.path, []).append(p)
+                self.site_prefixes.add(p.site.backward.scope_prefix)
         # Equations whose bodies hold sites (a prefix's steps into a body are strings).
         self.holders = {
             sp[:j]
@@ -96,6 +106,9 @@ class _Evaluator:
         self.scope = scope
         self.env: dict = {}
         self.pullbacks: dict = {}  # differentiated site -> its kernel's vjp, until its backward
+        self.saved: dict = {}  # site -> its pullback's leaves (a forward loop body returns them)
+        self.given: dict = {}  # site -> the leaves a backward loop body receives
+        self.stacked: dict = {}  # site -> leaves stacked by the forward loop, for the backward
 
     def write(self, key, value) -> None:
         self.env[key] = value
@@ -139,7 +152,9 @@ class _Evaluator:
             if planned is not None:
                 self._backward(planned)
                 continue
-            if path in plan.inline:
+            if path in plan.scan_pairs:
+                outs = self._scan(eqn, path, plan.scan_pairs[path])
+            elif path in plan.inline:
                 # Values inside the site were never computed: pass them on as _MISSING.
                 invals = [self.read(inst, a, _MISSING) for a in eqn.invars]
                 body, consts = compat.closed_parts(eqn.params["jaxpr"])
@@ -180,15 +195,71 @@ class _Evaluator:
                 return sharding.run_site(shard, planned, read, _kernel_output)
 
             out, pullback = jax.vjp(forward, *(self.read_key(k) for k in keys))
-            self.pullbacks[planned] = pullback
+            if backward.pair is None:
+                self.pullbacks[planned] = pullback
+            else:  # the backward is in another loop: pass the residuals as arrays
+                self.saved[planned], self.plan.trees[planned] = jax.tree_util.tree_flatten(pullback)
         self.write((inst, eqn.outvars[0]), out)
 
     def _backward(self, planned: PlannedSite) -> None:
         backward = planned.site.backward
-        grads = self.pullbacks.pop(planned)(self.read_key(backward.cotangent))
+        pullback = self.pullbacks.pop(planned, None)
+        if pullback is None:
+            tree = self.plan.trees[planned]
+            pullback = jax.tree_util.tree_unflatten(tree, self.given.pop(planned))
+        grads = pullback(self.read_key(backward.cotangent))
         for key, grad in zip(backward.grads, grads, strict=True):
             if not isinstance(key, Const):
                 self.write(key, grad)
+
+    def _scan(self, eqn, path, planned: list) -> list:
+        """Re-emit a scan of a forward/backward loop pair (see scans.py) with
+        ``lax.scan``: the forward loop returns the kernel's residuals instead
+        of the dropped ones; the backward loop receives them."""
+        pair = planned[0].site.backward.pair
+        forward = pair.forward.path == path
+        n_consts, n_carry = compat.scan_counts(eqn.params)
+        body, body_consts = compat.closed_parts(eqn.params["jaxpr"])
+        prefix = (*path, "jaxpr")
+        inst = path[:-1]
+        invals = [self.read(inst, a, _MISSING) for a in eqn.invars]
+        consts, init = invals[:n_consts], invals[n_consts : n_consts + n_carry]
+        options = {k: eqn.params[k] for k in ("length", "reverse", "unroll") if k in eqn.params}
+        if forward:
+            dropped = {i for p in planned for i in p.site.backward.pair.dropped_outputs}
+            xs = invals[n_consts + n_carry :]
+
+            def step(carry, x):
+                ev = _Evaluator(self.plan, self.plan.scopes[prefix])
+                outs = ev.run(body, body_consts, [*consts, *carry, *x], prefix)
+                ys = [y for i, y in enumerate(outs) if i >= n_carry and i not in dropped]
+                return outs[:n_carry], (ys, [ev.saved.pop(p) for p in planned])
+
+            carry, (ys, leaves) = jax.lax.scan(step, init, xs, **options)
+            for p, stacked in zip(planned, leaves, strict=True):
+                self.stacked[p] = stacked
+            ys = iter(ys)
+            n_out = len(eqn.outvars)
+            return [
+                *carry,
+                *(_MISSING if i in dropped else next(ys) for i in range(n_carry, n_out)),
+            ]
+        dropped = {i for p in planned for i in p.site.backward.pair.dropped_operands}
+        kept = [i for i in range(n_consts + n_carry, len(invals)) if i not in dropped]
+        leaves = [self.stacked.pop(p) for p in planned]
+
+        def step(carry, x):
+            xs, given = x
+            args = [*consts, *carry, *([_MISSING] * (len(invals) - n_consts - n_carry))]
+            for i, value in zip(kept, xs, strict=True):
+                args[i] = value
+            ev = _Evaluator(self.plan, self.plan.scopes[prefix])
+            ev.given = dict(zip(planned, given, strict=True))
+            outs = ev.run(body, body_consts, args, prefix)
+            return outs[:n_carry], outs[n_carry:]
+
+        carry, ys = jax.lax.scan(step, init, ([invals[i] for i in kept], leaves), **options)
+        return [*carry, *ys]
 
     def _params(self, eqn, path):
         """``eqn.params`` with every body that holds sites rewritten (None when

@@ -24,7 +24,7 @@ class Miss:
     ``exp`` in a GELU is an irrelevant miss and stays silent.
     """
 
-    __slots__ = ("reason", "node", "relevant", "internal", "readers")
+    __slots__ = ("reason", "node", "relevant", "internal", "readers", "site")
 
     def __init__(
         self,
@@ -39,6 +39,7 @@ class Miss:
         self.relevant = relevant
         self.internal = internal  # the matcher crashed: "Type: message" (see errors.py)
         self.readers = readers  # a value read by several nodes: each (a path may go on)
+        self.site = None  # a site whose intermediates escape its scope (see flashpass/scans.py)
 
     def __bool__(self) -> bool:
         return False

@@ -89,7 +89,7 @@ def _factor_keys(scope: Scope, prof, roles, keep_when: bool):
 
 
 def walk_probabilities(
-    scope: Scope, p, roles: list, ignore=frozenset(), masks=ScoreMasks()
+    scope: Scope, p, roles: list, ignore=frozenset(), masks=ScoreMasks(), outputs_ok=False
 ) -> ProbabilityPath | Miss:
     """Follow the probabilities ``p`` forward to the equation that consumes them.
 
@@ -103,14 +103,16 @@ def walk_probabilities(
     roles = list(roles)
     while True:
         users = [u for u in scope.consumers(atom) if u[0] not in ignore]
-        if scope.is_output(atom) or len(users) != 1:
+        # ``outputs_ok``: a returned value is left to the escape check (match.py),
+        # e.g. a loop body's output autodiff saves for the backward loop.
+        if (scope.is_output(atom) and not outputs_ok) or len(users) != 1:
             node = scope.producer(atom)
             what = (
                 "returned by the function"
                 if scope.is_output(atom)
                 else f"used {len(users)} times, expected only by the P·V product"
             )
-            readers = () if scope.is_output(atom) else tuple(u for u, _ in users)
+            readers = tuple(u for u, _ in users)
             return Miss(
                 f"the attention probabilities{where(node)} are {what}{ESCAPE_HINT}",
                 node,

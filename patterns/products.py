@@ -112,7 +112,13 @@ def score_products(scope: Scope, dot: Node, key_out_axis: int) -> list[ScoreProd
 
 
 def output_product(
-    scope: Scope, p, p_roles: list, ignore=frozenset(), masks=None, score_roles=None
+    scope: Scope,
+    p,
+    p_roles: list,
+    ignore=frozenset(),
+    masks=None,
+    score_roles=None,
+    outputs_ok=False,
 ) -> OutputProduct | Miss:
     """Find and check ``P·V`` fed by the probabilities ``p`` (whose axes have ``p_roles``).
 
@@ -121,14 +127,14 @@ def output_product(
     the size-1 roles a regrouping removed (patterns/regroup.py), given back to
     P's unit axes here.
     """
-    path = walk_probabilities(scope, p, p_roles, ignore, masks or ScoreMasks())
+    path = walk_probabilities(scope, p, p_roles, ignore, masks or ScoreMasks(), outputs_ok)
     if not path and path.readers:
         # Read more than once (in a differentiated program, by autodiff's backward):
         # try each reader as the way on to P·V.  The others are then reads from
         # outside the site, which match.py proves to be its backward or rejects.
         for reader in path.readers:
             others = frozenset(path.readers) - {reader}
-            found = output_product(scope, p, p_roles, ignore | others, masks, score_roles)
+            found = output_product(scope, p, p_roles, ignore | others, masks, score_roles, True)
             if found:
                 return found
     if not path:

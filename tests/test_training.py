@@ -8,8 +8,7 @@ call under ``jax.jit`` (as training scripts do), and checks that
 * the loss and the updated parameters equal the original step's.
 
 Negative tests: a backward that reads the probabilities for something else,
-returned attention weights, and a plain (un-checkpointed) ``scan`` keep the
-site and say why.
+and returned attention weights keep the site and say why.
 """
 
 from __future__ import annotations
@@ -153,9 +152,6 @@ def test_every_spelling(name):
     opt = flashpass.optimize(step, kernel="blockwise")
     _assert_same(jax.jit(opt)(*args), jax.jit(step)(*args), rtol=2e-2 if low else 1e-4)
     report = opt.reports[-1]
-    if name == "scan_layers":  # a plain scan saves the probabilities (below)
-        assert not report.rewrites
-        return
     if name == "remat":
         # jax.checkpoint around the attention alone: its backward recomputes the
         # probabilities but not the output (dead there), so only the forward is rewritten.
@@ -187,6 +183,40 @@ def test_checkpointed_layers_under_scan():
     report = _run(_sgd_step(loss), _params(), _inputs())
     assert _passes(report) == ["forward", "forward+backward"]
     assert not report.fallbacks
+
+
+def test_layers_under_scan():
+    # The forward loop saves the probabilities for the backward loop: both loops
+    # are re-emitted, the kernel's residuals (q, k, v, output, logsumexp) stacked.
+    def loss(ps, x):
+        x, _ = jax.lax.scan(lambda x, p: (_layer(p, x), None), x, ps)
+        return jnp.mean(x**2)
+
+    step = _sgd_step(loss)
+    report = _run(step, _params(3), _inputs())
+    assert _passes(report) == ["forward+backward"] and not report.fallbacks
+    opt = flashpass.optimize(step, kernel="blockwise")
+    text = str(opt.rewritten_jaxpr(_params(3), _inputs()))
+    # No T×S residual is stacked over the layers any more.
+    assert f"f32[3,{B},{H},{T},{T}]" in str(jax.make_jaxpr(step)(_params(3), _inputs()))
+    assert f"f32[3,{B},{H},{T},{T}]" not in text
+
+
+def test_nested_scans_gradient_accumulation_over_scanned_layers():
+    def loss(ps, x):
+        x, _ = jax.lax.scan(lambda x, p: (_layer(p, x), None), x, ps)
+        return jnp.mean(x**2)
+
+    def step(ps, xs):
+        def micro(acc, x):
+            value, grads = jax.value_and_grad(loss)(ps, x)
+            return jax.tree.map(jnp.add, acc, grads), value
+
+        grads, values = jax.lax.scan(micro, jax.tree.map(jnp.zeros_like, ps), xs)
+        return values.mean(), jax.tree.map(lambda a, g: a - 0.1 * g, ps, grads)
+
+    report = _run(step, _params(2), jnp.stack([_inputs(1), _inputs(2)]))
+    assert _passes(report) == ["forward+backward"] and not report.fallbacks
 
 
 def test_gradient_accumulation_under_scan():
@@ -322,13 +352,3 @@ def test_returned_weights_are_kept():
     report = _run(step, *spellings.btnh(np.random.default_rng(0)))
     assert not report.rewrites
     assert report.fallbacks
-
-
-def test_plain_scan_is_kept_with_the_reason():
-    def loss(ps, x):
-        x, _ = jax.lax.scan(lambda x, p: (_layer(p, x), None), x, ps)
-        return jnp.mean(x**2)
-
-    report = _run(_sgd_step(loss), _params(), _inputs())
-    assert not report.rewrites
-    assert "jax.checkpoint" in report.fallbacks[0].reason

@@ -1,0 +1,154 @@
+"""Training through ``lax.scan``: a site in the forward loop, its backward in the backward loop.
+
+Autodiff of a ``scan`` (layers under ``lax.scan`` in a train step) writes two
+loops: the forward loop returns, stacked over iterations, the residuals the
+backward needs (the T×S probabilities among them), and the backward loop reads
+them, one iteration at a time.  The site is in the first loop's body, its
+backward in the second's.
+
+`match_pair` joins the two bodies into one view (`Linked`): a residual the
+forward body returns and the backward body reads is one value.  The backward
+is then proven exactly as in one scope (`backward.match_backward`).  The
+rewrite (rewrite.py) re-emits both loops with ``lax.scan``: the forward body
+runs the kernel's forward and returns the kernel's residuals (the leaves of
+its ``vjp`` pullback: q, k, v, the output and its logsumexp) instead of the
+probabilities, and the backward body rebuilds the pullback from them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from flashpass.patterns.common import Miss
+
+from . import compat
+from .backward import match_backward
+from .graph import Const, Scope
+
+
+@dataclasses.dataclass(frozen=True)
+class ScanPair:
+    """The two loops of a differentiated ``scan`` around one site."""
+
+    forward: object  # the forward scan's node (in the enclosing scope)
+    backward: object  # the backward scan's node
+    #: Outputs of the forward scan no longer returned (positions among its
+    #: outputs) and the backward scan's operands no longer passed (positions
+    #: among its operands): residuals only the replaced backward read.
+    dropped_outputs: tuple
+    dropped_operands: tuple
+
+
+class Linked:
+    """One view of a forward loop body and its backward loop's body.
+
+    ``links`` maps a backward-body input to the forward-body value whose
+    stacked iterations it receives.  Keys are global, so each query asks both
+    scopes; a linked input answers as its forward value.
+    """
+
+    def __init__(self, fwd: Scope, bwd: Scope, links: dict, free_outputs: set):
+        self.fwd, self.bwd, self.links = fwd, bwd, links
+        self.back: dict = {}
+        for b, f in links.items():
+            self.back.setdefault(f, []).append(b)
+        self.free_outputs = free_outputs  # forward-body outputs that are not residual links
+        self.bwd_nodes = set(bwd.nodes)
+
+    def canon(self, atom):
+        if isinstance(atom, Const):
+            return atom
+        return self.links.get(atom, atom)
+
+    def consumers(self, atom) -> list:
+        atom = self.canon(atom)
+        out = self.fwd.consumers(atom) + self.bwd.consumers(atom)
+        for b in self.back.get(atom, ()):
+            out += self.bwd.consumers(b)
+        return out
+
+    def producer(self, atom):
+        atom = self.canon(atom)
+        return self.fwd.producer(atom) or self.bwd.producer(atom)
+
+    def is_output(self, atom) -> bool:
+        atom = self.canon(atom)
+        return atom in self.free_outputs or self.bwd.is_output(atom)
+
+    def forward_cone(self, start) -> set:
+        start = [self.canon(a) for a in start]
+        linked = [b for a in start for b in self.back.get(a, ())]
+        return self.fwd.forward_cone(start) | self.bwd.forward_cone([*start, *linked])
+
+    def after(self, node, root) -> bool:
+        return node in self.bwd_nodes
+
+
+def match_pair(parent: Scope, child, fwd: Scope, site, scopes: dict):
+    """``site`` (in the body ``fwd`` of the scan ``child.node``) with its backward
+    in the backward loop's body, or a `Miss` saying why not."""
+    fnode = child.node
+    if fnode.prim != "scan" or child.param != "jaxpr":
+        return Miss("its intermediates leave the loop body")
+    n_consts, n_carry = compat.scan_counts(fnode.params)
+    # The backward loop: the scan reading the forward loop's stacked outputs.
+    readers = {
+        user
+        for o in fnode.outs[n_carry:]
+        if o is not None
+        for user, _ in parent.consumers(o)
+        if user.prim == "scan" and user is not fnode
+    }
+    for bnode in sorted(readers, key=lambda n: n.order):
+        bwd = scopes.get((*bnode.path, "jaxpr"))
+        if bwd is None:
+            continue
+        found = _with_backward(parent, fnode, bnode, fwd, bwd, site)
+        if not isinstance(found, Miss):
+            return found
+    return Miss("its intermediates are returned by the loop body, and no backward loop reads them")
+
+
+def _with_backward(parent: Scope, fnode, bnode, fwd: Scope, bwd: Scope, site):
+    b_consts, b_carry = compat.scan_counts(bnode.params)
+    links, link_at = {}, {}  # bwd input key -> fwd value; fwd output position -> bwd operand
+    for pos, o in enumerate(fnode.outs):
+        if o is None or pos < compat.scan_counts(fnode.params)[1]:
+            continue
+        users = parent.consumers(o)
+        if not users or any(u is not bnode or p < b_consts + b_carry for u, p in users):
+            continue
+        value = fwd.outputs[pos]
+        if isinstance(value, Const):
+            continue
+        for _, p in users:
+            links[bwd.invars[p]] = value
+            link_at.setdefault(pos, []).append(p)
+    if not links:
+        return Miss("no backward loop reads its residuals")
+    # Loop invariants both loops receive (a mask): one value too.
+    f_consts, _ = compat.scan_counts(fnode.params)
+    outer = {
+        parent.resolve(fnode.ins[i]): fwd.invars[i]
+        for i in range(f_consts)
+        if not isinstance(parent.resolve(fnode.ins[i]), Const)
+    }
+    for j in range(b_consts):
+        atom = parent.resolve(bnode.ins[j])
+        same = None if isinstance(atom, Const) else outer.get(atom)
+        if same is not None:
+            links[bwd.invars[j]] = same
+    free = {o for i, o in enumerate(fwd.outputs) if i not in link_at and not isinstance(o, Const)}
+    view = Linked(fwd, bwd, links, free)
+    backward = match_backward(fwd, site, view)
+    if isinstance(backward, Miss):
+        return backward
+    matched = backward.nodes | site.nodes
+    dropped_out, dropped_in = [], []
+    for pos, operands in link_at.items():
+        if all(u in matched for p in operands for u, _ in bwd.consumers(bwd.invars[p])):
+            dropped_out.append(pos)
+            dropped_in.extend(operands)
+    pair = ScanPair(fnode, bnode, tuple(sorted(dropped_out)), tuple(sorted(dropped_in)))
+    backward = dataclasses.replace(backward, scope_prefix=bwd.prefix, pair=pair)
+    return dataclasses.replace(site, nodes=site.nodes | backward.nodes, backward=backward)
