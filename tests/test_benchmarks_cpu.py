@@ -1,5 +1,6 @@
 """benchmarks/cpu.py runs end to end (--quick, tiny sizes) and writes the JSON it
-promises.  Checks fields only, never timings: the machine is shared."""
+promises; benchmarks/train.py runs its quick training step and passes its
+correctness checks.  Checks fields only, never timings: the machine is shared."""
 
 import json
 import pathlib
@@ -51,3 +52,18 @@ def test_cpu_benchmark_skips_what_would_not_fit(tmp_path):
     data = json.loads(out.read_text())
     assert {r["status"] for r in data["results"]} == {"skipped"}
     assert all(r["estimated_bytes"] > 0 for r in data["results"])
+
+
+def test_train_benchmark_quick():
+    """The training-step benchmark: same update, every site forward+backward.
+
+    Its exit status covers correctness only (memory and time just print)."""
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "train.py"), "--quick"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    out = proc.stdout
+    assert "(1) updated params rel. diff" in out and "goal <= 1e-05): met" in out
+    assert "(2) sites rewritten forward+backward: 2 of 2" in out
+    assert out.count("forward+backward") >= 3  # the report's two rows and line (2)
+    for row in ("temp memory (MiB)", "step time, median (ms)", "summary: T=1024"):
+        assert row in out, row
