@@ -14,6 +14,7 @@ import collections
 import jax
 
 from flashpass.kernels import CheckContext, Kernel, default_order, get_kernel, kernel_names
+from flashpass.kernels.dropout import dropout_reasons
 
 from . import compat
 from .calls import kernel_call
@@ -42,6 +43,9 @@ def choose(spec, kernels: list[Kernel], ctx: CheckContext):
     """(kernel, rejections): the first kernel that accepts ``spec``, or None."""
     rejections: dict[str, list[str]] = {}
     for kernel in kernels:
+        if spec.dropout is not None and not kernel.dropout:
+            rejections[kernel.name] = dropout_reasons(spec, kernel)
+            continue
         try:
             reasons = list(kernel.check(spec, ctx))
         except Exception as err:

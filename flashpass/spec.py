@@ -13,8 +13,9 @@ The kernel returns ``[B, H, T, Dv]`` in ``spec.out_dtype``.  The score function
 it must implement is, in order::
 
     s = q @ k^T                      (accumulated in spec.compute_dtype)
-    for op in spec.score_ops: s = op(s)
+    for op in spec.score_ops: s = op(s)      (but `Dropout`)
     p = softmax(s, axis=-1)          (in spec.compute_dtype)
+    p = dropout(p)                   (a `Dropout` op, if any)
     p = p.astype(spec.p_dtype)
     out = p @ v
 
@@ -165,7 +166,61 @@ class Softcap:
     cap: float
 
 
-ScoreOp = Scale | Bias | Mask | Causal | Window | Chunk | Prefix | Segments | Softcap | KvLengths
+@dataclasses.dataclass(frozen=True)
+class Dropout:
+    """Dropout on the *probabilities*, exactly as ``jax.random.bernoulli`` drew it.
+
+    Not a score op: whatever its position in ``score_ops`` (the matcher puts
+    it last), it applies to the softmax output ``p``::
+
+        p = where(keep, p * scale, 0)
+
+    ``keep`` is the program's own keep-mask, regenerated from the key
+    ``extras[index]`` (its uint32 key data, shaped ``shape == (1, 1, 1, 2)``).
+    The program drew ``bits = random_bits(key, bits, mask_shape)`` under
+    partitionable Threefry: element ``i`` of the flat mask is
+    ``threefry2x32(key, (0, i))``, the two words XORed, truncated to ``bits``
+    bits.  Those become a uniform in ``uniform_dtype`` the way
+    ``jax.random.uniform`` makes it, and ``keep = uniform < threshold``
+    (``keep_below``; else ``uniform >= threshold``, a drop-mask spelling).
+
+    ``axes`` maps the canonical axes ``(B, H, T, S)`` to the flat mask index:
+    each is a tuple of ``(size, stride)`` digits, most significant first (a
+    canonical axis groups several program axes), with stride 0 where the mask
+    is broadcast.  ``scale`` multiplies the kept weights (the ``1 / keep_prob``
+    the program folded into the mask, in its dtype; 1.0 when the program
+    divides elsewhere, which the matcher keeps as an output scale).
+    """
+
+    index: int
+    shape: tuple[int, ...]
+    mask_shape: tuple[int, ...]
+    axes: tuple
+    bits: int
+    uniform_dtype: str
+    threshold: float
+    keep_below: bool = True
+    scale: float = 1.0
+
+    @property
+    def size(self) -> int:
+        """Elements of the program's keep-mask."""
+        return int(np.prod(self.mask_shape, dtype=np.int64))
+
+
+ScoreOp = (
+    Scale
+    | Bias
+    | Mask
+    | Causal
+    | Window
+    | Chunk
+    | Prefix
+    | Segments
+    | Softcap
+    | KvLengths
+    | Dropout
+)
 
 #: What a spec may use beyond plain scaled attention (`AttentionSpec.descriptors`),
 #: with the words docs/kernels.md shows.  Kernels declare the ones they accept
@@ -280,6 +335,12 @@ class AttentionSpec:
             if isinstance(op, Scale):
                 value *= op.value
         return value
+
+    @property
+    def dropout(self) -> Dropout | None:
+        """The `Dropout` op on the probabilities, if any."""
+        found = [op for op in self.score_ops if isinstance(op, Dropout)]
+        return found[0] if found else None
 
     def ops_of(self, kind: type) -> list:
         return [op for op in self.score_ops if isinstance(op, kind)]

@@ -222,7 +222,12 @@ def check_arrays(kernel: str, spec: AttentionSpec, q, k, v, extras=None) -> None
             f"{kernel}: score ops use extras[{max(used)}] but only {len(extras)} were given"
         )
     full = (spec.batch, spec.heads, spec.q_len, spec.kv_len)
+    key = spec.dropout.index if spec.dropout is not None else None
     for i, x in enumerate(extras):
+        if i == key:  # a dropout key's data, `Dropout.shape`
+            if tuple(x.shape) != spec.dropout.shape:
+                raise ValueError(f"{kernel}: the dropout key has shape {tuple(x.shape)}")
+            continue
         if not broadcastable(tuple(x.shape), full):
             raise ValueError(
                 f"{kernel}: extras[{i}] has shape {tuple(x.shape)}; each axis must be 1 or "

@@ -64,7 +64,9 @@ class Kernel:
     #: Whether it is plain JAX: it type-checks inside a ``shard_map`` body with
     #: ``check_vma=True`` (a Pallas call does not declare varying axes).
     plain_jax: ClassVar[bool] = False
-    #: Whether it computes dropout on the weights exactly (no kernel does yet).
+    #: Whether it computes dropout on the weights exactly: the program's own
+    #: keep-mask, regenerated from its key (`flashpass.spec.Dropout`).  Selection
+    #: skips a kernel without it for a site with dropout, with the reason.
     dropout: ClassVar[bool] = False
     #: Whether it can run as one step of a ring (context-parallel) attention,
     #: returning its logsumexp for the merge (no kernel does yet).

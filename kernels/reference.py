@@ -17,6 +17,7 @@ from flashpass.spec import (
     Bias,
     Causal,
     Chunk,
+    Dropout,
     KvLengths,
     Mask,
     Prefix,
@@ -26,6 +27,7 @@ from flashpass.spec import (
 )
 
 from .base import CheckContext, PlainJaxKernel
+from .dropout import apply_dropout, reference_keep
 
 
 def apply_score_ops(spec: AttentionSpec, s, extras, q_pos=None, k_pos=None, transposed=False):
@@ -66,6 +68,8 @@ def apply_score_ops(spec: AttentionSpec, s, extras, q_pos=None, k_pos=None, tran
         elif isinstance(op, Softcap):
             cap = jnp.asarray(op.cap, s.dtype)
             s = cap * jnp.tanh(s / cap)
+        elif isinstance(op, Dropout):
+            continue  # applies to the probabilities (`dropout`), not the scores
         elif isinstance(op, KvLengths):
             if k_pos is None:
                 k_pos = jnp.arange(s.shape[-1])
@@ -114,6 +118,9 @@ def reference_attention(spec: AttentionSpec, q, k, v, extras=(), *, dtype=None):
     s = jnp.einsum("bhtd,bhsd->bhts", q.astype(cdt), k.astype(cdt), preferred_element_type=cdt)
     s = apply_score_ops(spec, s, extras)
     p = jax.nn.softmax(s, axis=-1)
+    drop = spec.dropout
+    if drop is not None:
+        p = apply_dropout(drop, p, reference_keep(spec, drop, extras[drop.index]))
     p_dtype = cdt if dtype is not None else spec.p_dtype
     v_dtype = cdt if dtype is not None else v.dtype
     out = jnp.einsum(
@@ -125,9 +132,11 @@ def reference_attention(spec: AttentionSpec, q, k, v, extras=(), *, dtype=None):
 class ReferenceKernel(PlainJaxKernel):
     """Naive XLA attention on the canonical layout.  Not in any default order:
     it exists to test the matcher (its numerics equal the original code's).
-    Capabilities: every spec, as a `PlainJaxKernel`."""
+    Capabilities: every spec, as a `PlainJaxKernel`, dropout included (drawn
+    with ``jax.random`` itself, `dropout.reference_keep`)."""
 
     name = "reference"
+    dropout = True
 
     def check(self, spec, ctx: CheckContext):
         return self.platform_reasons(ctx)

@@ -3,7 +3,8 @@
 flashpass touches JAX internals (jaxpr data structures, source info, DCE) and
 experimental modules (Pallas kernels).  They all go through this package,
 ``flashpass.compat`` (jaxprs in _jaxpr.py, kernels in _kernels.py, sharding in
-_sharding.py; the rest of flashpass imports only from here), so a JAX upgrade
+_sharding.py, the PRNG internals of exact dropout in _random.py; the rest of
+flashpass imports only from here), so a JAX upgrade
 that moves something breaks here, loudly, and nowhere else.
 
 Supported: JAX 0.9.x to 0.12.x (CI runs the version in constraints.txt, the
@@ -77,6 +78,14 @@ from ._kernels import (  # noqa: F401
     tpu_flash_attention_module,
     tpu_interpret_mode,
     traced_with,
+)
+from ._random import (  # noqa: F401
+    is_key_dtype,
+    prng_impl_name,
+    raw_key_data,
+    threefry2x32,
+    threefry_partitionable,
+    wrap_impl_name,
 )
 from ._sharding import (  # noqa: F401
     VALUE_IDENTITY_PRIMITIVES,

@@ -15,6 +15,8 @@ from .flash import attention
 from .heads import head_loop_pays, unit_spec
 from .plan import (
     HEAD_LOOP_BLOCK,
+    MIN_BLOCK,
+    TILE_ELEMENTS,
     BlockSizes,
     Plan,
     Plans,
@@ -34,10 +36,12 @@ class BlockwiseKernel(PlainJaxKernel):
     (batch, kv head) unit at a time (see `HEAD_LOOP_BLOCK`); None (the
     default) does so on a single CPU device where `head_loop_pays`.  None of
     these changes results beyond rounding.  Capabilities: every spec, as a
-    `PlainJaxKernel`.
+    `PlainJaxKernel`, and exact dropout: each tile's keep-mask is regenerated
+    from the program's key (`flashpass.kernels.dropout`), forward and backward.
     """
 
     name = "blockwise"
+    dropout = True
 
     def __init__(
         self,
@@ -69,7 +73,10 @@ class BlockwiseKernel(PlainJaxKernel):
     def uses_head_loop(self, spec: AttentionSpec) -> bool:
         """Whether ``spec`` runs unit by unit: as given, else on a single CPU
         device where it pays.  (With several devices the heads may be sharded,
-        and XLA would all-gather them to slice one head per loop step.)"""
+        and XLA would all-gather them to slice one head per loop step.)  Never
+        with dropout: its keep-mask is indexed by the global batch and head."""
+        if spec.dropout is not None:
+            return False
         if self.head_loop is not None:
             return self.head_loop
         single_cpu = jax.default_backend() == "cpu" and jax.device_count() == 1
@@ -82,6 +89,8 @@ class BlockwiseKernel(PlainJaxKernel):
             defaults = default_blocks(unit_spec(spec), backward, outer=HEAD_LOOP_BLOCK)
         else:
             defaults = default_blocks(spec, backward)
+        if spec.dropout is not None:
+            defaults = _dropout_blocks(spec, defaults)
         return self.block_sizes.pick(defaults, backward)
 
     def plan(self, spec: AttentionSpec) -> Plan:
@@ -127,3 +136,21 @@ class BlockwiseKernel(PlainJaxKernel):
         if (sizes.block_q_bwd, sizes.block_k_bwd) != (None, None):
             bwd = " bwd={}x{}".format(*sizes.pick(("auto", "auto"), backward=True))
         return f"<flashpass kernel 'blockwise' block_q={bq} block_k={bk}{bwd} head_loop={loop}>"
+
+
+#: With dropout, a tile also holds its Threefry counters and words (several
+#: uint32 arrays of the tile's size): tiles get this fraction of the budget.
+DROPOUT_TILE_FRACTION = 4
+
+
+def _dropout_blocks(spec: AttentionSpec, blocks: tuple[int, int]) -> tuple[int, int]:
+    """``blocks`` halved, the larger first, down to `TILE_ELEMENTS` /
+    `DROPOUT_TILE_FRACTION` scores per tile (not below `MIN_BLOCK`)."""
+    bq, bk = blocks
+    budget = TILE_ELEMENTS // DROPOUT_TILE_FRACTION
+    while spec.batch * spec.heads * bq * bk > budget and max(bq, bk) > MIN_BLOCK:
+        if bk >= bq:
+            bk //= 2
+        else:
+            bq //= 2
+    return bq, bk

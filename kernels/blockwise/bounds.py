@@ -29,6 +29,7 @@ from flashpass.spec import (
     AttentionSpec,
     Causal,
     Chunk,
+    Dropout,
     Prefix,
     Scale,
     Segments,
@@ -48,10 +49,14 @@ def skip_run(spec: AttentionSpec) -> tuple[int, int] | None:
     first, last = at[0], at[-1]
     if last - first + 1 != len(at) or len({ops[i].fill for i in at}) != 1:
         return None
-    if not all(isinstance(op, Scale | Softcap) for op in ops[last + 1 :]):
+    if not all(isinstance(op, Scale | Softcap | Dropout) for op in ops[last + 1 :]):
         return None
     c = spec.final_fill(last, ops[last].fill)
     if not (math.isfinite(c) or c == -math.inf):
+        return None
+    if spec.dropout is not None and c != -math.inf:
+        # Skipped keys with a finite score are folded in by a closed form that
+        # cannot drop them one by one: with dropout, only weight-0 keys are skipped.
         return None
     return first, last
 

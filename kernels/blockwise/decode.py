@@ -50,6 +50,8 @@ from .tiles import (
 def decode_reasons(spec: AttentionSpec) -> list[str]:
     """Why ``spec`` cannot take the decode path (empty: it can)."""
     reasons = []
+    if spec.dropout is not None:
+        reasons.append("dropout on the weights")
     if spec.q_len > DECODE_MAX_Q:
         reasons.append(f"q_len={spec.q_len} > {DECODE_MAX_Q}")
     found = [(i, op) for i, op in enumerate(spec.score_ops) if isinstance(op, KvLengths)]

@@ -20,6 +20,7 @@ from jax import lax
 from jax.custom_derivatives import SymbolicZero
 
 from .. import _util
+from ..dropout import apply_dropout, keep_mask
 from . import heads
 from .bounds import segments_case
 from .plan import Plan, Plans
@@ -57,6 +58,7 @@ def forward(plan: Plan, q, k, v, extras):
     q5 = _util.pad_axis(grouped(plan, q), -2, tp)
     kp = _util.pad_axis(k, 2, sp)
     vp = _util.pad_axis(v, 2, sp)
+    key, extras = _split_key(spec, extras)
     ex5 = [extra5(spec, x, tp, sp) for x in extras]
     p_dtype = spec.p_dtype
 
@@ -92,6 +94,9 @@ def forward(plan: Plan, q, k, v, extras):
                 alpha = jnp.exp(m - m_safe)
                 p = jnp.exp(s - m_safe[..., None])
                 den = den * alpha + jnp.sum(p, axis=-1)
+                if key is not None:  # the program's keep-mask on this tile
+                    keep = _keep(plan, key, q_pos[None, None, :, None], k_pos, False)
+                    p = apply_dropout(spec.dropout, p, keep)
                 pv = jnp.einsum(
                     "bhts,bhsd->bhtd", p.astype(p_dtype), v_t, preferred_element_type=cdt
                 )
@@ -178,8 +183,9 @@ def backward(plan: Plan, q, k, v, extras, out, m, den, dout, wanted):
     vp = _util.pad_axis(v, 2, sp)
     do5 = _util.pad_axis(grouped(plan, dout), -2, tp)
     out5 = _util.pad_axis(grouped(plan, out), -2, tp)
-    ex5 = [extra5(spec, x, tp, sp) for x in extras]
-    bias_idx = tuple(i for i in bias_indices(spec, extras) if wanted[i])
+    key, kernel_extras = _split_key(spec, extras)
+    ex5 = [extra5(spec, x, tp, sp) for x in kernel_extras]
+    bias_idx = tuple(i for i in bias_indices(spec, kernel_extras) if wanted[i])
     p_dtype = spec.p_dtype
 
     # (An einsum, not sum(do * out, -1): XLA's CPU reduction over a 64-wide
@@ -234,10 +240,17 @@ def backward(plan: Plan, q, k, v, extras, out, m, den, dout, wanted):
                 # One exp per tile: without the barrier XLA recomputes it in
                 # the fusion that forms ds.
                 et = lax.optimization_barrier(et)
+                pt = et
+                if key is not None:  # P' = D * P: dV = P'^T dO, dP = D * dP'
+                    rows = row_pos(plan, iq)[None, None, None, :]
+                    keep = _keep(plan, key, rows, k_pos[:, None], True)
+                    pt = apply_dropout(spec.dropout, et, keep)
                 dv_t = dv_t + jnp.einsum(
-                    "bhst,bhtd->bhsd", et.astype(p_dtype), do_t, preferred_element_type=cdt
+                    "bhst,bhtd->bhsd", pt.astype(p_dtype), do_t, preferred_element_type=cdt
                 )
                 dpt = jnp.einsum("bhsd,bhtd->bhst", v_t, do_t, preferred_element_type=cdt)
+                if key is not None:
+                    dpt = apply_dropout(spec.dropout, dpt, keep)
                 dst, dbias_t = score_vjp(et * (dpt - delta_t))
                 # Rows are (group, position): contracting them sums the group.
                 dk_t = dk_t + jnp.einsum("bhst,bhtd->bhsd", dst, a, preferred_element_type=cdt)
@@ -329,6 +342,34 @@ def _skipped_dv(plan: Plan, m, inv_den, do5):
     per_key_block = jnp.einsum("jq,bhqd->bhjd", skips, per_block)
     dv = jnp.broadcast_to(per_key_block[:, :, :, None], (B, Hkv, plan.nk, plan.bk, Dv))
     return dv.reshape(B, Hkv, plan.nk * plan.bk, Dv)[:, :, : spec.kv_len]
+
+
+# --------------------------------------------------------------------------- dropout
+
+
+def _split_key(spec, extras):
+    """``(key, extras)``: the `Dropout` op's key (None without one) and the
+    extras with a placeholder in its place (the tiles never slice it)."""
+    op = spec.dropout
+    if op is None:
+        return None, tuple(extras)
+    placeholder = jnp.ones((1, 1, 1, 1), bool)
+    rest = tuple(placeholder if i == op.index else x for i, x in enumerate(extras))
+    return extras[op.index], rest
+
+
+def _keep(plan: Plan, key, t, s, transposed: bool):
+    """The keep-mask of a tile ``[B, Hkv, rows, bk]`` (``[B, Hkv, bk, rows]``
+    when ``transposed``); ``t``/``s`` are the rows' query positions and the keys'
+    positions, shaped to broadcast along their tile axes.  Rows are (group,
+    position): query head ``h = hkv * G + row // bq``."""
+    spec = plan.spec
+    G, bq = spec.groups, plan.bq
+    b = jnp.arange(spec.batch)[:, None, None, None]
+    group = jnp.arange(G * bq) // bq
+    group = group[None, None, None, :] if transposed else group[None, None, :, None]
+    h = jnp.arange(spec.kv_heads)[None, :, None, None] * G + group
+    return keep_mask(spec.dropout, key, b, h, t, s)
 
 
 # --------------------------------------------------------------------------- custom_vjp

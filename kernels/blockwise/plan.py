@@ -19,6 +19,7 @@ from flashpass.spec import (
     Bias,
     Causal,
     Chunk,
+    Dropout,
     KvLengths,
     Mask,
     Scale,
@@ -60,7 +61,7 @@ HEAD_LOOP_MIN_CAUSAL_LEN = 8192
 #: default, smaller ones lose to loop overhead; docs/benchmarks.md, "Masks").
 BAND_TILES, MIN_BAND_BLOCK = 4, 64
 
-_KNOWN_OPS = (Scale, Bias, Mask, Softcap, KvLengths, *STRUCTURED)
+_KNOWN_OPS = (Scale, Bias, Mask, Softcap, KvLengths, Dropout, *STRUCTURED)
 
 
 @dataclasses.dataclass(frozen=True)
