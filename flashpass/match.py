@@ -23,6 +23,7 @@ import jax.numpy as jnp
 
 from flashpass.patterns import chain as chain_mod
 from flashpass.patterns.common import ESCAPE_HINT, Miss, profile, where
+from flashpass.patterns.dropout import dropout_op
 from flashpass.patterns.products import output_product, score_products
 from flashpass.patterns.softmax import match_softmax
 
@@ -139,6 +140,9 @@ def _build_site(scope: Scope, soft, chain, sp) -> AttentionSite | Miss:
             base, axes, invert = data
             source = ExtraSource(base, axes, None, scope.dtype(base))
             post.append(("scale", source, invert))
+        elif kind == "dropout":  # a score op of its own, its key an extra
+            op, key = dropout_op(data[0], layout, len(extras))
+            ops, extras = [*ops, op], [*extras, key]
         else:  # "row_keep": zero the rows the score masks exclude entirely
             post.append(("row_keep",))
     if soft.shift is not None:

@@ -23,6 +23,7 @@ import math
 
 import jax.numpy as jnp
 
+from . import compat
 from .graph import Const, Node
 from .spec import AttentionSpec
 
@@ -107,8 +108,8 @@ class ExtraSource:
 
     ``axes[r]`` is the axis of the (un-broadcast) ``atom`` holding role ``r``
     of the score layout, or None where it is broadcast.  ``transform`` is
-    applied first: "not" (a mask that keeps where False) or "neg" (a
-    subtracted bias).
+    applied first: "not" (a mask that keeps where False), "neg" (a
+    subtracted bias) or "key" (a dropout key, passed as its uint32 data).
     """
 
     atom: object
@@ -189,6 +190,8 @@ class AttentionSite:
         return q, k, v, extras
 
     def _extra(self, x, src: ExtraSource):
+        if src.transform == "key":  # a dropout key: its uint32 data, `Dropout.shape`
+            return compat.raw_key_data(x).reshape(1, 1, 1, 2)
         x = jnp.asarray(x)
         if src.transform == "not":
             x = jnp.logical_not(x)

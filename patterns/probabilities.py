@@ -6,10 +6,11 @@
 * ``p * m`` or ``p / m`` where ``m`` is constant along the key axis (Hugging
   Face's ``layer_head_mask``, a per-head or per-query scale): since
   ``(m * P) V == m * (P V)``, it is applied to the kernel output.
-* Dropout on the probabilities (``where(bernoulli(...), p / keep, 0)``) is
-  recognised and reported, never rewritten: a kernel would draw a different
-  random stream.  Run the model deterministically (``deterministic=True``,
-  ``dropout_rate=0``) for the rewrite.
+* Dropout on the probabilities (``where(bernoulli(...), p / keep, 0)``, flax's
+  ``p * (keep / keep_prob)``, ...) becomes a `Dropout` op (`dropout`): the
+  kernel regenerates the program's own keep-mask from its key.  Where that
+  cannot be exact (a non-threefry PRNG, non-partitionable threefry) the site
+  is kept and the report says why.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from flashpass import compat
 from flashpass.graph import Scope
 
 from .common import ESCAPE_HINT, Miss, profile, scalar_value, where
+from .dropout import match_dropout
 from .regroup import PRIMS as REGROUP_PRIMS
 from .regroup import UNIT, Merged, regroup
 
@@ -54,6 +56,7 @@ class ProbabilityPath:
     roles: list  # its axis roles
     nodes: set  # recognised equations on the way
     post: list  # output ops: ("scale", atom, {role: axis}, invert) | ("row_keep",)
+    #   | ("dropout", FoundDropout)
     consumer: tuple  # (node, operand position) of the P·V candidate
 
 
@@ -153,17 +156,19 @@ def walk_probabilities(
             nodes.add(node)
             atom = node.out
             continue
-        if node.prim == "select_n" and _is_random(scope, node.ins[0]):
-            return Miss(
-                f"dropout on the attention probabilities{where(node)}: not rewritten, a kernel "
-                "would draw a different random stream; run deterministically (e.g. "
-                "deterministic=True or dropout_rate=0) to rewrite this site",
-                node,
-            )
+        random = (node.prim == "select_n" and _is_random(scope, node.ins[0])) or (
+            node.prim in ("mul", "div") and _is_random(scope, node.ins[1 - pos])
+        )
+        if random:
+            found = _dropout(scope, node, pos, roles, post)
+            if isinstance(found, Miss):
+                return found
+            post.append(("dropout", found))
+            nodes.add(node)
+            atom = node.out
+            continue
         if node.prim in ("mul", "div") and (node.prim == "mul" or pos == 0):
             other = node.ins[1 - pos]
-            if _is_random(scope, other):
-                return Miss(f"dropout on the attention probabilities{where(node)}", node)
             prof = profile(scope, other, scope.shape(node.out))
             if prof.axes[roles.index("S")] is not None:
                 return Miss(
@@ -179,6 +184,15 @@ def walk_probabilities(
             atom = node.out
             continue
         return ProbabilityPath(atom, roles, nodes, post, (node, pos))
+
+
+def _dropout(scope: Scope, node, pos: int, roles: list, post: list):
+    """The dropout at ``node`` (`dropout.match_dropout`), or why it is kept."""
+    if node.prim == "div" or (node.prim == "select_n" and pos == 0):
+        return Miss(f"random values divide the attention probabilities{where(node)}", node)
+    if any(kind == "dropout" for kind, *_ in post):
+        return Miss(f"a second dropout on the attention probabilities{where(node)}", node)
+    return match_dropout(scope, node, pos, roles)
 
 
 def _is_random(scope: Scope, atom) -> bool:
