@@ -25,6 +25,7 @@ does not unify keeps the site as written, with the reason.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import itertools
 
@@ -88,7 +89,11 @@ def match_backward(scope: Scope, site, view=None) -> Backward | Miss:
 def _forward(scope: Scope, site, diff: tuple) -> list[Node]:
     """The site's equations and those from the differentiated reads to them."""
     reads = _inputs(sorted(site.nodes, key=lambda n: n.order))
-    glue = scope.forward_cone(diff, until=site.root.order) & scope.backward_cone(reads)
+    producers = [scope.producer(a) for a in diff]
+    since = min((n.order for n in producers if n is not None), default=0)
+    if any(n is None for n in producers):
+        since = 0
+    glue = scope.forward_cone(diff, until=site.root.order) & scope.backward_cone(reads, since=since)
     return sorted(site.nodes | glue, key=lambda n: n.order)
 
 
@@ -113,8 +118,49 @@ def _subsets(indices: list):
     )
 
 
+#: Templates by the forward's structure: every layer of a model shares one.
+_TEMPLATES: collections.OrderedDict = collections.OrderedDict()
+_TEMPLATE_LIMIT = 64
+
+
 def _template(scope: Scope, forward: list[Node], inputs: list, diff: tuple, out_key) -> Scope:
-    """The view of ``(inputs..., ct) -> (out, vjp(ct)...)`` for the forward equations."""
+    """The view of ``(inputs..., ct) -> (out, vjp(ct)...)`` for the forward equations
+    (cached by `_signature`; its inputs are positional, so a cached one serves any
+    site of the same structure)."""
+    key = _signature(scope, forward, inputs, diff, out_key)
+    found = _TEMPLATES.get(key)
+    if found is None:
+        found = _TEMPLATES[key] = _trace_template(scope, forward, inputs, diff, out_key)
+        while len(_TEMPLATES) > _TEMPLATE_LIMIT:
+            _TEMPLATES.popitem(last=False)
+    else:
+        _TEMPLATES.move_to_end(key)
+    return found
+
+
+def _signature(scope: Scope, forward: list[Node], inputs: list, diff: tuple, out_key):
+    where_is = {a: ("in", i) for i, a in enumerate(inputs)}
+    nodes = []
+    for i, n in enumerate(forward):
+        refs = tuple(
+            _const_key(a) if isinstance(a, Const) else where_is.get(a, ("?", id(a))) for a in n.ins
+        )
+        nodes.append((n.prim, str(n.params), refs))
+        for j, o in enumerate(n.outs):
+            if o is not None:
+                where_is[o] = ("node", i, j)
+    avals = tuple(str(scope.aval(a)) for a in inputs)
+    return (tuple(nodes), avals, diff, where_is.get(out_key), str(scope.aval(out_key)))
+
+
+def _const_key(c: Const):
+    value = np.asarray(c.value)
+    if value.size > 1024:
+        return ("const", id(c.value))
+    return ("const", value.dtype.str, value.shape, value.tobytes(), str(c.aval))
+
+
+def _trace_template(scope: Scope, forward: list[Node], inputs: list, diff: tuple, out_key):
 
     def f(*vals):
         env = dict(zip(inputs, vals, strict=True))
@@ -172,7 +218,12 @@ def _unify(t: Scope, j: Scope, inputs: list, diff: tuple, site) -> Backward | st
             for user, _ in j.consumers(o):
                 if user not in matched:
                     return f"shares `{node.prim}`{where(node)} with `{user.prim}`{where(user)}"
-    backward = {n for n in matched if n in j.forward_cone([ct_key])}
+    backward, stack = set(), [ct_key]  # the matched equations reading the cotangent
+    while stack:
+        for user, _ in j.consumers(stack.pop()):
+            if user in matched and user not in backward:
+                backward.add(user)
+                stack.extend(o for o in user.outs if o is not None)
     if not backward:
         return "never reads the output cotangent"
     anchor = min(backward, key=lambda n: n.order)

@@ -75,11 +75,6 @@ class Linked:
         atom = self.canon(atom)
         return atom in self.free_outputs or self.bwd.is_output(atom)
 
-    def forward_cone(self, start) -> set:
-        start = [self.canon(a) for a in start]
-        linked = [b for a in start for b in self.back.get(a, ())]
-        return self.fwd.forward_cone(start) | self.bwd.forward_cone([*start, *linked])
-
     def after(self, node, root) -> bool:
         return node in self.bwd_nodes
 
