@@ -142,6 +142,12 @@ def run_pass(
     try:  # stage 5: how sharded sites run per shard; those that cannot are kept
         by_prefix = {s.prefix: s for s in scopes}
         shards, kept = sharding.plan_sites(planned, by_prefix)
+        for p in planned:
+            shard = shards.get(p.site.root.path)
+            if p.site.backward is not None and shard is not None and shard.ring is not None:
+                # The ring reads k and v from before the program's gather; the
+                # program's backward differentiates the gathered values.
+                kept[p.site.root.path] = RING_IN_TRAINING
     except Exception as err:
         if errors.strict():
             raise
@@ -184,6 +190,13 @@ def run_pass(
         shard = shards.get(p.site.root.path)
         report.rewrites.append(_rewrite_entry(p, scope_name, ring=bool(shard and shard.ring)))
     return rewritten, _logged(report)
+
+
+RING_IN_TRAINING = (
+    "a sequence-sharded site would run as a ring attention, which reads k and v from "
+    "before the program's gather; with its backward in the same program (a training step) "
+    "that is not supported yet: the site is kept as written"
+)
 
 
 def _internal(report: Report, planned, where_is: dict, stage: str, error: str) -> None:

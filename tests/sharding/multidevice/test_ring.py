@@ -212,3 +212,42 @@ def test_windowed_and_padded_rings(case):
     for g, r in zip(got.grads, ref.grads, strict=True):
         assert_close(g, r)
     assert any(kind == "collective-permute" for kind, _, _ in collectives(got.hlo))
+
+
+def test_ring_site_in_a_training_step_is_kept_with_a_reason():
+    """A train step over a ring-eligible site: the ring reads k/v before the gather the
+    program differentiates, so the site is kept (reason in the report) and the step's
+    gradients stay the original's."""
+    m = mesh((8,), ("seq",))
+    args = [put(m, P(None, "seq"), normal(i, (1, 64, 2, 16))) for i in range(3)]
+    fn = gathering(True)
+
+    def step(q, k, v):
+        return jax.value_and_grad(lambda *a: jnp.sum(fn(*a) ** 2), argnums=(0, 1, 2))(q, k, v)
+
+    opt = flashpass.optimize(step, kernel="reference")
+    with jax.set_mesh(m):
+        report = opt.explain(*args)
+        got, want = jax.jit(opt)(*args), jax.jit(step)(*args)
+    assert not report.rewrites and "ring" in report.fallbacks[0].reason, str(report)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-5)
+
+
+def test_batch_sharded_training_step_is_rewritten():
+    """Batch-sharded (Explicit axes) train step: the site and its backward are rewritten,
+    gradients equal the original's."""
+    m = mesh((8,), ("data",))
+    args = [put(m, P("data"), normal(i, (8, 32, 2, 16))) for i in range(3)]
+
+    def step(q, k, v):
+        loss = lambda *a: jnp.sum(attention(*a, True) ** 2)  # noqa: E731
+        return jax.value_and_grad(loss, argnums=(0, 1, 2))(q, k, v)
+
+    opt = flashpass.optimize(step, kernel="blockwise")
+    with jax.set_mesh(m):
+        report = opt.explain(*args)
+        got, want = jax.jit(opt)(*args), jax.jit(step)(*args)
+    assert [r.passes for r in report.rewrites] == ["forward+backward"], str(report)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-4, atol=1e-5)
