@@ -14,6 +14,9 @@ and returned attention weights keep the site and say why.
 from __future__ import annotations
 
 import functools
+import os
+
+os.environ.setdefault("KERAS_BACKEND", "jax")  # before keras is imported (as tests/models does)
 
 import jax
 import jax.numpy as jnp
@@ -327,6 +330,30 @@ def test_equinox_with_optax():
         return value, optax.apply_updates(params, updates), opt_state
 
     report = _run(step, params, tx.init(params), _inputs())
+    assert _passes(report) == ["forward+backward"]
+
+
+def test_keras_stateless_training_step():
+    keras = pytest.importorskip("keras")
+    if keras.backend.backend() != "jax":
+        pytest.skip("keras runs on another backend")
+    inputs = keras.Input((T, E))
+    x = keras.layers.MultiHeadAttention(num_heads=H, key_dim=D)(
+        inputs, inputs, use_causal_mask=True
+    )
+    model = keras.Model(inputs, keras.layers.Dense(E)(x))
+    trainable = [v.value for v in model.trainable_variables]
+    frozen = [v.value for v in model.non_trainable_variables]
+
+    def step(trainable, frozen, x):
+        def loss(trainable):
+            y, _ = model.stateless_call(trainable, frozen, x)
+            return jnp.mean(y**2)
+
+        value, grads = jax.value_and_grad(loss)(trainable)
+        return value, [a - 0.1 * g for a, g in zip(trainable, grads, strict=True)]
+
+    report = _run(step, trainable, frozen, _inputs())
     assert _passes(report) == ["forward+backward"]
 
 
