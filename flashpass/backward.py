@@ -68,8 +68,8 @@ def match_backward(scope: Scope, site, view=None) -> Backward | Miss:
     # Differentiated inputs are values the kernel reads (its cotangents are the
     # kernel's); between them and the site, equations such as a broadcast of a
     # per-head mask join the forward, with their own backward.
-    reads = [a for a in dict.fromkeys(scope.resolve(a) for a in site.atoms)]
-    diffable = [a for a in reads if not isinstance(a, Const) and _is_float(scope.dtype(a))]
+    reads = [r for r in (scope.resolve(a) for a in site.atoms) if not isinstance(r, Const)]
+    diffable = [a for a in dict.fromkeys(reads) if _is_float(scope.aval(a).dtype)]
     last = None
     for subset in _subsets(diffable):
         forward = _forward(scope, site, subset)
@@ -387,4 +387,7 @@ def _same_const(a: Const, b: Const) -> bool:
 
 
 def _is_float(dtype) -> bool:
-    return bool(jnp.issubdtype(dtype, jnp.floating))
+    try:  # a typed PRNG key's dtype is no numpy dtype
+        return bool(jnp.issubdtype(dtype, jnp.floating))
+    except TypeError:
+        return False

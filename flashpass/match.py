@@ -202,10 +202,16 @@ def _build_site(scope: Scope, soft, chain, sp) -> AttentionSite | Miss:
     if escape is None:
         return site
     # Read outside the site: by autodiff's backward of it (a training step), or not.
-    backward = match_backward(scope, site)
+    # A returned intermediate rules out a backward in this scope (a loop body's
+    # may still be read by the backward loop: flashpass/scans.py takes ``site``).
+    returned = any(
+        scope.is_output(o) for n in nodes if n is not root for o in n.outs if o is not None
+    )
+    backward = Miss("") if returned else match_backward(scope, site)
     if not backward:
-        miss = Miss(f"{escape.reason} ({backward.reason})", escape.node)
-        miss.site = site  # its backward may be in another scope (flashpass/scans.py)
+        reason = escape.reason if returned else f"{escape.reason} ({backward.reason})"
+        miss = Miss(reason, escape.node)
+        miss.site = site
         return miss
     return dataclasses.replace(site, nodes=site.nodes | backward.nodes, backward=backward)
 

@@ -10,9 +10,8 @@ from flashpass import compat
 from flashpass.graph import Const, Node, Scope
 
 ESCAPE_HINT = (
-    "; to rewrite it, do not return or reuse the attention weights (a differentiated "
-    "`lax.scan` saves them for its backward scan: wrap the scanned function in "
-    "`jax.checkpoint` to have both rewritten)"
+    "; to rewrite it, do not return or reuse the attention weights (autodiff's own "
+    "backward of the site may read them: a training step is rewritten forward and backward)"
 )
 
 
