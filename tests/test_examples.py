@@ -63,8 +63,9 @@ def test_quick_demo_rewrites_one_site_per_layer(quick):
         assert r.location and r.location.replace("\\", "/").split(":")[0].endswith(
             "examples/gpt.py"
         )
-    # The loss differentiated for fwd+bwd has the same sites.
+    # value_and_grad(loss_fn), optimized as a whole: the same sites, forward and backward.
     assert len(result.loss_report.rewrites) == args.layers
+    assert all(r.backward for r in result.loss_report.rewrites)
 
 
 def test_quick_demo_measures_every_variant(quick):
