@@ -20,4 +20,5 @@ python3 -m venv "$venv"
 "$venv/bin/python" -c 'import jax; print("oldest-JAX leg: jax", jax.__version__)'
 FLASHPASS_HYPOTHESIS_PROFILE=quick "$venv/bin/python" -m pytest -q -p no:cacheprovider \
     tests/test_matching.py tests/test_negative.py tests/test_api.py tests/test_bad_input.py \
-    tests/test_golden.py tests/test_compat.py tests/fuzz
+    tests/test_golden.py tests/test_compat.py tests/fuzz \
+    tests/test_training.py -k "not every_spelling"
