@@ -75,12 +75,12 @@ def match_site(scope: Scope, soft) -> AttentionSite | Miss:
 
     # Which dot output axis is the softmax axis?  Follow transposes forward.
     positions = list(range(len(scope.shape(dot.out))))
-    lost = None  # the step that made the softmax axis out of several score axes
+    lost = None  # the last step that made an axis out of several score axes
     for step in chain.steps:
         perm = step.permutation()
         if perm is not None:
             positions = [None if p is None else positions[p] for p in perm]
-            if lost is None and positions[soft.axis] is None:
+            if None in positions:  # (an intermediate rank may differ from the softmax's)
                 lost = step.node
     if positions[soft.axis] is None:
         return Miss(

@@ -126,7 +126,7 @@ def run_pass(
 
     # Dead equations are dropped first: autodiff leaves some (a reduce_max's unused
     # tangent), and a dead reader of an intermediate would block its site.
-    closed = compat.dce_closed_jaxpr(closed)
+    original, closed = closed, compat.dce_closed_jaxpr(closed)
     scopes = build_scopes(closed)  # stage 2: the use-def view
     where_is = _scope_names(scopes)
 
@@ -137,7 +137,7 @@ def run_pass(
     planned, unfit = choose_kernels(matched.sites, kernels, ctx, interpret, where_is)  # stage 4
     report.fallbacks += unfit
     if not planned:
-        return closed, _logged(report)
+        return original, _logged(report)
 
     try:  # stage 5: how sharded sites run per shard; those that cannot are kept
         by_prefix = {s.prefix: s for s in scopes}
@@ -152,7 +152,7 @@ def run_pass(
         if errors.strict():
             raise
         _internal(report, planned, where_is, "plan", errors.describe(err))
-        return closed, _logged(report)
+        return original, _logged(report)
     for p in planned:
         reason = kept.get(p.site.root.path)
         if reason is not None:
@@ -161,7 +161,7 @@ def run_pass(
             )
     planned = [p for p in planned if p.site.root.path not in kept]
     if not planned:
-        return closed, _logged(report)
+        return original, _logged(report)
     plan = Plan(planned, scopes, shards)
 
     try:
@@ -170,7 +170,7 @@ def run_pass(
         if errors.strict():
             raise
         _internal(report, planned, where_is, "rewrite", errors.describe(err))
-        return closed, _logged(report)
+        return original, _logged(report)
 
     for p in planned:  # stage 7: the report
         scope_name = where_is[p.site.scope_prefix]

@@ -132,8 +132,9 @@ def output_product(
         # Read more than once (in a differentiated program, by autodiff's backward):
         # try each reader as the way on to P·V.  The others are then reads from
         # outside the site, which match.py proves to be its backward or rejects.
-        for reader in path.readers:
-            others = frozenset(path.readers) - {reader}
+        readers = list(dict.fromkeys(path.readers))  # p·p reads p twice
+        for reader in readers if len(readers) > 1 or not outputs_ok else ():
+            others = frozenset(readers) - {reader}
             found = output_product(scope, p, p_roles, ignore | others, masks, score_roles, True)
             if found:
                 return found
