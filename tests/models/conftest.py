@@ -150,6 +150,24 @@ def check_model(request):
 
 
 @pytest.fixture
+def record_coverage(request):
+    """``record_coverage(report, library=, case=, sites=)``: the coverage-table row
+    of a test that checks its numerics itself (`check_model` records its own)."""
+
+    def record(report, *, library: str, case: str, sites: int) -> None:
+        TABLE.record(
+            request.node.nodeid,
+            library=library,
+            case=case,
+            rewritten=len(report.rewrites),
+            expected=sites,
+            fallbacks=[f.reason for f in report.fallbacks],
+        )
+
+    return record
+
+
+@pytest.fixture
 def random_params():
     """``random_params(init, *args)``: the pytree ``init(*args)`` would return
     (found with ``jax.eval_shape``, nothing runs), filled with seeded random
