@@ -74,7 +74,10 @@ def match_backward(scope: Scope, site, view=None) -> Backward | Miss:
     for subset in _subsets(diffable):
         forward = _forward(scope, site, subset)
         inputs = _inputs(forward)
-        if not set(subset) <= set(inputs):
+        produced = {o for n in forward for o in n.outs if o is not None}
+        if not set(subset) <= set(inputs) or any(r in produced for r in reads):
+            # A read computed from a differentiated read (v = 2 * k): the kernel's
+            # vjp would miss that path; a smaller subset may still prove the site.
             continue
         diff = tuple(inputs.index(a) for a in subset)
         template = _template(scope, forward, inputs, diff, site.root.out)
@@ -192,7 +195,7 @@ def _unify(t: Scope, j: Scope, inputs: list, diff: tuple, site) -> Backward | st
     """Map every template equation onto a program equation (see the module doc)."""
     n_in = len(inputs)
     env = {t.invars[i]: inputs[i] for i in range(n_in)}
-    state = _State(env, {v: k for k, v in env.items()}, {}, set())
+    state = _State(env, {v: k for k, v in env.items()}, {}, set(), _template_fills(t))
     solved = _search(t, j, state, site, [MAX_STEPS])
     if solved is None:
         return "does not compute vjp(attention) (its equations differ from JAX's own vjp)"
@@ -245,17 +248,21 @@ class _State:
     rev: dict  # program key -> template key
     pairs: dict  # template node -> program node
     used: set  # program nodes already paired
+    #: Template values that are a scalar filled out (zeros, ones): matched by value,
+    #: however the program builds them (`vmap` of a backward broadcasts in steps).
+    fills: dict = dataclasses.field(default_factory=dict)
 
     def copy(self) -> _State:
-        return _State(dict(self.env), dict(self.rev), dict(self.pairs), set(self.used))
+        return _State(dict(self.env), dict(self.rev), dict(self.pairs), set(self.used), self.fills)
 
 
 def _search(t: Scope, j: Scope, state: _State, site, budget: list) -> _State | None:
     """Pair every template node; unambiguous pairs first, then try each choice."""
+    required = [tn for tn in t.nodes if not all(o in state.fills for o in tn.outs if o)]
     while True:
         progress = False
         ambiguous = None
-        for tn in t.nodes:
+        for tn in required:
             if tn in state.pairs:
                 continue
             cands = _candidates(tn, t, j, state)
@@ -274,7 +281,7 @@ def _search(t: Scope, j: Scope, state: _State, site, budget: list) -> _State | N
                 progress = True
             elif ambiguous is None:
                 ambiguous = (tn, cands)
-        if len(state.pairs) == len(t.nodes):
+        if len(state.pairs) == len(required):
             return state
         if progress:
             continue
@@ -292,6 +299,8 @@ def _search(t: Scope, j: Scope, state: _State, site, budget: list) -> _State | N
 
 def _candidates(tn: Node, t: Scope, j: Scope, state: _State) -> list | None:
     """Program nodes ``tn`` can pair with (None: none of its values is mapped yet)."""
+    # Consumers of any mapped operand: the program may read a value the template
+    # reads as an equal broadcast of it (`_view`), so one operand's pool can miss.
     pool = None
     for pos, a in enumerate(tn.ins):
         if isinstance(a, Const) or a not in state.env:
@@ -299,8 +308,7 @@ def _candidates(tn: Node, t: Scope, j: Scope, state: _State) -> list | None:
         mapped = state.env[a]
         if isinstance(mapped, Const):
             continue
-        pool = [n for n, p in j.consumers(mapped) if p == pos]
-        break
+        pool = (pool or []) + [n for n, p in j.consumers(mapped) if p == pos]
     if pool is None:
         for o in tn.outs:
             if o is not None and o in state.env and not isinstance(state.env[o], Const):
@@ -310,15 +318,19 @@ def _candidates(tn: Node, t: Scope, j: Scope, state: _State) -> list | None:
     if pool is None:
         return None
     canon = getattr(j, "canon", None)
-    return [n for n in dict.fromkeys(pool) if n not in state.used and _fits(tn, n, state, canon)]
+    return [n for n in dict.fromkeys(pool) if n not in state.used and _fits(tn, n, state, canon, j)]
 
 
-def _fits(tn: Node, jn: Node, state: _State, canon=None) -> bool:
+def _fits(tn: Node, jn: Node, state: _State, canon=None, j=None) -> bool:
     if tn.prim != jn.prim or len(tn.ins) != len(jn.ins) or len(tn.outs) != len(jn.outs):
         return False
     if not _same_params(tn.params, jn.params):
         return False
     for a, b in zip(tn.ins, _canon(jn.ins, canon), strict=True):
+        if not isinstance(a, Const) and a in state.fills:
+            if _fill(j, b) != state.fills[a]:
+                return False
+            continue
         if isinstance(a, Const):
             if not (isinstance(b, Const) and _same_const(a, b)):
                 return False
@@ -327,7 +339,9 @@ def _fits(tn: Node, jn: Node, state: _State, canon=None) -> bool:
             if isinstance(mapped, Const):
                 if not (isinstance(b, Const) and _same_const(mapped, b)):
                     return False
-            elif mapped != b:
+            elif mapped != b and (
+                isinstance(b, Const) or _view(j, mapped, canon) != _view(j, b, canon)
+            ):
                 return False
         elif isinstance(b, Const) or state.rev.get(b, a) != a:
             return False
@@ -348,10 +362,80 @@ def _bind(tn: Node, jn: Node, state: _State, canon=None) -> None:
     state.used.add(jn)
     pairs = zip((*tn.ins, *tn.outs), (*_canon(jn.ins, canon), *jn.outs), strict=True)
     for a, b in pairs:
-        if a is None or isinstance(a, Const) or a in state.env:
+        if a is None or isinstance(a, Const) or a in state.env or a in state.fills:
             continue
         state.env[a] = b
         state.rev[b] = a
+
+
+def _view(scope, atom, canon=None):
+    """A value's identity modulo broadcasting: ``(base, base axis of each axis or
+    None, shape, dtype)`` through ``broadcast_in_dim`` and unit-axis reshapes, so
+    two broadcasts of one value (``vmap`` re-broadcasts a mask) compare equal."""
+    aval = scope.aval(atom)
+    shape = tuple(aval.shape)
+    axes = list(range(len(shape)))
+    cur = atom
+    while not isinstance(cur, Const):
+        node = scope.producer(cur)
+        if node is None or len(node.ins) != 1 or isinstance(node.ins[0], Const):
+            break
+        src = node.ins[0]
+        src_shape, out_shape = tuple(scope.aval(src).shape), tuple(scope.aval(cur).shape)
+        if node.prim == "broadcast_in_dim":
+            dims = node.params["broadcast_dimensions"]
+            inv = {int(d): i for i, d in enumerate(dims) if src_shape[i] == out_shape[int(d)]}
+            axes = [None if a is None else inv.get(a) for a in axes]
+        elif node.prim == "reshape" and node.params.get("dimensions") is None:
+            kept_src = [i for i, d in enumerate(src_shape) if d != 1]
+            kept_out = [i for i, d in enumerate(out_shape) if d != 1]
+            if [src_shape[i] for i in kept_src] != [out_shape[i] for i in kept_out]:
+                break
+            inv = dict(zip(kept_out, kept_src, strict=True))
+            axes = [None if a is None else inv.get(a) for a in axes]
+        else:
+            break
+        cur = src
+    if isinstance(cur, Const):
+        return None
+    if canon is not None:
+        cur = canon(cur)
+    axes = tuple(None if shape[i] == 1 else a for i, a in enumerate(axes))
+    return (cur, axes, shape, str(aval.dtype))
+
+
+def _template_fills(t: Scope) -> dict:
+    fills = t.__dict__.get("_fills")
+    if fills is None:
+        fills = {o: f for n in t.nodes for o in n.outs if o and (f := _fill(t, o)) is not None}
+        t.__dict__["_fills"] = fills
+    return fills
+
+
+_FILL_PRIMS = ("broadcast_in_dim", "reshape", "convert_element_type")
+
+
+def _fill(scope, atom):
+    """``(value, shape, dtype)`` when ``atom`` is a scalar constant broadcast (or
+    reshaped, or cast) to its shape, else None."""
+    if isinstance(atom, Const):
+        value = np.asarray(atom.value)
+        aval = atom.aval
+    else:
+        try:
+            aval = scope.aval(atom)
+        except KeyError:
+            return None
+        node = scope.producer(atom)
+        while node is not None and node.prim in _FILL_PRIMS and len(node.ins) == 1:
+            atom = node.ins[0]
+            node = None if isinstance(atom, Const) else scope.producer(atom)
+        if not isinstance(atom, Const):
+            return None
+        value = np.asarray(atom.value)
+    if value.size != 1 or not np.issubdtype(value.dtype, np.number):
+        return None
+    return (float(value.reshape(())), tuple(aval.shape), str(aval.dtype))
 
 
 def _canon(atoms, canon) -> list:

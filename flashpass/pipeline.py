@@ -73,6 +73,11 @@ def match(scopes, where_is: dict) -> _Matched:
                 if not isinstance(paired, Miss):
                     found.sites.append((scope, paired))
                     continue
+                miss = Miss(  # why the pair was not proven, not the body's escape
+                    f"{paired.reason} (its intermediates leave the `{child.node.prim}` body: "
+                    "autodiff saves them for its backward)",
+                    miss.node,
+                )
             scope_name = where_is[scope.prefix]
             if miss.internal is not None:
                 error = InternalError(

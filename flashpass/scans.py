@@ -71,6 +71,13 @@ class Linked:
         atom = self.canon(atom)
         return self.fwd.producer(atom) or self.bwd.producer(atom)
 
+    def aval(self, atom):
+        atom = self.canon(atom)
+        try:
+            return self.fwd.aval(atom)
+        except KeyError:
+            return self.bwd.aval(atom)
+
     def is_output(self, atom) -> bool:
         atom = self.canon(atom)
         return atom in self.free_outputs or self.bwd.is_output(atom)
@@ -84,7 +91,7 @@ def match_pair(parent: Scope, child, fwd: Scope, site, scopes: dict):
     in the backward loop's body, or a `Miss` saying why not."""
     fnode = child.node
     if fnode.prim != "scan" or child.param != "jaxpr":
-        return Miss("its intermediates leave the loop body")
+        return Miss(f"its backward outside a `{fnode.prim}` body is not followed (only a scan's)")
     n_consts, n_carry = compat.scan_counts(fnode.params)
     # The backward loop: the scan reading the forward loop's stacked outputs.
     readers = {
@@ -94,6 +101,7 @@ def match_pair(parent: Scope, child, fwd: Scope, site, scopes: dict):
         for user, _ in parent.consumers(o)
         if user.prim == "scan" and user is not fnode
     }
+    last = Miss("no backward loop reads them")
     for bnode in sorted(readers, key=lambda n: n.order):
         bwd = scopes.get((*bnode.path, "jaxpr"))
         if bwd is None:
@@ -101,7 +109,8 @@ def match_pair(parent: Scope, child, fwd: Scope, site, scopes: dict):
         found = _with_backward(parent, fnode, bnode, fwd, bwd, site)
         if not isinstance(found, Miss):
             return found
-    return Miss("its intermediates are returned by the loop body, and no backward loop reads them")
+        last = found
+    return last
 
 
 def _with_backward(parent: Scope, fnode, bnode, fwd: Scope, bwd: Scope, site):

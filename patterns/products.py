@@ -111,6 +111,13 @@ def score_products(scope: Scope, dot: Node, key_out_axis: int) -> list[ScoreProd
     return out
 
 
+DEAD_FORWARD_HINT = (
+    "; if the function differentiates the attention, this is autodiff's dV = Pᵀ·dO and "
+    "the forward output is not computed here (e.g. the recompute of a jax.checkpoint "
+    "around the attention alone): that backward is kept"
+)
+
+
 def output_product(
     scope: Scope,
     p,
@@ -161,9 +168,12 @@ def output_product(
     prank, vrank = len(p_roles), len(scope.shape(v))
     if len(pc) != 1 or p_roles[pc[0]] != "S":
         got = [_ROLE_NAMES.get(p_roles[a], "batch") for a in pc] or ["no"]
+        # In a differentiated program this is autodiff's dV = Pᵀ·dO where the forward
+        # output is dead (the recompute of a jax.checkpoint around the attention alone).
+        hint = DEAD_FORWARD_HINT if [p_roles[a] for a in pc] == ["T"] else ""
         return Miss(
             f"P·V contracts the {'/'.join(got)} axis of the probabilities, a different axis "
-            f"than the softmax normalises (the key axis){where(node)}",
+            f"than the softmax normalises (the key axis){where(node)}{hint}",
             node,
         )
     batch_roles = [p_roles[a] for a in pb]
