@@ -210,6 +210,19 @@ def _unify(t: Scope, j: Scope, inputs: list, diff: tuple, site) -> Backward | st
     if any(o is None for o in outs) or outs[0] != site.root.out:
         return "does not produce every cotangent"
     exits = {o for o in outs if not isinstance(o, Const)}
+    # A backward body's recompute of matched forward values (`scans.Linked.twin`)
+    # is part of what the kernel's backward replaces.
+    twin = getattr(j, "twin", None)
+    if twin is not None:
+        grown = True
+        while grown:
+            grown = False
+            for node in list(matched):
+                for o in node.outs:
+                    for user, _ in j.consumers(o) if o is not None else ():
+                        if user not in matched and twin(user) in matched:
+                            matched.add(user)
+                            grown = True
     for node in matched:
         if node.eqn.effects:
             return f"has an effect (`{node.prim}`)"

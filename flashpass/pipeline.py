@@ -33,7 +33,7 @@ from .graph import build_scopes
 from .match import find_sites
 from .report import Fallback, InternalError, Report, Rewrite
 from .rewrite import Plan, PlannedSite, rewrite
-from .scans import match_pair
+from .scans import match_pair, match_remat
 from .select import choose, resolve_order
 
 logger = logging.getLogger("flashpass")
@@ -63,9 +63,16 @@ def match(scopes, where_is: dict) -> _Matched:
     found = _Matched([], [], [])
     by_prefix = {s.prefix: s for s in scopes}
     children = {c.prefix: (s, c) for s in scopes for c in s.children}
+    kept = []  # (scope, Miss)
     for scope in scopes:
         sites, misses = find_sites(scope)
         for miss in misses:
+            if miss.site is not None:
+                # Its saved intermediates may go into a remat body that is its backward.
+                paired = match_remat(scope, miss.site, by_prefix)
+                if not isinstance(paired, Miss):
+                    found.sites.append((scope, paired))
+                    continue
             if miss.site is not None and scope.prefix in children:
                 # Its intermediates leave a loop body: autodiff's backward loop may read them.
                 parent, child = children[scope.prefix]
@@ -78,15 +85,21 @@ def match(scopes, where_is: dict) -> _Matched:
                     "autodiff saves them for its backward)",
                     miss.node,
                 )
-            scope_name = where_is[scope.prefix]
-            if miss.internal is not None:
-                error = InternalError(
-                    miss.location, "match", miss.internal, scope_name, hint=errors.HOW_TO_REPORT
-                )
-                found.errors.append(error)
-            else:
-                found.fallbacks.append(Fallback(miss.location, miss.reason, scope_name))
+            kept.append((scope, miss))
         found.sites.extend((scope, site) for site in sites)
+    # A backward body's recompute of a softmax belongs to a site found elsewhere.
+    claimed = {n for _, site in found.sites for n in site.nodes}
+    for scope, miss in kept:
+        if miss.node is not None and miss.node in claimed and miss.internal is None:
+            continue
+        scope_name = where_is[scope.prefix]
+        if miss.internal is not None:
+            error = InternalError(
+                miss.location, "match", miss.internal, scope_name, hint=errors.HOW_TO_REPORT
+            )
+            found.errors.append(error)
+        else:
+            found.fallbacks.append(Fallback(miss.location, miss.reason, scope_name))
     return found
 
 

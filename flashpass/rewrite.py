@@ -68,7 +68,8 @@ class Plan:
         for p in planned:
             pair = p.site.backward.pair if p.site.backward is not None else None
             if pair is not None:
-                self.scan_pairs.setdefault(pair.forward.path, []).append(p)
+                if pair.forward is not None:
+                    self.scan_pairs.setdefault(pair.forward.path, []).append(p)
                 self.scan_pairs.setdefault(pair.backward.path, []).append(p)
                 self.site_prefixes.add(p.site.backward.scope_prefix)
         # Equations whose bodies hold sites (a prefix's steps into a body are strings).
@@ -154,6 +155,9 @@ class _Evaluator:
                 continue
             if path in plan.scan_pairs:
                 outs = self._scan(eqn, path, plan.scan_pairs[path])
+            elif compat.is_noop_rounding(eqn):  # the view looks through it (graph.py)
+                value = self.read(inst, eqn.invars[0], _MISSING)
+                outs = [value] if value is _MISSING else compat.bind_equation(eqn, [value])
             elif path in plan.inline:
                 # Values inside the site were never computed: pass them on as _MISSING.
                 invals = [self.read(inst, a, _MISSING) for a in eqn.invars]
@@ -217,6 +221,8 @@ class _Evaluator:
         ``lax.scan``: the forward loop returns the kernel's residuals instead
         of the dropped ones; the backward loop receives them."""
         pair = planned[0].site.backward.pair
+        if pair.forward is None:
+            return self._remat(eqn, path, planned)
         forward = pair.forward.path == path
         n_consts, n_carry = compat.scan_counts(eqn.params)
         body, body_consts = compat.closed_parts(eqn.params["jaxpr"])
@@ -260,6 +266,30 @@ class _Evaluator:
 
         carry, ys = jax.lax.scan(step, init, ([invals[i] for i in kept], leaves), **options)
         return [*carry, *ys]
+
+    def _remat(self, eqn, path, planned: list) -> list:
+        """Re-emit a remat whose body is the backward of sites of this scope
+        (scans.match_remat): the kernels' pullback leaves go in as operands
+        instead of the saved intermediates."""
+        body, body_consts = compat.closed_parts(eqn.params["jaxpr"])
+        prefix = (*path, "jaxpr")
+        invals = [self.read(path[:-1], a, _MISSING) for a in eqn.invars]
+        dropped = {i for p in planned for i in p.site.backward.pair.dropped_operands}
+        kept = [i for i in range(len(invals)) if i not in dropped]
+        leaves = [self.saved.pop(p) for p in planned]
+
+        def run(values, given):
+            args = [_MISSING] * len(invals)
+            for i, value in zip(kept, values, strict=True):
+                args[i] = value
+            ev = _Evaluator(self.plan, self.plan.scopes[prefix])
+            ev.given = dict(zip(planned, given, strict=True))
+            return ev.run(body, body_consts, args, prefix)
+
+        options = {"prevent_cse": eqn.params.get("prevent_cse", True)}
+        if eqn.params.get("policy") is not None:
+            options["policy"] = eqn.params["policy"]
+        return jax.checkpoint(run, **options)([invals[i] for i in kept], leaves)
 
     def _params(self, eqn, path):
         """``eqn.params`` with every body that holds sites rewritten (None when

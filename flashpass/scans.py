@@ -22,7 +22,7 @@ import dataclasses
 from flashpass.patterns.common import Miss
 
 from . import compat
-from .backward import match_backward
+from .backward import _const_key, match_backward
 from .graph import Const, Scope
 
 
@@ -30,8 +30,8 @@ from .graph import Const, Scope
 class ScanPair:
     """The two loops of a differentiated ``scan`` around one site."""
 
-    forward: object  # the forward scan's node (in the enclosing scope)
-    backward: object  # the backward scan's node
+    forward: object  # the forward scan's node (in the enclosing scope); None: see below
+    backward: object  # the backward scan's node, or a remat whose body is the backward
     #: Outputs of the forward scan no longer returned (positions among its
     #: outputs) and the backward scan's operands no longer passed (positions
     #: among its operands): residuals only the replaced backward read.
@@ -47,13 +47,41 @@ class Linked:
     scopes; a linked input answers as its forward value.
     """
 
-    def __init__(self, fwd: Scope, bwd: Scope, links: dict, free_outputs: set):
+    def __init__(
+        self, fwd: Scope, bwd: Scope, links: dict, free_outputs: set, near=None, consts=None
+    ):
+        """``near``: the forward nodes a recompute may repeat (default: all); the
+        latest of equal ones is its twin (each layer computes its own mask)."""
         self.fwd, self.bwd, self.links = fwd, bwd, links
+        self.near = near
+        self.consts = consts or {}  # backward-body input -> the constant it receives
         self.back: dict = {}
         for b, f in links.items():
             self.back.setdefault(f, []).append(b)
         self.free_outputs = free_outputs  # forward-body outputs that are not residual links
         self.bwd_nodes = set(bwd.nodes)
+        self.twins: dict = {}  # backward-body node -> the forward node it recomputes
+        self._link_recomputes()
+
+    def _link_recomputes(self) -> None:
+        """A backward body that recomputes a forward value (a remat policy saved the
+        scores, the body recomputes the softmax from them) computes the same
+        equation on the same values: value numbering links its output too."""
+        sigs = _signatures(self.fwd.nodes if self.near is None else self.near)
+        for node in self.bwd.nodes:  # in order: operands are linked before their readers
+            if node.eqn.effects or compat.subjaxprs_of_params(node.params):
+                continue
+            twin = sigs.get(_signature(node, lambda a: self.consts.get(a) or self.canon(a)))
+            if twin is None:
+                continue
+            self.twins[node] = twin
+            for mine, theirs in zip(node.outs, twin.outs, strict=True):
+                if mine is not None and theirs is not None:
+                    self.links[mine] = theirs
+                    self.back.setdefault(theirs, []).append(mine)
+
+    def twin(self, node):
+        return self.twins.get(node)
 
     def canon(self, atom):
         if isinstance(atom, Const):
@@ -84,6 +112,23 @@ class Linked:
 
     def after(self, node, root) -> bool:
         return node in self.bwd_nodes
+
+
+def _signature(node, canon=None):
+    ins = []
+    for a in node.ins:
+        a = canon(a) if canon is not None and not isinstance(a, Const) else a
+        ins.append(_const_key(a) if isinstance(a, Const) else a)
+    return (node.prim, str(node.params), tuple(ins))
+
+
+def _signatures(nodes) -> dict:
+    """Signature -> the latest of ``nodes`` computing it."""
+    sigs = {}
+    for node in sorted(nodes, key=lambda n: n.order):
+        if not node.eqn.effects and not compat.subjaxprs_of_params(node.params):
+            sigs[_signature(node)] = node
+    return sigs
 
 
 def match_pair(parent: Scope, child, fwd: Scope, site, scopes: dict):
@@ -156,3 +201,62 @@ def _with_backward(parent: Scope, fnode, bnode, fwd: Scope, bwd: Scope, site):
     pair = ScanPair(fnode, bnode, tuple(sorted(dropped_out)), tuple(sorted(dropped_in)))
     backward = dataclasses.replace(backward, scope_prefix=bwd.prefix, pair=pair)
     return dataclasses.replace(site, nodes=site.nodes | backward.nodes, backward=backward)
+
+
+#: Remat primitives: a backward computed in a remat body (values a checkpoint
+#: policy saved are passed to it as operands).
+REMATS = frozenset({"checkpoint", "remat", "remat2"})
+
+
+def match_remat(scope: Scope, site, scopes: dict):
+    """``site`` (in ``scope``) with its backward in the body of a remat equation
+    of the same scope that receives the site's saved intermediates (a
+    ``jax.checkpoint`` policy that saves them: ``everything_saveable``,
+    ``save_anything_except_these_names``), or a `Miss`."""
+    internal = {o for n in site.nodes for o in n.outs if o is not None}
+    remats = {
+        user
+        for o in internal
+        for user, _ in scope.consumers(o)
+        if user.prim in REMATS and user not in site.nodes
+    }
+    last = Miss("no remat body reads its intermediates")
+    for rnode in sorted(remats, key=lambda n: n.order):
+        bwd = scopes.get((*rnode.path, "jaxpr"))
+        if bwd is None:
+            continue
+        if len(rnode.ins) != len(bwd.invars):
+            continue
+        operands = [(bwd.invars[i], scope.resolve(a)) for i, a in enumerate(rnode.ins)]
+        links = {b: a for b, a in operands if not isinstance(a, Const)}
+        consts = {b: a for b, a in operands if isinstance(a, Const)}
+        free = {o for o in scope.outputs if not isinstance(o, Const)}
+        reads = [a for n in site.nodes for a in n.ins if not isinstance(a, Const)]
+        near = scope.backward_cone(reads) | site.nodes
+        view = _RematView(Linked(scope, bwd, links, free, near, consts), rnode)
+        backward = match_backward(scope, site, view)
+        if isinstance(backward, Miss):
+            last = backward
+            continue
+        matched = backward.nodes | site.nodes
+        dropped = tuple(
+            i
+            for i, v in enumerate(bwd.invars)
+            if v in links and all(u in matched for u, _ in bwd.consumers(v))
+        )
+        pair = ScanPair(None, rnode, (), dropped)
+        backward = dataclasses.replace(backward, scope_prefix=bwd.prefix, pair=pair)
+        return dataclasses.replace(site, nodes=site.nodes | backward.nodes, backward=backward)
+    return last
+
+
+class _RematView(Linked):
+    """`Linked` for a remat backward: the remat equation itself reads the forward
+    values it passes into its body; those reads are the body's."""
+
+    def __init__(self, linked: Linked, rnode):
+        self.__dict__.update(linked.__dict__)
+        self.rnode = rnode
+
+    def consumers(self, atom) -> list:
+        return [(u, p) for u, p in super().consumers(atom) if u is not self.rnode]

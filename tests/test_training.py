@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.ad_checkpoint import checkpoint_name
 
 import flashpass
 
@@ -176,6 +177,36 @@ def test_checkpointed_layers(policy):
     # The forward copy of each layer, and the recompute + backward inside its remat.
     assert _passes(report) == ["forward"] * 2 + ["forward+backward"] * 2
     assert not report.fallbacks
+
+
+@pytest.mark.parametrize(
+    "policy",
+    [
+        "dots_saveable",
+        "everything_saveable",
+        "save_anything_except_these_names",
+        "save_only_these_names",
+    ],
+)
+def test_checkpoint_policies_that_save_attention_values(policy):
+    # The policy saves intermediates of the site (the scores, or everything) for the
+    # remat body, which is then the backward, recomputing what was not saved: the
+    # forward and that body are proven as one site (scans.match_remat).
+    pol = getattr(jax.checkpoint_policies, policy)
+    pol = pol("q_proj") if "names" in policy else pol
+
+    def layer(p, x):
+        q = checkpoint_name(x @ p["q"], "q_proj").reshape(B, T, H, D)
+        k, v = ((x @ p[n]).reshape(B, T, H, D) for n in "kv")
+        s = jnp.einsum("bthd,bshd->bhts", q, k) / np.sqrt(D)
+        s = jnp.where(jnp.tril(jnp.ones((T, T), bool)), s, -1e9)
+        a = jnp.einsum("bhts,bshd->bthd", jax.nn.softmax(s, -1), v).reshape(B, T, E)
+        return x + jnp.tanh((x + a @ p["o"]) @ p["m"])
+
+    loss = _stack(_params(), lambda f: jax.checkpoint(layer, policy=pol))
+    report = _run(_sgd_step(loss), _params(), _inputs())
+    assert "forward+backward" in _passes(report) and not report.fallbacks, str(report)
+    assert _passes(report).count("forward+backward") == 2
 
 
 def test_checkpointed_layers_under_scan():

@@ -463,12 +463,13 @@ def test_layers(name):
     assert not report.fallbacks, str(report)
 
 
-@pytest.mark.parametrize("policy", ["dots_saveable"])
-def test_remat_policy_saving_the_scores_is_kept(policy):
-    # Documented: a policy that saves the score product is not handled.
+@pytest.mark.parametrize("policy", ["dots_saveable", "everything_saveable"])
+def test_remat_policy_saving_the_scores(policy):
+    # The remat body starts from the saved scores and recomputes the softmax: the
+    # recompute is matched as the forward's twin (scans.Linked), the site rewritten.
     pol = getattr(jax.checkpoint_policies, policy)
     report = _run(_sgd(_checkpointed(pol)), _params(2), _X)
-    assert not report.rewrites and report.fallbacks, str(report)
+    assert _passes(report) == ["forward+backward"] * 2 and not report.fallbacks, str(report)
 
 
 # ------------------------------------------------------------------ bugs found by this review
@@ -548,13 +549,7 @@ def test_loop_body_fallback_reason(name):
     assert "returned by the function" not in _reasons(report), _reasons(report)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="no reason at all: with jax.checkpoint(policy=everything_saveable) the recomputed "
-    "softmax carries reduce_precision between exp, its sum and the division; the site is not "
-    "recognised and the report says '0 rewritten, 0 kept as written' (dots_saveable, which "
-    "puts reduce_precision before the softmax, does get a reason).  Results are correct.",
-)
+# Once: no reason at all (the policy's reduce_precision barriers hid the softmax).
 def test_remat_everything_saveable_has_a_reason():
     step = _vg(
         lambda *a: _sq(jax.checkpoint(_att, policy=jax.checkpoint_policies.everything_saveable)(*a))

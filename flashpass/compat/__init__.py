@@ -45,6 +45,7 @@ from ._jaxpr import (  # noqa: F401
     is_body,
     is_drop_var,
     is_literal,
+    is_noop_rounding,
     jaxpr_as_fun,
     literal_value,
     passthrough_operands,

@@ -128,6 +128,22 @@ def scan_counts(params) -> tuple[int, int]:
     return len(consts.vals), len(carry.vals)
 
 
+def is_noop_rounding(eqn) -> bool:
+    """A ``reduce_precision`` to its operand's own precision: an identity.  Remat
+    policies that save values (``everything_saveable``, ``save_anything_except_these_names``)
+    put one on each saved value as a CSE barrier."""
+    if eqn.primitive.name != "reduce_precision":
+        return False
+    try:
+        info = jax.numpy.finfo(eqn.invars[0].aval.dtype)
+    except (TypeError, ValueError):
+        return False
+    return (
+        eqn.params.get("exponent_bits") == info.nexp
+        and eqn.params.get("mantissa_bits") == info.nmant
+    )
+
+
 #: Higher-order primitives whose body receives every operand unchanged.
 _WHOLE_OPERAND_BODIES = frozenset(
     {"checkpoint", "remat", "remat2", "custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr"}
