@@ -29,6 +29,7 @@ from flashpass.kernels import CheckContext
 from flashpass.patterns.common import Miss
 
 from . import compat, errors, sharding
+from .backward import match_backward
 from .graph import build_scopes
 from .match import find_sites
 from .report import Fallback, InternalError, Report, Rewrite
@@ -163,9 +164,12 @@ def run_pass(
         for p in planned:
             shard = shards.get(p.site.root.path)
             if p.site.backward is not None and shard is not None and shard.ring is not None:
-                # The ring reads k and v from before the program's gather; the
-                # program's backward differentiates the gathered values.
-                kept[p.site.root.path] = RING_IN_TRAINING
+                ring_site = _ring_backward(p.site, shard, by_prefix[p.site.scope_prefix])
+                if ring_site is None:
+                    kept[p.site.root.path] = RING_IN_TRAINING
+                else:
+                    p.site = ring_site
+                    shards[p.site.root.path] = dataclasses.replace(shard, site=ring_site)
     except Exception as err:
         if errors.strict():
             raise
@@ -208,6 +212,21 @@ def run_pass(
         shard = shards.get(p.site.root.path)
         report.rewrites.append(_rewrite_entry(p, scope_name, ring=bool(shard and shard.ring)))
     return rewritten, _logged(report)
+
+
+def _ring_backward(site, shard, scope):
+    """A differentiated site that runs as a ring reads k and v from before the
+    program's gather (`sharding._before_gather`): prove its backward again with
+    those reads, the gathers joining the forward (and their transposes the
+    backward).  The site as the ring runs it, or None."""
+    if shard.site is None or shard.site is site:
+        return site
+    forward = site.nodes - site.backward.nodes
+    ring_site = dataclasses.replace(shard.site, nodes=forward, backward=None)
+    backward = match_backward(scope, ring_site)
+    if isinstance(backward, Miss):
+        return None
+    return dataclasses.replace(ring_site, nodes=forward | backward.nodes, backward=backward)
 
 
 RING_IN_TRAINING = (

@@ -10,6 +10,7 @@ temporary memory falls as devices are added.
 """
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -214,13 +215,16 @@ def test_windowed_and_padded_rings(case):
     assert any(kind == "collective-permute" for kind, _, _ in collectives(got.hlo))
 
 
-def test_ring_site_in_a_training_step_is_kept_with_a_reason():
-    """A train step over a ring-eligible site: the ring reads k/v before the gather the
-    program differentiates, so the site is kept (reason in the report) and the step's
-    gradients stay the original's."""
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_ring_training_step(causal):
+    """A train step over a sequence-sharded site: the ring reads k/v before the
+    program's gather, so the backward is proven again with those reads (the gathers
+    join the forward, their transposes the backward) and the whole step runs as a
+    ring: same loss and gradients, no full-length all-gather left."""
     m = mesh((8,), ("seq",))
-    args = [put(m, P(None, "seq"), normal(i, (1, 64, 2, 16))) for i in range(3)]
-    fn = gathering(True)
+    shape = (1, 64, 2, 16)
+    args = [put(m, P(None, "seq"), normal(i, shape)) for i in range(3)]
+    fn = gathering(causal)
 
     def step(q, k, v):
         return jax.value_and_grad(lambda *a: jnp.sum(fn(*a) ** 2), argnums=(0, 1, 2))(q, k, v)
@@ -229,9 +233,12 @@ def test_ring_site_in_a_training_step_is_kept_with_a_reason():
     with jax.set_mesh(m):
         report = opt.explain(*args)
         got, want = jax.jit(opt)(*args), jax.jit(step)(*args)
-    assert not report.rewrites and "ring" in report.fallbacks[0].reason, str(report)
+        hlo = jax.jit(opt).lower(*args).compile().as_text()
+    assert report.kernels == ["ring"] and not report.fallbacks, str(report)
+    assert [r.passes for r in report.rewrites] == ["forward+backward"]
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
-        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-5)
+        assert_close(g, w)
+    assert _full_length_gathers(hlo, math.prod(shape)) == 0
 
 
 def test_batch_sharded_training_step_is_rewritten():
