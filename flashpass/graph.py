@@ -103,13 +103,18 @@ class ChildScope:
 class Scope:
     """The view of one jaxpr with transparent calls inlined."""
 
-    def __init__(self, closed, prefix: Path = (), outer: dict | None = None):
+    def __init__(
+        self, closed, prefix: Path = (), outer: dict | None = None, sliced: dict | None = None
+    ):
         """``outer``: body input key -> ``(parent Scope, operand atom)`` for the
         inputs that hold an operand of the enclosing equation unchanged
         (`compat.passthrough_operands`): constant folding follows them out."""
         self.closed = closed = compat.as_closed(closed)
         self.prefix = prefix
         self.outer = outer or {}
+        #: body input key -> (parent Scope, operand atom) of which each iteration
+        #: gets a slice (a scan's scanned inputs): a uniform operand, a uniform slice.
+        self.sliced = sliced or {}
         self.nodes: list[Node] = []
         self.children: list[ChildScope] = []
         self._producer: dict[Key, Node] = {}
@@ -186,11 +191,17 @@ class Scope:
         for name, index, body in compat.bodies_in_params(node.params):
             self.children.append(ChildScope(node, name, index, compat.as_closed(body)))
 
-    def outer_of(self, child: ChildScope) -> dict:
-        """The ``outer`` map of ``child``'s scope (see `Scope.__init__`)."""
+    def outer_of(self, child: ChildScope, sliced: bool = False) -> dict:
+        """The ``outer`` (or ``sliced``) map of ``child``'s scope (see `Scope.__init__`)."""
         jaxpr, _ = compat.closed_parts(child.closed)
+        eqn = child.node.eqn
+        pairs = (
+            compat.sliced_operands(eqn, child.param)
+            if sliced
+            else compat.passthrough_operands(eqn, child.param, child.index)
+        )
         out = {}
-        for i, j in compat.passthrough_operands(child.node.eqn, child.param, child.index).items():
+        for i, j in pairs.items():
             if i < len(jaxpr.invars) and j < len(child.node.ins):
                 out[(child.prefix, jaxpr.invars[i])] = (self, child.node.ins[j])
         return out
@@ -318,10 +329,13 @@ def is_kernel_call(eqn) -> bool:
 def build_scopes(closed) -> list[Scope]:
     """The top-level scope and, recursively, every opaque body's scope."""
     scopes: list[Scope] = []
-    pending = [(closed, (), None)]
+    pending = [(closed, (), None, None)]
     while pending:
-        jaxpr, prefix, outer = pending.pop(0)
-        scope = Scope(jaxpr, prefix, outer)
+        jaxpr, prefix, outer, sliced = pending.pop(0)
+        scope = Scope(jaxpr, prefix, outer, sliced)
         scopes.append(scope)
-        pending.extend((c.closed, c.prefix, scope.outer_of(c)) for c in scope.children)
+        pending.extend(
+            (c.closed, c.prefix, scope.outer_of(c), scope.outer_of(c, sliced=True))
+            for c in scope.children
+        )
     return scopes

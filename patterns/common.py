@@ -148,14 +148,19 @@ def scalar_value(scope: Scope, atom) -> float | None:
 def uniform_value(scope: Scope, atom) -> float | None:
     """The Python float of ``atom`` when every element is that constant: a
     broadcast scalar, also one an enclosing scope hoisted out of a loop body
-    (a ``scan``'s loop-invariant constant, through `Scope.outer`)."""
+    (a ``scan``'s loop-invariant constant, through `Scope.outer`) or a slice of
+    a uniform stacked operand (`Scope.sliced`)."""
     prof = profile(scope, atom, scope.shape(atom))
     if prof.is_scalar:
         return scalar_value(scope, prof.base)
     base = scope.resolve(prof.base)
-    if isinstance(base, Const) or scope.producer(base) is not None or base not in scope.outer:
+    if isinstance(base, Const) or scope.producer(base) is not None:
         return None
-    parent, outer_atom = scope.outer[base]
+    # Hoisted out of the loop, or a slice of a stacked operand that is uniform.
+    found = scope.outer.get(base) or scope.sliced.get(base)
+    if found is None:
+        return None
+    parent, outer_atom = found
     return uniform_value(parent, outer_atom)
 
 

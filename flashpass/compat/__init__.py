@@ -52,6 +52,7 @@ from ._jaxpr import (  # noqa: F401
     rebuild_body,
     replace_bodies,
     scan_counts,
+    sliced_operands,
     struct_aval,
     subjaxprs_of_params,
     user_frames,

@@ -166,6 +166,16 @@ def passthrough_operands(eqn, name: str, index: int | None) -> dict[int, int]:
     return {}
 
 
+def sliced_operands(eqn, name: str) -> dict[int, int]:
+    """``{body input position: operand position}`` for a ``scan`` body's scanned
+    inputs: each iteration receives one slice of the operand along its axis 0."""
+    if eqn.primitive.name != "scan" or name != "jaxpr":
+        return {}
+    n_consts, n_carry = scan_counts(eqn.params)
+    first = n_consts + n_carry
+    return {i: i for i in range(first, len(eqn.invars))}
+
+
 #: Bodies that a primitive evaluates with its attached constants since JAX 0.11
 #: (``ClosedJaxpr`` params before): a rewritten body there may gain constants.
 #: Any other body (``remat``'s, ``shard_map``'s...) was an open ``Jaxpr`` and
