@@ -53,8 +53,9 @@ class Backward:
     inputs: tuple  # keys of the differentiated inputs
     grads: tuple  # key (or Const) of each input's cotangent, in ``inputs`` order
     anchor: Node  # where the backward is emitted: its first equation
-    #: A backward in another scope (the backward loop of a scan): that scope's
-    #: prefix and how the two loops pass residuals (`scans.ScanPair`).
+    #: A backward in another scope (a scan's backward loop, or a remat body a
+    #: checkpoint policy saved values for): that scope's prefix and how the
+    #: residuals reach it (`scans.ScanPair`).
     scope_prefix: tuple | None = None
     pair: object = None
 
@@ -63,7 +64,8 @@ def match_backward(scope: Scope, site, view=None) -> Backward | Miss:
     """The backward of ``site`` (whose intermediates are read outside it), or why not.
 
     ``view``: where to look for it, when not in ``scope`` (a `scans.Linked` view of
-    a forward loop body and its backward loop's body)."""
+    a forward loop body and its backward loop's body, or of a scope and a remat
+    body that is the site's backward)."""
     view = scope if view is None else view
     # Differentiated inputs are values the kernel reads (its cotangents are the
     # kernel's); between them and the site, equations such as a broadcast of a

@@ -13,6 +13,13 @@ rewrite (rewrite.py) re-emits both loops with ``lax.scan``: the forward body
 runs the kernel's forward and returns the kernel's residuals (the leaves of
 its ``vjp`` pullback: q, k, v, the output and its logsumexp) instead of the
 probabilities, and the backward body rebuilds the pullback from them.
+
+`match_remat` does the same for a ``jax.checkpoint`` whose policy saves values
+of the site (``dots_saveable``, ``everything_saveable``...): the forward runs in
+the enclosing scope and the remat body is the backward, recomputing from the
+saved values what was not saved; a recomputed equation is the forward's *twin*
+(value numbering in `Linked`).  The remat is re-emitted with ``jax.checkpoint``,
+taking the pullback's leaves as operands.
 """
 
 from __future__ import annotations
