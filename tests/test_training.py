@@ -117,6 +117,28 @@ def test_calling_conventions(how):
     assert _passes(opt.reports[-1]) == ["forward+backward"] * 2
 
 
+@pytest.mark.parametrize("where", ["optimize_outside", "optimize_inside"])
+def test_train_step_in_a_users_shard_map(where):
+    # A train step run per shard by the user's shard_map, optimized around it or inside.
+    from jax.sharding import PartitionSpec as P
+
+    step = _sgd_step(_stack(_params()))
+    mesh = jax.make_mesh((1,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
+
+    def per_shard(fn):
+        return jax.shard_map(fn, mesh=mesh, in_specs=(P(), P()), out_specs=P())
+
+    if where == "optimize_outside":
+        opt = flashpass.optimize(per_shard(step), kernel="blockwise")
+        run = jax.jit(opt)
+    else:
+        opt = flashpass.optimize(step, kernel="blockwise")
+        run = jax.jit(per_shard(opt))
+    args = (_params(), _inputs())
+    _assert_same(run(*args), jax.jit(per_shard(step))(*args))
+    assert _passes(opt.reports[-1]) == ["forward+backward"] * 2
+
+
 @pytest.mark.parametrize("argnums", [0, 1, (0, 1)])
 def test_grad_argnums(argnums):
     loss = _stack(_params())
