@@ -154,8 +154,11 @@ def _signature(scope: Scope, forward: list[Node], inputs: list, diff: tuple, out
         for j, o in enumerate(n.outs):
             if o is not None:
                 where_is[o] = ("node", i, j)
-    avals = tuple(str(scope.aval(a)) for a in inputs)
-    return (tuple(nodes), avals, diff, where_is.get(out_key), str(scope.aval(out_key)))
+    # Types in full (inside a shard_map: varying axes) and the ambient mesh: autodiff
+    # writes other equations there, so a template must not cross contexts.
+    avals = tuple(compat.aval_key(scope.aval(a)) for a in inputs)
+    out = compat.aval_key(scope.aval(out_key))
+    return (tuple(nodes), avals, diff, where_is.get(out_key), out, str(compat.context_mesh()))
 
 
 def _const_key(c: Const):

@@ -124,6 +124,9 @@ def test_train_step_in_a_users_shard_map(where):
 
     step = _sgd_step(_stack(_params()))
     mesh = jax.make_mesh((1,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
+    # The same step outside first: a backward template traced there (cached) must not
+    # serve the shard_map body, whose types vary over the manual axes.
+    jax.jit(flashpass.optimize(step, kernel="blockwise"))(_params(), _inputs())
 
     def per_shard(fn):
         return jax.shard_map(fn, mesh=mesh, in_specs=(P(), P()), out_specs=P())

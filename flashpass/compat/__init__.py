@@ -91,6 +91,7 @@ from ._random import (  # noqa: F401
 )
 from ._sharding import (  # noqa: F401
     VALUE_IDENTITY_PRIMITIVES,
+    aval_key,
     axis_kinds,
     context_mesh,
     equation_context,

@@ -93,6 +93,14 @@ def varying_axes(x) -> frozenset:
     return frozenset(getattr(aval, "vma", ()))
 
 
+def aval_key(aval) -> tuple:
+    """A hashable description of ``aval`` with what ``str`` leaves out: its varying
+    manual axes and its sharding (a jaxpr traced for one must not serve another)."""
+    mat = getattr(aval, "mat", None)
+    vma = frozenset(mat.varying) if mat is not None else frozenset(getattr(aval, "vma", ()))
+    return (str(aval), tuple(sorted(map(str, vma))), str(getattr(aval, "sharding", None)))
+
+
 def vma_checks(enabled: bool):
     """Context: trace with ``shard_map``'s varying-manual-axes checks on or off
     (off, primitives give their outputs no varying axes)."""
