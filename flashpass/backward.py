@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from flashpass.patterns.common import Miss, where
+from flashpass.patterns.common import Miss, profile, where
 
 from . import compat
 from .graph import Const, Node, Scope
@@ -357,9 +357,7 @@ def _fits(tn: Node, jn: Node, state: _State, canon=None, j=None) -> bool:
             if isinstance(mapped, Const):
                 if not (isinstance(b, Const) and _same_const(mapped, b)):
                     return False
-            elif mapped != b and (
-                isinstance(b, Const) or _view(j, mapped, canon) != _view(j, b, canon)
-            ):
+            elif mapped != b and (isinstance(b, Const) or _view(j, mapped) != _view(j, b)):
                 return False
         elif isinstance(b, Const) or state.rev.get(b, a) != a:
             return False
@@ -386,40 +384,18 @@ def _bind(tn: Node, jn: Node, state: _State, canon=None) -> None:
         state.rev[b] = a
 
 
-def _view(scope, atom, canon=None):
+def _view(scope, atom):
     """A value's identity modulo broadcasting: ``(base, base axis of each axis or
-    None, shape, dtype)`` through ``broadcast_in_dim`` and unit-axis reshapes, so
-    two broadcasts of one value (``vmap`` re-broadcasts a mask) compare equal."""
+    None, shape, dtype)`` by `patterns.common.profile`, so two broadcasts of one
+    value (``vmap`` re-broadcasts a mask) compare equal.  Size-1 axes carry
+    nothing; a constant base has no identity here (`_fill` compares those)."""
     aval = scope.aval(atom)
     shape = tuple(aval.shape)
-    axes = list(range(len(shape)))
-    cur = atom
-    while not isinstance(cur, Const):
-        node = scope.producer(cur)
-        if node is None or len(node.ins) != 1 or isinstance(node.ins[0], Const):
-            break
-        src = node.ins[0]
-        src_shape, out_shape = tuple(scope.aval(src).shape), tuple(scope.aval(cur).shape)
-        if node.prim == "broadcast_in_dim":
-            dims = node.params["broadcast_dimensions"]
-            inv = {int(d): i for i, d in enumerate(dims) if src_shape[i] == out_shape[int(d)]}
-            axes = [None if a is None else inv.get(a) for a in axes]
-        elif node.prim == "reshape" and node.params.get("dimensions") is None:
-            kept_src = [i for i, d in enumerate(src_shape) if d != 1]
-            kept_out = [i for i, d in enumerate(out_shape) if d != 1]
-            if [src_shape[i] for i in kept_src] != [out_shape[i] for i in kept_out]:
-                break
-            inv = dict(zip(kept_out, kept_src, strict=True))
-            axes = [None if a is None else inv.get(a) for a in axes]
-        else:
-            break
-        cur = src
-    if isinstance(cur, Const):
+    prof = profile(scope, atom, shape)
+    if isinstance(prof.base, Const):
         return None
-    if canon is not None:
-        cur = canon(cur)
-    axes = tuple(None if shape[i] == 1 else a for i, a in enumerate(axes))
-    return (cur, axes, shape, str(aval.dtype))
+    axes = tuple(None if shape[i] == 1 else a for i, a in enumerate(prof.axes))
+    return (prof.base, axes, shape, str(aval.dtype))
 
 
 def _template_fills(t: Scope) -> dict:

@@ -61,16 +61,17 @@ class Plan:
             self.skip |= p.site.paths - {p.site.root.path} - self.by_anchor.keys()
             self.inline |= p.site.inline_calls
         self.site_prefixes = {p.site.scope_prefix for p in planned}
-        # A site in a forward loop whose backward is in the backward loop (scans.py):
-        # both scan equations are re-emitted, passing the kernel's residuals.
-        self.scan_pairs: dict = {}  # scan path -> planned sites
+        # A site whose backward is in another scope (scans.py): the scan equations of
+        # the forward and backward loops, or the remat that is the backward, are
+        # re-emitted passing the kernel's residuals.
+        self.pairs: dict = {}  # scan or remat path -> planned sites
         self.trees: dict = {}  # planned site -> treedef of its pullback, set by the forward loop
         for p in planned:
             pair = p.site.backward.pair if p.site.backward is not None else None
             if pair is not None:
                 if pair.forward is not None:
-                    self.scan_pairs.setdefault(pair.forward.path, []).append(p)
-                self.scan_pairs.setdefault(pair.backward.path, []).append(p)
+                    self.pairs.setdefault(pair.forward.path, []).append(p)
+                self.pairs.setdefault(pair.backward.path, []).append(p)
                 self.site_prefixes.add(p.site.backward.scope_prefix)
         # Equations whose bodies hold sites (a prefix's steps into a body are strings).
         self.holders = {
@@ -153,8 +154,10 @@ class _Evaluator:
             if planned is not None:
                 self._backward(planned)
                 continue
-            if path in plan.scan_pairs:
-                outs = self._scan(eqn, path, plan.scan_pairs[path])
+            if path in plan.pairs:  # a loop or remat re-emitted with kernel residuals
+                planned = plan.pairs[path]
+                remat = planned[0].site.backward.pair.forward is None
+                outs = (self._remat if remat else self._scan)(eqn, path, planned)
             elif compat.is_noop_rounding(eqn):  # the view looks through it (graph.py)
                 value = self.read(inst, eqn.invars[0], _MISSING)
                 outs = [value] if value is _MISSING else compat.bind_equation(eqn, [value])
@@ -220,10 +223,7 @@ class _Evaluator:
         """Re-emit a scan of a forward/backward loop pair (see scans.py) with
         ``lax.scan``: the forward loop returns the kernel's residuals instead
         of the dropped ones; the backward loop receives them."""
-        pair = planned[0].site.backward.pair
-        if pair.forward is None:
-            return self._remat(eqn, path, planned)
-        forward = pair.forward.path == path
+        forward = planned[0].site.backward.pair.forward.path == path
         n_consts, n_carry = compat.scan_counts(eqn.params)
         body, body_consts = compat.closed_parts(eqn.params["jaxpr"])
         prefix = (*path, "jaxpr")

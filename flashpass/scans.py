@@ -95,6 +95,11 @@ class Linked:
             return atom
         return self.links.get(atom, atom)
 
+    resolve = canon  # the `Scope` query `patterns.common.profile` makes
+
+    def shape(self, atom) -> tuple:
+        return tuple(self.aval(atom).shape)
+
     def consumers(self, atom) -> list:
         atom = self.canon(atom)
         out = self.fwd.consumers(atom) + self.bwd.consumers(atom)
@@ -166,10 +171,11 @@ def match_pair(parent: Scope, child, fwd: Scope, site, scopes: dict):
 
 
 def _with_backward(parent: Scope, fnode, bnode, fwd: Scope, bwd: Scope, site):
+    f_consts, f_carry = compat.scan_counts(fnode.params)
     b_consts, b_carry = compat.scan_counts(bnode.params)
     links, link_at = {}, {}  # bwd input key -> fwd value; fwd output position -> bwd operand
     for pos, o in enumerate(fnode.outs):
-        if o is None or pos < compat.scan_counts(fnode.params)[1]:
+        if o is None or pos < f_carry:
             continue
         users = parent.consumers(o)
         if not users or any(u is not bnode or p < b_consts + b_carry for u, p in users):
@@ -183,12 +189,8 @@ def _with_backward(parent: Scope, fnode, bnode, fwd: Scope, bwd: Scope, site):
     if not links:
         return Miss("no backward loop reads its residuals")
     # Loop invariants both loops receive (a mask): one value too.
-    f_consts, _ = compat.scan_counts(fnode.params)
-    outer = {
-        parent.resolve(fnode.ins[i]): fwd.invars[i]
-        for i in range(f_consts)
-        if not isinstance(parent.resolve(fnode.ins[i]), Const)
-    }
+    invariants = ((parent.resolve(fnode.ins[i]), fwd.invars[i]) for i in range(f_consts))
+    outer = {atom: var for atom, var in invariants if not isinstance(atom, Const)}
     for j in range(b_consts):
         atom = parent.resolve(bnode.ins[j])
         same = None if isinstance(atom, Const) else outer.get(atom)
@@ -206,6 +208,11 @@ def _with_backward(parent: Scope, fnode, bnode, fwd: Scope, bwd: Scope, site):
             dropped_out.append(pos)
             dropped_in.extend(operands)
     pair = ScanPair(fnode, bnode, tuple(sorted(dropped_out)), tuple(sorted(dropped_in)))
+    return _paired(site, backward, bwd, pair)
+
+
+def _paired(site, backward, bwd: Scope, pair: ScanPair):
+    """``site`` with its ``backward`` in the scope ``bwd``, reached through ``pair``."""
     backward = dataclasses.replace(backward, scope_prefix=bwd.prefix, pair=pair)
     return dataclasses.replace(site, nodes=site.nodes | backward.nodes, backward=backward)
 
@@ -251,9 +258,7 @@ def match_remat(scope: Scope, site, scopes: dict):
             for i, v in enumerate(bwd.invars)
             if v in links and all(u in matched for u, _ in bwd.consumers(v))
         )
-        pair = ScanPair(None, rnode, (), dropped)
-        backward = dataclasses.replace(backward, scope_prefix=bwd.prefix, pair=pair)
-        return dataclasses.replace(site, nodes=site.nodes | backward.nodes, backward=backward)
+        return _paired(site, backward, bwd, ScanPair(None, rnode, (), dropped))
     return last
 
 

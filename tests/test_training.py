@@ -72,6 +72,26 @@ def _sgd_step(loss):
     return step
 
 
+def _scanned_loss(ps, x):
+    """The layers under ``lax.scan`` (no remat)."""
+    x, _ = jax.lax.scan(lambda x, p: (_layer(p, x), None), x, ps)
+    return jnp.mean(x**2)
+
+
+def _accumulating_step(loss):
+    """A step accumulating ``loss``'s gradients over micro-batches under ``lax.scan``."""
+
+    def step(ps, xs):
+        def micro(acc, x):
+            value, grads = jax.value_and_grad(loss)(ps, x)
+            return jax.tree.map(jnp.add, acc, grads), value
+
+        grads, values = jax.lax.scan(micro, jax.tree.map(jnp.zeros_like, ps), xs)
+        return values.mean(), jax.tree.map(lambda a, g: a - 0.1 * g, ps, grads)
+
+    return step
+
+
 def _assert_same(actual, expected, rtol=1e-5):
     for a, e in zip(jax.tree.leaves(actual), jax.tree.leaves(expected), strict=True):
         a, e = np.asarray(a, np.float32), np.asarray(e, np.float32)
@@ -247,11 +267,7 @@ def test_checkpointed_layers_under_scan():
 def test_layers_under_scan():
     # The forward loop saves the probabilities for the backward loop: both loops
     # are re-emitted, the kernel's residuals (q, k, v, output, logsumexp) stacked.
-    def loss(ps, x):
-        x, _ = jax.lax.scan(lambda x, p: (_layer(p, x), None), x, ps)
-        return jnp.mean(x**2)
-
-    step = _sgd_step(loss)
+    step = _sgd_step(_scanned_loss)
     report = _run(step, _params(3), _inputs())
     assert _passes(report) == ["forward+backward"] and not report.fallbacks
     opt = flashpass.optimize(step, kernel="blockwise")
@@ -262,33 +278,13 @@ def test_layers_under_scan():
 
 
 def test_nested_scans_gradient_accumulation_over_scanned_layers():
-    def loss(ps, x):
-        x, _ = jax.lax.scan(lambda x, p: (_layer(p, x), None), x, ps)
-        return jnp.mean(x**2)
-
-    def step(ps, xs):
-        def micro(acc, x):
-            value, grads = jax.value_and_grad(loss)(ps, x)
-            return jax.tree.map(jnp.add, acc, grads), value
-
-        grads, values = jax.lax.scan(micro, jax.tree.map(jnp.zeros_like, ps), xs)
-        return values.mean(), jax.tree.map(lambda a, g: a - 0.1 * g, ps, grads)
-
+    step = _accumulating_step(_scanned_loss)
     report = _run(step, _params(2), jnp.stack([_inputs(1), _inputs(2)]))
     assert _passes(report) == ["forward+backward"] and not report.fallbacks
 
 
 def test_gradient_accumulation_under_scan():
-    loss = _stack(_params(1))
-
-    def step(ps, xs):
-        def micro(acc, x):
-            value, grads = jax.value_and_grad(loss)(ps, x)
-            return jax.tree.map(jnp.add, acc, grads), value
-
-        grads, values = jax.lax.scan(micro, jax.tree.map(jnp.zeros_like, ps), xs)
-        return values.mean(), jax.tree.map(lambda a, g: a - 0.1 * g, ps, grads)
-
+    step = _accumulating_step(_stack(_params(1)))
     xs = jnp.stack([_inputs(1), _inputs(2), _inputs(3)])
     report = _run(step, _params(1), xs)
     assert _passes(report) == ["forward+backward"]

@@ -102,14 +102,7 @@ def check_model(request):
     ):
         opt = flashpass.optimize(fn, kernel="blockwise")
         report = opt.explain(params, *inputs)
-        TABLE.record(
-            request.node.nodeid,
-            library=library,
-            case=case,
-            rewritten=len(report.rewrites),
-            expected=sites,
-            fallbacks=[f.reason for f in report.fallbacks],
-        )
+        _record(request, report, library, case, sites)
         assert not report.fallbacks and len(report.rewrites) == sites, (
             f"expected {sites} rewritten site(s) and no fallback\n{report}"
         )
@@ -149,20 +142,25 @@ def check_model(request):
     return check
 
 
+def _record(request, report, library: str, case: str, sites: int) -> None:
+    """The coverage-table row of the running test."""
+    TABLE.record(
+        request.node.nodeid,
+        library=library,
+        case=case,
+        rewritten=len(report.rewrites),
+        expected=sites,
+        fallbacks=[f.reason for f in report.fallbacks],
+    )
+
+
 @pytest.fixture
 def record_coverage(request):
     """``record_coverage(report, library=, case=, sites=)``: the coverage-table row
     of a test that checks its numerics itself (`check_model` records its own)."""
 
     def record(report, *, library: str, case: str, sites: int) -> None:
-        TABLE.record(
-            request.node.nodeid,
-            library=library,
-            case=case,
-            rewritten=len(report.rewrites),
-            expected=sites,
-            fallbacks=[f.reason for f in report.fallbacks],
-        )
+        _record(request, report, library, case, sites)
 
     return record
 
