@@ -454,7 +454,7 @@ def segment_arrays(spec, op: Segments, extras, keep=None, offset=None, kv_len=No
     """
     q_ids = extras[op.q_index][:, 0, :, 0].astype(jnp.int32)
     kv_ids = extras[op.kv_index][:, 0, 0, :].astype(jnp.int32)
-    b = max(q_ids.shape[0], kv_ids.shape[0])
+    b = max(q_ids.shape[0], kv_ids.shape[0], 1 if keep is None else keep.shape[0])
     q_ids = jnp.broadcast_to(q_ids, (b, spec.q_len))
     kv_ids = jnp.broadcast_to(kv_ids, (b, spec.kv_len))
     top = jnp.max(q_ids)
@@ -502,3 +502,29 @@ def bias_sum(spec: AttentionSpec, form: LinearForm, extras, dtype):
             bias = bias * jnp.asarray(multiplier, dtype)
         total = bias if total is None else total + bias
     return total
+
+
+def shared_fill_reasons(spec: AttentionSpec, what: str) -> list[str]:
+    """Why rows ``what`` may leave with no key would not be the mean of ``v``.
+
+    In such a row every key is excluded, and the reference's softmax weighs the
+    keys by the scores their fills end with (`AttentionSpec.final_fill`): the
+    mean of ``v`` that `fill_empty_rows` gives is its result only when every
+    excluding op ends with one score (NaN for ``-inf``, the documented
+    difference).  An adapter whose ``what`` (segment ids, a window with a mask)
+    can empty rows the spec's ops do not prove non-empty checks this.
+    """
+    finals = set()
+    for position, op in enumerate(spec.score_ops):
+        if isinstance(op, Mask | Causal | KvLengths | Window | Chunk | Prefix | Segments):
+            finals.add(spec.final_fill(position, op.fill))
+    if len(finals) <= 1:
+        return []
+    scores = ", ".join(f"{value:.6g}" for value in sorted(finals))
+    return [
+        f"{what} can leave a query row with no key to attend to; the reference computes "
+        "such a row from the scores its excluded keys end with, which differ between "
+        f"this attention's masks ({scores}), so it is not the mean of v the kernel gives: "
+        "exclude keys with one fill (e.g. combine the masks with & in one where), or use "
+        "the 'blockwise' kernel"
+    ]
