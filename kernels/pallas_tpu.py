@@ -27,6 +27,16 @@ exactly ``[B, H, T, S]``, ``S`` a multiple of the key block and a
   above ``max_block`` (default 512), of 128; keys to a multiple of 128.
   Padded keys are excluded through the kernel's segment ids
   (``-0.7 * f32_max``, below the mask value); padded queries are sliced off.
+* ``Segments`` (packed documents, #18): the user's query and key ids become
+  the kernel's ``SegmentIds`` (``[B, T]`` and ``[B, S]``, shared by the heads,
+  cast to int32: exact for integer or boolean ids of at most 32 bits), with
+  no ``T x S`` array.  Padded keys, and keys that key masks shared by the
+  heads (``[B|1, 1, 1, S]``) exclude, get an id no query has
+  (`_util.segment_arrays`); other masks stay in ``ab``.  Rows left with no
+  key (a query id no kept key has) are found from the sorted ids in
+  O(S log S) (with a mask in ``ab``: one T x S pass, like ``ab`` itself) and
+  get the mean of ``v``, which is the reference's result because every
+  excluding op must end with one score (`_util.shared_fill_reasons`).
 * ``ab`` is materialised as ``[B, H, T, S]`` (padded; float32 unless bfloat16
   holds it exactly) whenever the spec has a Bias, a Mask or a causal offset.
 * The kernel is traced with x64 off (its index maps fail under x64) and, for
@@ -62,7 +72,20 @@ import jax.numpy as jnp
 import numpy as np
 
 from flashpass import compat
-from flashpass.spec import AttentionSpec, Bias, Causal, KvLengths, Mask, Scale, Softcap
+from flashpass.spec import (
+    AttentionSpec,
+    Bias,
+    Causal,
+    Chunk,
+    Dropout,
+    KvLengths,
+    Mask,
+    Prefix,
+    Scale,
+    Segments,
+    Softcap,
+    Window,
+)
 
 from . import _util
 
@@ -101,6 +124,12 @@ class _Plan:
     pad_keys: bool  # padded keys must be excluded (via segment ids)
     block_q: int
     block_k: int
+    #: the user's segment ids (a `Segments` op), passed as the kernel's SegmentIds
+    segments: Segments | None = None
+    #: Mask ops folded into ``ab``; with segment ids, key masks ``[B|1, 1, 1, S]``
+    #: become key ids no query has instead (`id_masks`)
+    ab_masks: tuple[int, ...] = ()
+    id_masks: tuple[int, ...] = ()
 
     def block_sizes(self):
         fa = compat.tpu_flash_attention_module()
@@ -126,9 +155,27 @@ def _masked_value(sm_scale: float) -> float:
     return -(2.0**126) / max(sm_scale, 1.0)
 
 
+#: Score ops `_spec_reasons` knows (structured ones it does not take are
+#: rejected by `_util.structured_reasons`; `Dropout` by kernel selection).
+_KNOWN_OPS = (
+    Scale,
+    Bias,
+    Mask,
+    Causal,
+    Softcap,
+    KvLengths,
+    Dropout,
+    Window,
+    Chunk,
+    Prefix,
+    Segments,
+)
+
+
 def _spec_reasons(spec: AttentionSpec) -> list[str]:
     """Static reasons this adapter cannot run ``spec`` exactly (platform aside)."""
-    reasons = _util.input_reasons(spec, "the TPU flash kernel") + _util.structured_reasons(spec)
+    reasons = _util.input_reasons(spec, "the TPU flash kernel")
+    reasons += _util.structured_reasons(spec, frozenset({Segments}))
     for position, op in enumerate(spec.score_ops):
         if isinstance(op, Softcap):
             reasons.append(
@@ -149,6 +196,52 @@ def _spec_reasons(spec: AttentionSpec) -> list[str]:
             reasons += _util.exclusion_reasons(spec, position)
         elif isinstance(op, KvLengths):
             reasons.append(_util.KV_LENGTHS_REASON)
+        elif isinstance(op, Segments):
+            reasons += _util.exclusion_reasons(spec, position)
+        elif not isinstance(op, _KNOWN_OPS):
+            reasons.append(
+                f"unknown score op {type(op).__name__}: the TPU flash kernel adapter does "
+                "not know its semantics"
+            )
+    return reasons + _segment_reasons(spec)
+
+
+def _segment_reasons(spec: AttentionSpec) -> list[str]:
+    """Why the spec's `Segments` op cannot be the kernel's ``SegmentIds``."""
+    ops = spec.ops_of(Segments)
+    if not ops:
+        return []
+    reasons = []
+    if len(ops) > 1:
+        reasons.append(
+            "two segment-id masks are not supported (the TPU flash kernel takes one "
+            "pair of query and key segment ids); use 'blockwise'"
+        )
+    full = (spec.batch, spec.heads, spec.q_len, spec.kv_len)
+    for op in ops:
+        for side, index, axis in (("query", op.q_index, 2), ("key", op.kv_index, 3)):
+            if not 0 <= index < len(spec.extras):
+                reasons.append(f"{side} segment ids refer to extra #{index}, which the spec lacks")
+                continue
+            extra = spec.extras[index]
+            shape, dtype = tuple(extra.shape), np.dtype(extra.dtype)
+            layout = "[B|1, 1, T, 1]" if axis == 2 else "[B|1, 1, 1, S]"
+            if not _util.broadcastable(shape, full) or shape[5 - axis] != 1:
+                reasons.append(f"{side} segment ids of shape {shape} are not {layout}")
+            elif shape[1] != 1:
+                reasons.append(
+                    f"{side} segment ids of shape {shape} differ between heads; the TPU "
+                    "flash kernel's segment ids are shared by all heads; use 'blockwise'"
+                )
+            if not (dtype == np.bool_ or np.issubdtype(dtype, np.integer)):
+                reasons.append(f"{side} segment ids of dtype {dtype.name} are not integers")
+            elif dtype.itemsize > 4:
+                reasons.append(
+                    f"{side} segment ids of dtype {dtype.name}: the TPU flash kernel takes "
+                    "int32 ids, and a 64-bit id would not survive the cast (ids from "
+                    "jnp.arange/cumsum under jax_enable_x64 are int64: cast them to int32)"
+                )
+    reasons += _util.shared_fill_reasons(spec, "segment ids")
     return reasons
 
 
@@ -166,10 +259,20 @@ def _plan(spec: AttentionSpec, max_block: int = DEFAULT_MAX_BLOCK) -> _Plan:
     causal = offset == 0
     fold_offset = offset if offset else None
 
+    # With segment ids, key masks shared by the heads exclude keys through them
+    # (an id no query has, `_util.segment_arrays`): no T x S ``ab`` for packing
+    # with padding.  Every other mask is folded into ``ab``.
+    segments = next(iter(spec.ops_of(Segments)), None)
+    ab_masks, id_masks = [], []
+    for op in spec.ops_of(Mask):
+        shape = tuple(spec.extras[op.index].shape) if op.index < len(spec.extras) else ()
+        shared_key_mask = len(shape) == 4 and shape[1] == 1 and shape[2] == 1
+        (id_masks if segments is not None and shared_key_mask else ab_masks).append(op.index)
+
     # ab dtype: bfloat16 only when it holds the one bias exactly: the bias is
     # bfloat16 as the spec adds it, and `bias / c` is exact (c a power of two).
     ab_dtype = None
-    if spec.ops_of(Bias) or spec.ops_of(Mask) or fold_offset is not None:
+    if spec.ops_of(Bias) or ab_masks or fold_offset is not None:
         ab_dtype = _util.F32
         biases = _biases_with_scale_before(spec)
         bf16 = _util.BF16
@@ -200,6 +303,9 @@ def _plan(spec: AttentionSpec, max_block: int = DEFAULT_MAX_BLOCK) -> _Plan:
         pad_keys=pad_keys,
         block_q=block_q,
         block_k=_util.largest_block(kv_len, max_block),
+        segments=segments,
+        ab_masks=tuple(ab_masks),
+        id_masks=tuple(id_masks),
     )
 
 
@@ -216,8 +322,8 @@ def _build_ab(spec: AttentionSpec, plan: _Plan, extras: Sequence):
             bias = bias / jnp.asarray(c_before, plan.ab_dtype)
         ab = bias if ab is None else ab + bias
     keep = None
-    for op in spec.ops_of(Mask):
-        mask = extras[op.index].astype(bool)
+    for index in plan.ab_masks:
+        mask = extras[index].astype(bool)
         keep = mask if keep is None else keep & mask
     if plan.fold_offset is not None:
         causal = jnp.asarray(_util.causal_keep(spec, plan.fold_offset))
@@ -238,8 +344,9 @@ class PallasTpuKernel(_util.TpuKernel):
     """JAX's Pallas TPU flash attention (``pallas.ops.tpu.flash_attention``).
 
     Runs on TPU, or on CPU with ``interpret=True`` (slow; for tests).  Supports
-    Scale, Bias (with gradient), boolean Mask and Causal (any offset >= 0) ops,
-    GQA/MQA and any sequence length or head dims; rejects Softcap, float64,
+    Scale, Bias (with gradient), boolean Mask, Causal (any offset >= 0) and
+    Segments (segment ids shared by the heads) ops, GQA/MQA and any sequence
+    length or head dims; rejects Softcap, the other structured masks, float64,
     non-positive scales and fills that do not exclude keys.  Reverse-mode AD
     only.  No cost heuristics (``ctx.explicit`` is not consulted).  See the
     module docstring for the exact mapping and the fully-masked-row difference.
@@ -247,7 +354,7 @@ class PallasTpuKernel(_util.TpuKernel):
 
     name = "pallas_tpu"
     dtypes = frozenset({"bfloat16", "float16", "float32"})
-    descriptors = frozenset({"causal", "mask", "key_mask", "bias", "gqa"})
+    descriptors = frozenset({"causal", "mask", "key_mask", "bias", "gqa", "segments"})
     spec_reasons = staticmethod(_spec_reasons)
 
     def apply(self, spec: AttentionSpec, q, k, v, extras=(), *, interpret: bool = False):
@@ -280,18 +387,36 @@ class PallasTpuKernel(_util.TpuKernel):
             # Padded query rows get 0 (finite), padded keys are excluded by segment ids.
             args.append(_util.pad_axis(_util.pad_axis(ab, 2, plan.q_len), 3, plan.kv_len))
 
-        segment_ids = None
-        if plan.pad_keys:
-            # Keys whose segment id differs from the queries' get -0.7 * f32_max.
-            # numpy constants: the kernel closure must not capture tracers.
-            kv_ids = (np.arange(plan.kv_len) >= spec.kv_len).astype(np.int32)
-            segment_ids = fa.SegmentIds(
-                q=np.zeros((spec.batch, plan.q_len), np.int32),
-                kv=np.broadcast_to(kv_ids, (spec.batch, plan.kv_len)),
-            )
+        offsets = [op.offset for op in spec.ops_of(Causal)]
+        offset = min(offsets) if offsets else None
+        static_ids = None
+        if plan.segments is not None:
+            # The user's ids; keys an id mask excludes, and padded keys, get an id
+            # no query has.  Padded query rows repeat the last id (sliced off).
+            q_ids, kv_ids, empty = _segment_ids(spec, plan, extras, offset)
+            q_ids = jnp.pad(q_ids, ((0, 0), (0, plan.q_len - spec.q_len)), mode="edge")
+            args += [
+                jnp.broadcast_to(q_ids, (spec.batch, plan.q_len)),
+                jnp.broadcast_to(kv_ids, (spec.batch, plan.kv_len)),
+            ]
+        else:
+            if plan.pad_keys:
+                # Keys whose segment id differs from the queries' get -0.7 * f32_max.
+                # numpy constants: the kernel closure must not capture tracers.
+                kv_ids = (np.arange(plan.kv_len) >= spec.kv_len).astype(np.int32)
+                static_ids = fa.SegmentIds(
+                    q=np.zeros((spec.batch, plan.q_len), np.int32),
+                    kv=np.broadcast_to(kv_ids, (spec.batch, plan.kv_len)),
+                )
+            # Rows the masks leave empty: the kernel averages v but differentiates as
+            # if unmasked (its -2**126 bias absorbs q.k only in the forward).
+            _, empty = _util.combined_keep(spec, plan.ab_masks, extras, offset=offset)
         block_sizes = plan.block_sizes()
+        has_ab, has_ids = ab is not None, plan.segments is not None
 
-        def kernel(q, k, v, ab=None):
+        def kernel(q, k, v, *rest):
+            ab = rest[0] if has_ab else None
+            segment_ids = fa.SegmentIds(*rest[-2:]) if has_ids else static_ids
             return fa.flash_attention(
                 q,
                 k,
@@ -305,13 +430,27 @@ class PallasTpuKernel(_util.TpuKernel):
 
         out = compat.pallas_tpu_traced(kernel, interpret=interpret)(*args)
         out = out[:, :, : spec.q_len, : spec.v_head_dim].astype(spec.out_dtype)
-        # Rows the masks leave empty: the kernel averages v but differentiates as if
-        # unmasked (its -2**126 bias absorbs q.k only in the forward).
-        offsets = [op.offset for op in spec.ops_of(Causal)]
-        _, empty = _util.combined_keep(
-            spec,
-            [op.index for op in spec.ops_of(Mask)],
-            extras,
-            offset=min(offsets) if offsets else None,
-        )
         return _util.fill_empty_rows(spec, out, v_in, empty)
+
+
+def _segment_ids(spec: AttentionSpec, plan: _Plan, extras, offset: int | None):
+    """``(q_ids [b, T], kv_ids [b, S'], empty [b, h, T, 1])`` of the `Segments`
+    op (`_util.segment_arrays`), ``b`` in {1, B}: the rows in which the ids,
+    every Mask and the causal mask leave no key."""
+    keep = None
+    if plan.id_masks:  # [b, 1, 1, S]: folded into the key ids
+        keep = _util.combined_keep(spec, plan.id_masks, extras)[0]
+    q_ids, kv_ids, empty = _util.segment_arrays(
+        spec, plan.segments, extras, keep, offset, plan.kv_len
+    )
+    if plan.ab_masks:
+        # Masks varying over queries or heads: the rows they empty together with
+        # the ids need a T x S pass (``ab`` is T x S already).
+        keep = _util.combined_keep(spec, plan.ab_masks, extras)[0]
+        same = q_ids[:, None, :, None] == kv_ids[:, None, None, : spec.kv_len]
+        keep = keep & same
+        if offset is not None:
+            rows = jnp.arange(spec.q_len)[:, None]
+            keep = keep & (jnp.arange(spec.kv_len)[None, :] <= rows + offset)
+        empty = ~jnp.any(keep, axis=-1, keepdims=True)
+    return q_ids, kv_ids, empty

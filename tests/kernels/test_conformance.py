@@ -273,7 +273,7 @@ def declared(adapter: str, case: str, dtype: str) -> list[str]:
 DEFAULT_NUMERICS = {
     "blockwise": {("padding", "bf16")},
     "blockwise_heads": {(c, "f32") for c in CASES} | {("gqa", "bf16"), ("bias", "bf16")},
-    "pallas_tpu": {("padding", "f32")},
+    "pallas_tpu": {("padding", "f32"), ("segments", "f32")},
     "splash": {
         ("causal", "f32"),
         ("bool_mask", "f32"),

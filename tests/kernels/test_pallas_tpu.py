@@ -8,6 +8,7 @@ blocks allow.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -15,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from kernel_testing import run_and_compare
 
 from flashpass import compat
 from flashpass.kernels import (
@@ -30,6 +32,7 @@ from flashpass.kernels import (
 )
 from flashpass.kernels.pallas_tpu import PallasTpuKernel, _plan
 from flashpass.kernels.reference import reference_attention
+from flashpass.spec import Segments, Window
 
 KERNEL = get_kernel("pallas_tpu")
 #: 128-wide blocks, so small shapes take the kernel's multi-block paths (online
@@ -358,6 +361,17 @@ LOWERING_SPECS = {
     "bias_and_mask": make_spec(
         h=4, t=300, s=1000, dtype=BF16, ops=[Scale(1 / 8), _b, _m], extras=[_be, _me]
     ),
+    "segments_and_key_mask": make_spec(
+        b=2,
+        t=300,
+        dtype=BF16,
+        ops=[Scale(1 / 8), Causal(0, -1e9), Segments(0, 1, -1e9), Mask(2, (2, 1, 1, 300), -1e9)],
+        extras=[
+            ExtraSpec((2, 1, 300, 1), np.int32),
+            ExtraSpec((2, 1, 1, 300), np.int32),
+            ExtraSpec((2, 1, 1, 300), np.bool_),
+        ],
+    ),
 }
 
 
@@ -480,3 +494,179 @@ def test_kernel_attributes():
     )
     assert KERNEL.grad
     assert math.isclose(_plan(make_spec(ops=[Scale(0.5), Scale(0.25)])).sm_scale, 0.125)
+
+
+# --------------------------------------------------------------------------- segment ids
+
+
+def _packed_ids(b, n, seed, segments=4):
+    """Sorted (packed-document) int32 ids ``[b, n]``."""
+    rng = np.random.default_rng(seed)
+    return np.sort(rng.integers(0, segments, (b, n)), axis=1).astype(np.int32)
+
+
+def _segment_spec(*, b=2, t=200, s=None, ops=(), extras=(), q_batch=None, dtype=F32, **kwargs):
+    """A spec with `Segments(0, 1)` (ids ``[q_batch, 1, T, 1]`` and ``[q_batch,
+    1, 1, S]``) after ``ops``, and ``extras`` after the two id extras."""
+    s = s or t
+    q_batch = b if q_batch is None else q_batch
+    ids = [ExtraSpec((q_batch, 1, t, 1), np.int32), ExtraSpec((q_batch, 1, 1, s), np.int32)]
+    return make_spec(
+        b=b,
+        t=t,
+        s=s,
+        dtype=dtype,
+        ops=(*ops, Segments(0, 1, -1e9)),
+        extras=(*ids, *extras),
+        **kwargs,
+    )
+
+
+def test_segments_with_key_padding_gqa_and_shared_ids():
+    """Packed documents with causal, GQA, a key padding mask and padded lengths:
+    ids shared by the batch (``[1, 1, T, 1]``) while the mask varies per example
+    (folded into the key ids, no T x S ``ab``); an id no kept key has, and a
+    fully padded example, leave rows empty (the mean of v)."""
+    t = 200
+    m, me = mask_op(2, (2, 1, 1, t))
+    spec = _segment_spec(
+        t=t, h=4, hkv=2, q_batch=1, ops=[Scale(1 / 8), Causal(0, -1e9), m], extras=[me]
+    )
+    plan = _plan(spec, 128)
+    assert plan.id_masks == (2,) and plan.ab_masks == () and plan.ab_dtype is None
+    ids = _packed_ids(1, t, 1)
+    keep = np.ones(me.shape, bool)
+    keep[0, ..., 150:] = False  # example 0: left-padded keys...
+    keep[0, ..., ids[0] == ids[0, 0]] = False  # ...and its first document's keys
+    keep[1] = False  # example 1: fully padded
+    extras = [ids[:, None, :, None], ids[:, None, None, :], keep]
+    run_and_compare(SMALL_BLOCKS, spec, [jnp.asarray(x) for x in extras], tol=F32_TOL)
+
+
+def test_segments_with_query_mask_bias_and_causal_offset():
+    """Segment ids with a mask varying over queries, a bias and a bottom-right
+    causal offset (all folded into ``ab``); the rows the ids and the mask empty
+    together are found by a T x S pass.  Query and key ids differ
+    (cross-attention over packed documents)."""
+    t, s = 100, 160
+    m, me = mask_op(2, (2, 1, t, s))
+    bias, be = bias_op(3, (1, 2, t, s))
+    spec = _segment_spec(t=t, s=s, ops=[Scale(0.3), bias, Causal(s - t, -1e9), m], extras=[me, be])
+    plan = _plan(spec, 128)
+    assert plan.ab_masks == (2,) and plan.id_masks == () and plan.fold_offset == s - t
+    q_ids = _packed_ids(2, t, 2)
+    kv_ids = _packed_ids(2, s, 3)
+    keep = np.random.default_rng(4).random(me.shape) < 0.8
+    keep[1, :, 40:60] = False  # rows with no key at all
+    extras = [
+        q_ids[:, None, :, None],
+        kv_ids[:, None, None, :],
+        keep,
+        2 * np.random.default_rng(5).standard_normal(be.shape).astype(np.float32),
+    ]
+    run_and_compare(SMALL_BLOCKS, spec, [jnp.asarray(x) for x in extras], tol=F32_TOL)
+
+
+@pytest.mark.slow
+def test_segments_bf16_uint8_ids(only_with_m_slow):
+    """bfloat16 attention with uint8 ids (cast to int32 exactly)."""
+    t = 136
+    spec = make_spec(
+        t=t,
+        dtype=BF16,
+        ops=[Scale(1 / 8), Causal(0, float("-inf")), Segments(0, 1, float("-inf"))],
+        extras=[ExtraSpec((2, 1, t, 1), np.uint8), ExtraSpec((2, 1, 1, t), np.uint8)],
+        b=2,
+    )
+    ids = _packed_ids(2, t, 6).astype(np.uint8) + 250  # 250..253
+    extras = [jnp.asarray(ids[:, None, :, None]), jnp.asarray(ids[:, None, None, :])]
+    run_and_compare(SMALL_BLOCKS, spec, extras, tol=BF16_TOL)
+
+
+def _ids(shape, dtype=np.int32):
+    return ExtraSpec(shape, dtype)
+
+
+SEGMENT_REJECTED = {
+    "ids_per_head": (
+        make_spec(ops=[Segments(0, 1, -1e9)], extras=[_ids((1, 2, 128, 1)), _ids((1, 1, 1, 128))]),
+        "differ between heads",
+    ),
+    "int64_ids": (
+        make_spec(
+            ops=[Segments(0, 1, -1e9)],
+            extras=[_ids((1, 1, 128, 1), np.int64), _ids((1, 1, 1, 128), np.int64)],
+        ),
+        "int64",
+    ),
+    "float_ids": (
+        make_spec(
+            ops=[Segments(0, 1, -1e9)],
+            extras=[_ids((1, 1, 128, 1), F32), _ids((1, 1, 1, 128), F32)],
+        ),
+        "not integers",
+    ),
+    "query_ids_over_keys": (
+        make_spec(ops=[Segments(0, 1, -1e9)], extras=[_ids((1, 1, 1, 128)), _ids((1, 1, 1, 128))]),
+        "are not [B|1, 1, T, 1]",
+    ),
+    "missing_ids": (make_spec(ops=[Segments(0, 1, -1e9)]), "extra #0"),
+    "fill_not_excluding": (
+        make_spec(ops=[Segments(0, 1, -10.0)], extras=[_ids((1, 1, 128, 1)), _ids((1, 1, 1, 128))]),
+        "segment ids (packed documents) fill -10.0 ends as score -10",
+    ),
+    "two_segment_ops": (
+        make_spec(
+            ops=[Segments(0, 1, -1e9), Segments(2, 3, -1e9)],
+            extras=[_ids((1, 1, 128, 1)), _ids((1, 1, 1, 128))] * 2,
+        ),
+        "two segment-id masks",
+    ),
+    # An empty row would weigh the causally excluded keys (-inf) below the others.
+    "fills_differ": (
+        make_spec(
+            ops=[Causal(0, float("-inf")), Segments(0, 1, -1e9)],
+            extras=[_ids((1, 1, 128, 1)), _ids((1, 1, 1, 128))],
+        ),
+        "one fill",
+    ),
+    "fills_differ_after_scale": (
+        make_spec(
+            ops=[Segments(0, 1, -1e9), Scale(0.125), Causal(0, -1e9)],
+            extras=[_ids((1, 1, 128, 1)), _ids((1, 1, 1, 128))],
+        ),
+        "(-1e+09, -1.25e+08)",
+    ),
+    "window": (make_spec(ops=[Causal(0, -1e9), Window(16, None, -1e9)]), "local window"),
+}
+
+
+@pytest.mark.parametrize("name", list(SEGMENT_REJECTED))
+def test_segments_check_rejects(name):
+    spec, needle = SEGMENT_REJECTED[name]
+    reasons = KERNEL.check(spec, CPU_INTERPRET)
+    assert reasons and any(needle in r for r in reasons), reasons
+    with pytest.raises(ValueError, match="pallas_tpu cannot run"):
+        KERNEL.apply(spec, None, None, None)
+
+
+def test_segments_check_accepts():
+    """One fill shared by every excluding op (-inf included: the documented
+    mean-of-v rows), bool and 8/16/32-bit ids, ids broadcast over the batch."""
+    for dtype in (np.bool_, np.int8, np.uint16, np.int32, np.uint32):
+        for fill in (-1e9, float("-inf")):
+            spec = make_spec(
+                b=2,
+                ops=[Scale(0.125), Causal(0, fill), Segments(0, 1, fill)],
+                extras=[_ids((1, 1, 128, 1), dtype), _ids((2, 1, 1, 128), dtype)],
+            )
+            assert KERNEL.check(spec, CPU_INTERPRET) == [], (dtype, fill)
+
+
+def test_unknown_score_op_is_rejected():
+    @dataclasses.dataclass(frozen=True)
+    class Novel:
+        index: int = 0
+
+    (reason,) = KERNEL.check(make_spec(ops=[Scale(1 / 8), Novel()]), CPU_INTERPRET)
+    assert "unknown score op Novel" in reason
