@@ -18,6 +18,15 @@ the bias.  This module maps an `AttentionSpec` onto it exactly:
   masks whose fills exclude keys.  Bias sums are rounded to the input dtype.
 * ``Causal``: cuDNN's own causal mask when ``offset == 0`` and ``T == S``;
   otherwise ANDed into the boolean mask (materialised as ``[1, 1, T, S]``).
+* ``Window`` (#18): when the windows and the causal mask keep exactly the keys
+  ``i - left <= j <= i`` and ``T == S``, ``local_window_size=(left, 0)`` with
+  ``is_causal=True``: cuDNN's causal sliding window (JAX passes
+  ``sliding_window_length = left + 1``, keys ``(i - left - 1, i]``), the same
+  band in the XLA implementation; no ``T x S`` array.  A window's right
+  bound 0 implies any causal offset >= 0.  With masks, the rows they empty
+  within the window are found by prefix counts (key masks) or one pass over
+  the (already ``T x S``) mask, and every excluding op must end with one score
+  (`_util.shared_fill_reasons`).
 * Bias and masks are broadcast to ``[B|1, H|1, T, S]``.
 * With a bias or a mask and an odd ``T`` or ``S`` (cuDNN's training kernels
   want even lengths), both are padded by one: the padded key is masked out,
@@ -27,7 +36,10 @@ the bias.  This module maps an `AttentionSpec` onto it exactly:
 Not supported (rejected by `check`): float32 attention (cuDNN computes on
 16-bit inputs; a spec that keeps float32 q/k/v, weights or output would lose
 precision), Softcap, fills that do not exclude keys, head dims above the
-limit, and hosts whose jaxlib has no cuDNN.  No interpret mode: it only runs on
+limit, windows other than the causal sliding window on self-attention (cuDNN
+has no right window without its causal mask; a ``T x S`` mask would lose
+what the descriptor saves), chunk/prefix/segment-id masks, and hosts whose
+jaxlib has no cuDNN.  No interpret mode: it only runs on
 an NVIDIA GPU (`flashpass.compat.assume_cudnn` lets it be traced and lowered
 elsewhere, for tests).
 
@@ -44,12 +56,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from flashpass import compat
-from flashpass.spec import AttentionSpec
+from flashpass.spec import AttentionSpec, Window
 
 from . import _util
 from .base import CheckContext, Kernel
 
 _HEAD_MULTIPLE = 8
+#: Structured ops the adapter takes: `Window`, as cuDNN's causal sliding window.
+_STRUCTURED = frozenset({Window})
 
 
 def head_dim_limit() -> int:
@@ -66,12 +80,46 @@ class _Plan:
     is_causal: bool  # cuDNN's own causal mask (else folded into the mask)
     q_len: int  # padded to even when there is a bias/mask
     kv_len: int
+    #: the `Window` ops' keys ``i - left <= j <= i + right`` (with the causal
+    #: mask's bound on the right; None: unbounded), or None without a window
+    window_bounds: tuple[int, int | None] | None = None
+    #: ``local_window_size``, ``(left, 0)`` with ``is_causal``: cuDNN's causal
+    #: sliding window (None: no window, or one that excludes no key on the left)
+    window: tuple[int, int] | None = None
+
+
+def window_bounds(spec: AttentionSpec, form: _util.LinearForm):
+    """``(left, right)``: the keys ``i - left <= j <= i + right`` the spec's
+    `Window` ops and causal mask keep (``right`` None: unbounded), or None
+    without a `Window` op.  Several windows intersect."""
+    windows = [op for op in form.structured if isinstance(op, Window)]
+    if not windows:
+        return None
+    rights = [op.right for op in windows if op.right is not None]
+    if form.causal_offset is not None:
+        rights.append(form.causal_offset)
+    return min(op.left for op in windows), min(rights) if rights else None
+
+
+def _native_window(spec: AttentionSpec, bounds) -> bool:
+    """Whether ``bounds`` is cuDNN's causal sliding window: ``local_window_size
+    = (left, 0)`` with ``is_causal`` (keys ``i - left <= j <= i``), which
+    cuDNN takes on self-attention (its causal mask is used only for T == S)."""
+    left, right = bounds
+    return right == 0 and left >= 0 and spec.q_len == spec.kv_len
 
 
 def _plan(spec: AttentionSpec) -> _Plan:
-    form = _util.linear_form(spec)
+    form = _util.linear_form(spec, _STRUCTURED)
     offset = form.causal_offset
     is_causal = offset == 0 and spec.q_len == spec.kv_len
+    bounds = window_bounds(spec, form)
+    window = None
+    if bounds is not None and _native_window(spec, bounds):
+        # The window's right bound 0 implies the causal mask (any offset >= 0).
+        is_causal = True
+        if bounds[0] < spec.kv_len - 1:  # else it excludes no key on the left
+            window = (bounds[0], 0)
     masked = bool(form.biases or form.masks) or (offset is not None and not is_causal)
     q_len, kv_len = spec.q_len, spec.kv_len
     if masked and (q_len % 2 or kv_len % 2):
@@ -83,6 +131,8 @@ def _plan(spec: AttentionSpec) -> _Plan:
         is_causal=is_causal,
         q_len=q_len,
         kv_len=kv_len,
+        window_bounds=bounds,
+        window=window,
     )
 
 
@@ -114,15 +164,45 @@ def _reasons(spec: AttentionSpec) -> list[str]:
             "logit soft-capping is not supported by cuDNN attention in "
             "jax.nn.dot_product_attention; use the 'blockwise' kernel"
         )
+    if plan.window_bounds is not None:
+        left, right = plan.window_bounds
+        if not _native_window(spec, plan.window_bounds):
+            right_words = "unbounded" if right is None else f"i + {right}"
+            reasons.append(
+                "cuDNN takes a local window only as a causal sliding window on "
+                "self-attention (keys i - left <= j <= i: local_window_size=(left, 0) with "
+                f"its causal mask, q_len == kv_len); this window keeps keys i - {left} <= j "
+                f"<= {right_words} with q_len={spec.q_len}, kv_len={spec.kv_len}: use the "
+                "'blockwise' kernel, which skips the blocks it excludes"
+            )
+        elif form.masks:
+            reasons += _util.shared_fill_reasons(spec, "a local window together with a mask")
     return reasons
+
+
+def _window_empty(spec: AttentionSpec, keep, left: int):
+    """``[b, h, T, 1]``: the rows in which the keep-mask ``keep`` (``[b, h,
+    T|1, S]``) leaves no key of the causal window ``i - left <= j <= i``.
+    Key masks in O(T + S) (prefix counts), others in one T x S pass."""
+    rows = np.arange(spec.q_len)
+    if keep.shape[2] == 1:
+        counts = jnp.cumsum(keep[:, :, 0, :].astype(jnp.int32), axis=-1)
+        counts = jnp.pad(counts, ((0, 0), (0, 0), (1, 0)))  # counts[j]: kept keys < j
+        hi = np.minimum(rows, spec.kv_len - 1) + 1
+        lo = np.clip(rows - left, 0, spec.kv_len)
+        return (counts[..., hi] - counts[..., lo] == 0)[..., None]
+    cols = jnp.arange(spec.kv_len)[None, :]
+    band = (cols >= jnp.asarray(rows)[:, None] - left) & (cols <= jnp.asarray(rows)[:, None])
+    return ~jnp.any(keep & band, axis=-1, keepdims=True)
 
 
 class CudnnKernel(Kernel):
     """cuDNN flash attention through ``jax.nn.dot_product_attention``.
 
     NVIDIA GPUs only (no interpret mode).  Supports Scale, Bias (with gradient),
-    boolean Mask and Causal (any offset >= 0) ops, GQA/MQA natively, any
-    sequence length, head dims up to 128 (256 on Hopper+), bfloat16/float16.
+    boolean Mask and Causal (any offset >= 0) ops, causal sliding windows
+    (`Window`, self-attention), GQA/MQA natively, any sequence length, head
+    dims up to 128 (256 on Hopper+), bfloat16/float16.
     Rejects float32 attention, Softcap and non-excluding fills.  Reverse-mode AD.
     """
 
@@ -130,7 +210,7 @@ class CudnnKernel(Kernel):
     platforms = ("gpu",)
     interpret_platforms = ()
     dtypes = frozenset({"bfloat16", "float16"})
-    descriptors = frozenset({"causal", "mask", "key_mask", "bias", "gqa"})
+    descriptors = frozenset({"causal", "mask", "key_mask", "bias", "gqa", "window"})
     grad = True
     partitionable = True  # jax.nn.dot_product_attention's custom_partitioning
     plain_jax = False
@@ -180,6 +260,9 @@ class CudnnKernel(Kernel):
             bias = _util.pad_axis(_util.pad_axis(bias, 2, Tp), 3, Sp)
 
         keep, empty = _util.combined_keep(spec, form.masks, extras, offset=form.causal_offset)
+        if plan.window_bounds is not None and keep is not None:
+            # (check: the window is native, keys i - left <= j <= i)
+            empty = _window_empty(spec, keep, plan.window_bounds[0])
         if form.causal_offset is not None and not plan.is_causal:
             causal = jnp.asarray(_util.causal_keep(spec, form.causal_offset))
             keep = causal if keep is None else keep & causal
@@ -198,6 +281,7 @@ class CudnnKernel(Kernel):
             mask=keep,
             scale=form.scale,
             is_causal=plan.is_causal,
+            local_window_size=plan.window,
             implementation=self.implementation,
         )
         out = jnp.swapaxes(out, 1, 2)[:, :, :T, : spec.v_head_dim].astype(spec.out_dtype)

@@ -9,6 +9,8 @@ test_conformance.py (``cudnn_xla``), and on a GPU for real (``cudnn``).
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -27,7 +29,8 @@ from kernel_testing import spec_of as _spec_of
 
 from flashpass import compat
 from flashpass.kernels import Causal, CheckContext, Mask, Scale, Softcap, get_kernel
-from flashpass.kernels.cudnn import CudnnKernel, _plan
+from flashpass.kernels.cudnn import CudnnKernel, _plan, _window_empty
+from flashpass.spec import Window
 
 KERNEL = get_kernel("cudnn")
 GPU = CheckContext(platform="gpu")
@@ -162,3 +165,141 @@ def test_runs_on_gpu():
     keep[1, ..., :20] = False
     bias = normal(spec.extras[0].shape, 3, BF16)
     run_and_compare(KERNEL, spec, [bias, jnp.asarray(keep)], tol=3e-2, interpret=False)
+
+
+# --------------------------------------------------------------------------- local windows
+
+
+def _ws(ops, *, t=16, s=None, extras=()):
+    return spec_of(t=t, s=s, ops=[Scale(0.25), *ops], extras=extras)
+
+
+#: Windows cuDNN takes natively: ``(spec, local_window_size)``.
+NATIVE_WINDOWS = {
+    "causal_then_window": (_ws([Causal(0, -1e9), Window(5, None, -1e9)]), (5, 0)),
+    "window_right_0": (_ws([Window(5, 0, -1e9)]), (5, 0)),
+    # The window's right bound 0 implies a causal mask with any offset >= 0.
+    "causal_offset_within_window": (_ws([Causal(3, -1e9), Window(4, 0, -1e9)]), (4, 0)),
+    "causal_bounds_window": (_ws([Window(4, 6, -1e9), Causal(0, -1e9)]), (4, 0)),
+    "two_windows_intersect": (_ws([Window(9, 0, -1e9), Window(4, 2, -1e9)]), (4, 0)),
+    # A window reaching every earlier key is the causal mask alone.
+    "wide_window_is_causal": (_ws([Causal(0, -1e9), Window(15, None, -1e9)]), None),
+}
+
+
+@pytest.mark.parametrize("name", list(NATIVE_WINDOWS))
+def test_native_windows(name):
+    spec, window = NATIVE_WINDOWS[name]
+    with compat.assume_cudnn():
+        assert KERNEL.check(spec, GPU) == []
+    plan = _plan(spec)
+    assert plan.is_causal and plan.window == window
+
+
+_wm, _wme = mask_op(0, (2, 1, 1, 16))
+_wm_inf, _wme_inf = mask_op(0, (2, 1, 1, 16), fill=float("-inf"))
+WINDOW_REJECTED = {
+    "bidirectional": _ws([Window(3, 3, -1e9)]),
+    "unbounded_right": _ws([Window(3, None, -1e9)]),
+    "causal_offset_right": _ws([Causal(2, -1e9), Window(3, None, -1e9)]),
+    "cross_attention": _ws([Causal(0, -1e9), Window(3, None, -1e9)], s=24),
+}
+
+
+@pytest.mark.parametrize("name", list(WINDOW_REJECTED))
+def test_windows_cudnn_cannot_take_are_rejected(name):
+    with compat.assume_cudnn():
+        reasons = KERNEL.check(WINDOW_REJECTED[name], GPU)
+    assert any("causal sliding window" in r and "'blockwise'" in r for r in reasons), reasons
+    with pytest.raises(ValueError, match="cudnn cannot run"):
+        KERNEL.apply(WINDOW_REJECTED[name], None, None, None)
+
+
+def test_window_with_a_mask_needs_one_fill():
+    """A mask can empty a window row; the reference weighs its keys by their
+    fills, the mean of v is its result only for one shared fill."""
+    ops = [_wm_inf, Causal(0, -1e9), Window(4, None, -1e9)]
+    with compat.assume_cudnn():
+        reasons = KERNEL.check(_ws(ops, extras=[_wme_inf]), GPU)
+        assert any("one fill" in r for r in reasons), reasons
+        ops = [_wm, Causal(0, -1e9), Window(4, None, -1e9)]
+        assert KERNEL.check(_ws(ops, extras=[_wme]), GPU) == []
+
+
+def _window_with_masks(mask_shape):
+    """GQA, odd length (padded by one for the mask and bias), a bias, a mask,
+    a causal sliding window: rows the mask and the window empty together."""
+    t = 21
+    b, be = bias_op(0, (1, 4, t, t), BF16)
+    m, me = mask_op(1, mask_shape)
+    ops = [Scale(0.3), b, m, Causal(0, -1e9), Window(3, None, -1e9)]
+    spec = spec_of(h=4, hkv=2, t=t, d=20, dv=12, ops=ops, extras=[be, me])
+    keep = np.ones(mask_shape, bool)
+    keep[0, ..., 5:12] = False  # rows 8..11 of example 0 see no key of their window
+    keep[1] = False  # a fully masked example
+    if mask_shape[2] > 1:
+        keep[0, :, 17, :] = False  # and a fully masked query row
+    return spec, [normal(be.shape, 3, BF16), jnp.asarray(keep)]
+
+
+@pytest.mark.parametrize("left", [0, 1, 3, 20, 40])
+def test_window_empty_rows(left):
+    """The rows a mask empties within the causal window ``[i - left, i]``:
+    key masks by prefix counts, other masks by a T x S pass, both against
+    brute force.  (XLA's implementation masks a window's keys like the
+    mask's, so the numerics alone barely see these rows; cuDNN skips them.)"""
+    t = 21
+    spec = spec_of(t=t, ops=[Causal(0, -1e9), Window(left, None, -1e9)])
+    rng = np.random.default_rng(left)
+    rows, cols = np.arange(t)[:, None], np.arange(t)[None, :]
+    band = (cols >= rows - left) & (cols <= rows)
+    for shape in ((2, 3, 1, t), (2, 1, t, t)):
+        keep = rng.random(shape) < 0.25
+        expected = ~np.any(keep & band, axis=-1, keepdims=True)
+        got = _window_empty(spec, jnp.asarray(keep), left)
+        assert got.shape == (*shape[:2], t, 1)
+        np.testing.assert_array_equal(np.asarray(got), expected)
+
+
+@pytest.mark.parametrize(
+    "mask_shape",
+    [(2, 1, 1, 21), pytest.param((2, 1, 21, 21), marks=pytest.mark.slow)],
+    ids=["key_mask", "query_mask"],
+)
+def test_xla_implementation_window_with_masks(mask_shape):
+    spec, extras = _window_with_masks(mask_shape)
+    with compat.assume_cudnn():
+        assert KERNEL.check(spec, GPU) == []
+    assert _plan(spec).window == (3, 0)
+    run_and_compare(CudnnKernel(implementation="xla"), spec, extras, tol=3e-2)
+
+
+def test_window_traces_and_lowers_for_gpu_without_one():
+    """Forward and gradient of a causal sliding window lower to cuDNN fused
+    attention (``local_window_size`` becomes its sliding window)."""
+    spec = spec_of(
+        b=2, h=4, t=128, d=64, ops=[Scale(0.125), Causal(0, -1e9), Window(31, None, -1e9)]
+    )
+    shapes = _shapes(spec)
+
+    def fwd(q, k, v):
+        return KERNEL.apply(spec, q, k, v)
+
+    def grad(q, k, v):
+        return jax.grad(lambda *a: fwd(*a).astype(jnp.float32).sum(), argnums=(0, 1, 2))(q, k, v)
+
+    with compat.assume_cudnn():
+        fwd_hlo = compat.lower_for_gpu(fwd, *shapes)
+        grad_hlo = compat.lower_for_gpu(grad, *shapes)
+    assert "__cudnn$fmha" in fwd_hlo and "Backward" in grad_hlo
+    # cuDNN's window is (pos - length, pos]: length = left + 1, with its causal mask.
+    for hlo in (fwd_hlo, grad_hlo):
+        config = hlo.replace("\\22", '"')  # the backend config's escaped quotes
+        assert re.search(r'"sliding_window_length": 32\b', config)
+        assert re.search(r'"mask_type": "CAUSAL"', config)
+
+
+@requires_gpu
+def test_window_runs_on_gpu():
+    spec, extras = _window_with_masks((2, 1, 1, 21))
+    run_and_compare(KERNEL, spec, extras, tol=3e-2, interpret=False)
