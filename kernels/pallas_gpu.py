@@ -31,7 +31,12 @@ blocks.  This module maps an `AttentionSpec` onto it exactly:
 * ``interpret=True`` runs the kernel in Pallas interpret mode (any platform).
 
 Not supported (rejected by `check`): Bias ops, Softcap, masks that vary over
-queries, non-positive scales, float64.
+queries, non-positive scales, float64, and structured masks.  Segment ids
+(`Segments`) are rejected although the kernel has a ``segment_ids`` argument:
+it is one array read for both the query rows and the keys at each position
+(``seg[i] == seg[j]``), exact only when the query ids and the key ids are one
+array (self-attention with causal offset 0), which the spec cannot prove (its
+query and key ids are separate extras).
 
 Rows in which every key is excluded: the mean of ``v`` over all keys (the
 reference's result when the excluded keys share one finite fill).
@@ -51,7 +56,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from flashpass import compat
-from flashpass.spec import AttentionSpec
+from flashpass.spec import AttentionSpec, Segments
 
 from . import _util
 from .base import CheckContext, Kernel
@@ -82,9 +87,19 @@ class _Plan:
 
 def _reasons(spec: AttentionSpec) -> list[str]:
     label = "the Pallas GPU attention kernel"
-    reasons, form = _util.linear_reasons(spec, label, bias_instead="cudnn")
+    reasons, form = _util.linear_reasons(
+        spec, label, bias_instead="cudnn", structured=frozenset({Segments})
+    )
     if form is None:
         return reasons
+    if any(isinstance(op, Segments) for op in form.structured):
+        reasons.append(
+            "segment ids (packed documents) are not supported: the Pallas GPU kernel takes "
+            "one segment-id array for queries and keys (query row p and key p share one "
+            "id), which is exact only when the query and key ids are the same array, and "
+            "the attention's query and key ids are separate inputs that nothing proves "
+            "equal; use the 'blockwise' kernel, which skips the blocks across documents"
+        )
     if form.softcap is not None:
         reasons.append(
             "logit soft-capping is not supported by the Pallas GPU attention kernel; "

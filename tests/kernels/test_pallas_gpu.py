@@ -16,6 +16,7 @@ from kernel_testing import BF16, F32, bias_op, mask_op, run_and_compare, spec_of
 from flashpass import compat
 from flashpass.kernels import Causal, CheckContext, Scale, Softcap, get_kernel
 from flashpass.kernels.pallas_gpu import PallasGpuKernel
+from flashpass.spec import Segments
 
 KERNEL = get_kernel("pallas_gpu")
 GPU = CheckContext(platform="gpu")
@@ -82,6 +83,14 @@ REJECTED = {
     "query_mask": (spec_of(ops=[_q], extras=[_qe]), "varies over queries"),
     "zero_scale": (spec_of(ops=[Scale(0.0)]), "not positive"),
     "float64": (spec_of(dtype=np.float64, compute=np.float64), "float64"),
+    # The kernel's one id array serves queries and keys: separate ids are not exact.
+    "segments": (
+        spec_of(
+            ops=[Scale(0.25), Causal(0, -1e9), Segments(0, 1, -1e9)],
+            extras=[((2, 1, 16, 1), np.int32), ((2, 1, 1, 16), np.int32)],
+        ),
+        "one segment-id array for queries and keys",
+    ),
 }
 
 
