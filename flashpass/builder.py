@@ -35,6 +35,7 @@ class SiteBuilder:
         self._causal: list = []  # (Causal op, CausalSource) in program order
         self.mask_steps: list = []  # MaskSteps, to prove a re-mask of the probabilities
         self.other_exclusions = False  # a key-excluding op not from a MaskStep
+        self.sink: str | None = None  # "end"/"start": a sink column concatenated there
         self.problem: Miss | None = None  # set by a step's side array the layout can't take
 
     # ------------------------------------------------------------------ for steps
@@ -63,8 +64,13 @@ class SiteBuilder:
     def build_ops(self, steps) -> Miss | None:
         """Apply every step, then fold soft-caps and settle causal ops."""
         for step in steps:
-            before = len(self.ops)
+            before, sink = len(self.ops), self.sink
             problem = step.apply(self)  # a Miss is falsy: test for None
+            if problem is None and sink is not None and len(self.ops) > before:
+                problem = Miss(
+                    "a score operation after the sink column is concatenated (it would "
+                    "change the sink too)"
+                )
             problem = self.problem if problem is None else problem
             if problem is not None:
                 if problem.node is None:
@@ -100,4 +106,5 @@ class SiteBuilder:
             for i, op in enumerate(self.ops)
             if hasattr(op, "fill")
         ]
-        return ScoreMasks(tuple(self.mask_steps), exact=all(fills) and not self.other_exclusions)
+        exact = all(fills) and not self.other_exclusions
+        return ScoreMasks(tuple(self.mask_steps), exact=exact, sink=self.sink)

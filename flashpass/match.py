@@ -145,13 +145,22 @@ def _build_site(scope: Scope, soft, chain, sp) -> AttentionSite | Miss:
             ops, extras = [*ops, op], [*extras, key]
         else:  # "row_keep": zero the rows the score masks exclude entirely
             post.append(("row_keep",))
-    if soft.shift is not None:
+    if soft.shifts:
         cone = scope.forward_cone([dot.out], until=root.order)
-        nodes |= scope.backward_cone([soft.shift], since=dot.order) & cone
+        nodes |= scope.backward_cone(list(soft.shifts), since=dot.order) & cone
 
     problem = _check_unknown(scope, dot, root, nodes)
     if problem is not None:
         return problem
+    # A side operand computed from the scores (hidden inside a shift's cone
+    # above, which may read anything) cannot be a kernel input.
+    cone = scope.forward_cone([dot.out], until=root.order)
+    for atom in [e.atom for e in extras] + [atom for atom, _ in build.q_scales]:
+        node = scope.producer(atom)
+        if node is not None and node in cone:
+            return Miss(
+                f"a side operand of the scores is computed from the scores{where(node)}", node
+            )
     escape = _escape(scope, root, nodes)
 
     for name, atom in (("query", sp.q), ("key", sp.k), ("value", out.v)):

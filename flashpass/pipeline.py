@@ -280,13 +280,23 @@ def _failure_for(plan: Plan, prefix: tuple) -> str | None:
 
 
 def _rewrite_entry(p: PlannedSite, scope_name: str, ring: bool = False) -> Rewrite:
-    from flashpass.spec import Bias, Causal, Chunk, KvLengths, Mask, Prefix, Segments, Window
+    from flashpass.spec import (
+        Bias,
+        Causal,
+        Chunk,
+        KvLengths,
+        Mask,
+        Prefix,
+        Segments,
+        Sink,
+        Window,
+    )
 
     spec = p.site.spec
     # Name each structured descriptor (e.g. "causal+window"), so a site the
     # kernel runs as an O(T) descriptor is told apart from a dense mask.
     words = {Causal: "causal", Window: "window", Chunk: "chunk", Prefix: "prefix"}
-    words.update({Segments: "segments", KvLengths: "kv_lengths"})
+    words.update({Segments: "segments", KvLengths: "kv_lengths", Sink: "sinks"})
     kinds = [word for kind, word in words.items() if spec.ops_of(kind)]
     if spec.ops_of(Mask):
         kinds.append("boolean")

@@ -13,8 +13,9 @@ The kernel returns ``[B, H, T, Dv]`` in ``spec.out_dtype``.  The score function
 it must implement is, in order::
 
     s = q @ k^T                      (accumulated in spec.compute_dtype)
-    for op in spec.score_ops: s = op(s)      (but `Dropout`)
-    p = softmax(s, axis=-1)          (in spec.compute_dtype)
+    for op in spec.score_ops: s = op(s)      (but `Dropout` and `Sink`)
+    p = softmax(s, axis=-1)          (in spec.compute_dtype; with a `Sink`,
+                                      over [s, sink] and the sink column dropped)
     p = dropout(p)                   (a `Dropout` op, if any)
     p = p.astype(spec.p_dtype)
     out = p @ v
@@ -208,6 +209,24 @@ class Dropout:
         return int(np.prod(self.mask_shape, dtype=np.int64))
 
 
+@dataclasses.dataclass(frozen=True)
+class Sink:
+    """Attention sinks: one extra logit per row joins the softmax's normaliser
+    but has no value (gpt-oss, StreamingLLM)::
+
+        p = softmax(concat([s, sink], axis=-1))[..., :S]
+
+    ``sink = extras[index]``, 4-D ``[B|1, H|1, T|1, 1]`` (usually one learned
+    logit per head), in the scores' dtype.  Not a score op: whatever its
+    position in ``score_ops`` (the matcher puts it after the score ops), it
+    only enters the softmax.  Rows whose every key is excluded put all their
+    weight on the sink: their output is zero, not the mean of ``v``.
+    """
+
+    index: int
+    shape: tuple[int, ...]
+
+
 ScoreOp = (
     Scale
     | Bias
@@ -220,6 +239,7 @@ ScoreOp = (
     | Softcap
     | KvLengths
     | Dropout
+    | Sink
 )
 
 #: What a spec may use beyond plain scaled attention (`AttentionSpec.descriptors`),
@@ -237,6 +257,7 @@ DESCRIPTORS = {
     "prefix": "prefix-LM (static prefix length)",
     "segments": "segment ids (packed documents) `q_ids == kv_ids`",
     "kv_lengths": "per-row kv lengths (`j < lengths[b]`)",
+    "sinks": "attention sinks (a per-row logit in the softmax)",
 }
 #: The floating dtypes attention can compute in, by name.
 FLOAT_DTYPES = frozenset({"bfloat16", "float16", "float32", "float64"})
@@ -337,6 +358,12 @@ class AttentionSpec:
         return value
 
     @property
+    def sink(self) -> Sink | None:
+        """The `Sink` op (attention sinks), if any."""
+        found = [op for op in self.score_ops if isinstance(op, Sink)]
+        return found[0] if found else None
+
+    @property
     def dropout(self) -> Dropout | None:
         """The `Dropout` op on the probabilities, if any."""
         found = [op for op in self.score_ops if isinstance(op, Dropout)]
@@ -387,7 +414,13 @@ class AttentionSpec:
         return out
 
 
-_DESCRIPTOR_OF = {Window: "window", Chunk: "chunk", Prefix: "prefix", Segments: "segments"}
+_DESCRIPTOR_OF = {
+    Window: "window",
+    Chunk: "chunk",
+    Prefix: "prefix",
+    Segments: "segments",
+    Sink: "sinks",
+}
 
 
 def _op_to_dict(op) -> dict:

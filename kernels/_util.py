@@ -36,6 +36,7 @@ from flashpass.spec import (
     Prefix,
     Scale,
     Segments,
+    Sink,
     Softcap,
     Window,
     excludes,
@@ -173,6 +174,8 @@ def linear_form(spec: AttentionSpec, structured: frozenset = frozenset()) -> Lin
                 offsets.append(op.offset)
         elif isinstance(op, KvLengths):
             reasons.append(KV_LENGTHS_REASON)
+        elif isinstance(op, Sink):
+            reasons.append(SINK_REASON)
         elif type(op) in structured:
             reasons += exclusion_reasons(spec, position)
             kept.append(op)
@@ -264,6 +267,13 @@ def extra_reasons(spec: AttentionSpec) -> list[str]:
 KV_LENGTHS_REASON = (
     "per-row kv lengths (a `j < lengths[b]` mask) are not supported by this kernel; "
     "the 'blockwise' kernel skips the blocks past each row's length"
+)
+
+
+#: Why a library adapter declines a `Sink` op (none declares "sinks"; `linear_form` gives it).
+SINK_REASON = (
+    "attention sinks (a per-row logit that joins the softmax's normaliser) are not "
+    "supported by this kernel; the 'blockwise' kernel starts its online softmax from them"
 )
 
 

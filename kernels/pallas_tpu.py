@@ -83,6 +83,7 @@ from flashpass.spec import (
     Prefix,
     Scale,
     Segments,
+    Sink,
     Softcap,
     Window,
 )
@@ -198,6 +199,8 @@ def _spec_reasons(spec: AttentionSpec) -> list[str]:
             reasons.append(_util.KV_LENGTHS_REASON)
         elif isinstance(op, Segments):
             reasons += _util.exclusion_reasons(spec, position)
+        elif isinstance(op, Sink):
+            reasons.append(_util.SINK_REASON)
         elif not isinstance(op, _KNOWN_OPS):
             reasons.append(
                 f"unknown score op {type(op).__name__}: the TPU flash kernel adapter does "

@@ -22,6 +22,7 @@ from flashpass.spec import (
     Mask,
     Prefix,
     Scale,
+    Sink,
     Softcap,
     Window,
 )
@@ -68,8 +69,8 @@ def apply_score_ops(spec: AttentionSpec, s, extras, q_pos=None, k_pos=None, tran
         elif isinstance(op, Softcap):
             cap = jnp.asarray(op.cap, s.dtype)
             s = cap * jnp.tanh(s / cap)
-        elif isinstance(op, Dropout):
-            continue  # applies to the probabilities (`dropout`), not the scores
+        elif isinstance(op, Dropout | Sink):
+            continue  # enter the softmax (`softmax_with_sink`) or its output, not the scores
         elif isinstance(op, KvLengths):
             if k_pos is None:
                 k_pos = jnp.arange(s.shape[-1])
@@ -109,6 +110,16 @@ def repeat_kv(spec: AttentionSpec, x):
     return jnp.repeat(x, spec.groups, axis=1)
 
 
+def softmax_with_sink(spec: AttentionSpec, s, extras):
+    """``softmax(s)`` over the last axis, with the spec's `Sink` logit (if any)
+    joining the normaliser: ``softmax(concat([s, sink]))[..., :-1]``."""
+    op = spec.sink
+    if op is None:
+        return jax.nn.softmax(s, axis=-1)
+    sink = jnp.broadcast_to(extras[op.index].astype(s.dtype), (*s.shape[:-1], 1))
+    return jax.nn.softmax(jnp.concatenate([s, sink], axis=-1), axis=-1)[..., :-1]
+
+
 def reference_attention(spec: AttentionSpec, q, k, v, extras=(), *, dtype=None):
     """Naive attention for ``spec``; ``dtype`` overrides the compute dtype
     (tests use float64 as the oracle)."""
@@ -117,7 +128,7 @@ def reference_attention(spec: AttentionSpec, q, k, v, extras=(), *, dtype=None):
     v = repeat_kv(spec, v)
     s = jnp.einsum("bhtd,bhsd->bhts", q.astype(cdt), k.astype(cdt), preferred_element_type=cdt)
     s = apply_score_ops(spec, s, extras)
-    p = jax.nn.softmax(s, axis=-1)
+    p = softmax_with_sink(spec, s, extras)
     drop = spec.dropout
     if drop is not None:
         p = apply_dropout(drop, p, reference_keep(spec, drop, extras[drop.index]))

@@ -2,7 +2,7 @@
 
 Walking back from the softmax input, each equation must be recognised by a
 rule registered here by one of the piece modules (`scale`, `bias`, `masks`,
-`softcap`, `layout`).  A rule returns the possible readings of the equation as
+`softcap`, `layout`, `sinks`...).  A rule returns the possible readings of the equation as
 `Step`s (which operand carries the scores, what the other operand means); the
 walk tries them in order until one reaches the score ``dot_general``.  An
 equation no rule knows ends the match with a reason: nothing is skipped.
@@ -112,4 +112,14 @@ def _walk(scope: Scope, atom, steps: list) -> Chain | Miss:
 
 def ensure_loaded() -> None:
     """Import the piece modules so their rules are registered."""
-    from . import bias, layout, lengths, masks, regroup, scale, softcap, structured  # noqa: F401
+    from . import (  # noqa: F401
+        bias,
+        layout,
+        lengths,
+        masks,
+        regroup,
+        scale,
+        sinks,
+        softcap,
+        structured,
+    )

@@ -68,6 +68,9 @@ class ScoreMasks:
 
     steps: tuple = ()
     exact: bool = False
+    #: "end"/"start": the scores carry a sink column there (`patterns.sinks`),
+    #: which a ``slice`` must drop before ``P·V``.
+    sink: str | None = None
 
 
 def _factor_keys(scope: Scope, prof, roles, keep_when: bool):
@@ -104,6 +107,7 @@ def walk_probabilities(
     post: list = []
     atom = p
     roles = list(roles)
+    sink = masks.sink  # still to be sliced off
     while True:
         users = [u for u in scope.consumers(atom) if u[0] not in ignore]
         # ``outputs_ok``: a returned value is left to the escape check (match.py),
@@ -133,6 +137,22 @@ def walk_probabilities(
             nodes.add(node)
             atom = node.out
             continue
+        if node.prim == "slice" and sink is not None:
+            if not _drops_sink(node, scope.shape(atom), roles.index("S"), sink):
+                return Miss(
+                    f"the probabilities are sliced other than to drop the sink column{where(node)}",
+                    node,
+                )
+            sink = None
+            nodes.add(node)
+            atom = node.out
+            continue
+        if sink is not None:
+            return Miss(
+                f"the probabilities keep the sink column on the way to `{node.prim}` (it "
+                f"must be sliced off before P·V){where(node)}",
+                node,
+            )
         if node.prim in REGROUP_PRIMS and pos == 0 and len(node.ins) == 1:
             new = regroup(node, roles, scope.shape(atom), scope.shape(node.out))
             if isinstance(new, str):
@@ -184,6 +204,19 @@ def walk_probabilities(
             atom = node.out
             continue
         return ProbabilityPath(atom, roles, nodes, post, (node, pos))
+
+
+def _drops_sink(node, shape, axis: int, at: str) -> bool:
+    """Whether the ``slice`` ``node`` of an array of ``shape`` keeps everything
+    but the sink column at ``at`` ("end"/"start") of ``axis``."""
+    strides = node.params.get("strides")
+    if strides is not None and any(s != 1 for s in strides):
+        return False
+    start, limit = node.params["start_indices"], node.params["limit_indices"]
+    keep = (0, shape[axis] - 1) if at == "end" else (1, shape[axis])
+    return all(
+        (start[a], limit[a]) == (keep if a == axis else (0, shape[a])) for a in range(len(shape))
+    )
 
 
 def _dropout(scope: Scope, node, pos: int, roles: list, post: list):

@@ -41,6 +41,7 @@ class Softmax:
     nodes: set  # equations that belong to the softmax itself
     dtype: object  # dtype the softmax is computed in
     deferred: object = None  # the sum to divide P·V by, when normalisation is deferred
+    shifts: tuple = ()  # every row constant subtracted before the exp (``shift`` first)
 
 
 def match_softmax(scope: Scope, exp: Node) -> Softmax | Miss:
@@ -94,7 +95,19 @@ def match_softmax(scope: Scope, exp: Node) -> Softmax | Miss:
             nodes.add(sub)
         elif scope.producer(sub.ins[0]) in scope.backward_cone([c]):
             return Miss(f"exp(s - c) where c varies along the softmax axis {axis}{where(sub)}", sub)
-    return Softmax(exp, axis, s_in, shift, out, nodes, scope.dtype(e), deferred)
+    shifts = () if shift is None else (shift,)
+    # More row constants subtracted right before (code that stabilises the
+    # logits itself, then calls jax.nn.softmax): the same invariance.
+    while shift is not None:
+        sub = scope.producer(s_in)
+        if sub is None or sub.prim != "sub":
+            break
+        c = sub.ins[1]
+        if profile(scope, c, scope.shape(s_in)).axes[axis] is not None:
+            break
+        shifts, s_in = (*shifts, c), sub.ins[0]
+        nodes.add(sub)
+    return Softmax(exp, axis, s_in, shift, out, nodes, scope.dtype(e), deferred, shifts)
 
 
 def _sums_of(scope: Scope, e) -> list:

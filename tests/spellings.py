@@ -562,3 +562,23 @@ if UNIT_AXIS_MATMUL:
         }
     )
 CAUSAL.update({"gemma_gqa", "gemma_mqa"})
+
+
+# ---------------------------------------------------------------- attention sinks (#18, #20)
+
+
+def attention_sinks(q, k, v, sinks):
+    # keras-hub's gpt-oss: a learned logit per head concatenated to the causal
+    # scores, the max over scores and sink subtracted, the sink column dropped.
+    s = jnp.einsum("bthd,bshd->bhts", q, k) * 0.35
+    t, n = s.shape[-2:]
+    s = jnp.where(jnp.tril(jnp.ones((t, n), bool)), s, -1e9)
+    col = jnp.broadcast_to(sinks.reshape(1, -1, 1, 1), (*s.shape[:-1], 1)).astype(s.dtype)
+    c = jnp.concatenate([s, col], axis=-1)
+    c = c - lax.stop_gradient(c.max(-1, keepdims=True))
+    p = jax.nn.softmax(c, axis=-1)[..., :-1]
+    return jnp.einsum("bhts,bshd->bthd", p, v)
+
+
+POSITIVE["attention_sinks"] = (attention_sinks, lambda r: (*btnh(r), _normal(r, (H,))))
+CAUSAL.add("attention_sinks")

@@ -33,6 +33,7 @@ from flashpass.spec import (
     Prefix,
     Scale,
     Segments,
+    Sink,
     Softcap,
     Window,
 )
@@ -41,7 +42,8 @@ from flashpass.spec import (
 def skip_run(spec: AttentionSpec) -> tuple[int, int] | None:
     """``(first, last)`` positions of the structured ops when the blocks they
     exclude may be skipped: one consecutive run of them, one fill, and only
-    Scale/Softcap after it (so every excluded key ends with one score)."""
+    Scale/Softcap (or the non-score Dropout/Sink) after it (so every excluded
+    key ends with one score)."""
     ops = spec.score_ops
     at = [i for i, op in enumerate(ops) if isinstance(op, STRUCTURED)]
     if not at:
@@ -49,7 +51,7 @@ def skip_run(spec: AttentionSpec) -> tuple[int, int] | None:
     first, last = at[0], at[-1]
     if last - first + 1 != len(at) or len({ops[i].fill for i in at}) != 1:
         return None
-    if not all(isinstance(op, Scale | Softcap | Dropout) for op in ops[last + 1 :]):
+    if not all(isinstance(op, Scale | Softcap | Dropout | Sink) for op in ops[last + 1 :]):
         return None
     c = spec.final_fill(last, ops[last].fill)
     if not (math.isfinite(c) or c == -math.inf):

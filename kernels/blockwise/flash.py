@@ -31,6 +31,7 @@ from .tiles import (
     dot_operands,
     extra5,
     extra_cotangents,
+    extra_rows,
     grouped,
     gshape,
     loop,
@@ -59,7 +60,9 @@ def forward(plan: Plan, q, k, v, extras):
     kp = _util.pad_axis(k, 2, sp)
     vp = _util.pad_axis(v, 2, sp)
     key, extras = _split_key(spec, extras)
+    sink, extras = _split_sink(spec, extras, cdt)
     ex5 = [extra5(spec, x, tp, sp) for x in extras]
+    sink5 = None if sink is None else extra5(spec, sink, tp, 1)
     p_dtype = spec.p_dtype
 
     finite_segments = plan.segments is not None and np.isfinite(plan.segment_score)
@@ -104,11 +107,15 @@ def forward(plan: Plan, q, k, v, extras):
 
             return body
 
-        state = (
-            jnp.full((B, Hkv, rows), -jnp.inf, cdt),
-            jnp.zeros((B, Hkv, rows), cdt),
-            jnp.zeros((B, Hkv, rows, Dv), cdt),
-        )
+        if sink5 is None:
+            m0, den0 = jnp.full((B, Hkv, rows), -jnp.inf, cdt), jnp.zeros((B, Hkv, rows), cdt)
+        else:
+            # The sink is one more score of weight exp(sink - m) and no value:
+            # the running max and sum start from it (exactly 0 for a -inf sink).
+            m0 = extra_rows(plan, slice_t(sink5, iq * plan.bq, plan.bq))[..., 0]
+            m0 = jnp.broadcast_to(m0.astype(cdt), (B, Hkv, rows))
+            den0 = jnp.where(m0 == -jnp.inf, 0, 1).astype(cdt)
+        state = (m0, den0, jnp.zeros((B, Hkv, rows, Dv), cdt))
 
         def fold(state, n, vsum):
             # Keys that all score c: fold them in as n copies of c with the sum
@@ -184,6 +191,7 @@ def backward(plan: Plan, q, k, v, extras, out, m, den, dout, wanted):
     do5 = _util.pad_axis(grouped(plan, dout), -2, tp)
     out5 = _util.pad_axis(grouped(plan, out), -2, tp)
     key, kernel_extras = _split_key(spec, extras)
+    _, kernel_extras = _split_sink(spec, kernel_extras, cdt)  # its cotangent: `_sink_cotangent`
     ex5 = [extra5(spec, x, tp, sp) for x in kernel_extras]
     bias_idx = tuple(i for i in bias_indices(spec, kernel_extras) if wanted[i])
     p_dtype = spec.p_dtype
@@ -358,6 +366,35 @@ def _split_key(spec, extras):
     return extras[op.index], rest
 
 
+# --------------------------------------------------------------------------- sinks
+
+
+def _split_sink(spec, extras, cdt):
+    """``(sink, extras)``: the `Sink` op's logits (None without one) and the
+    extras with a placeholder in its place (the score tiles never read it)."""
+    op = spec.sink
+    if op is None:
+        return None, tuple(extras)
+    placeholder = jnp.zeros((1, 1, 1, 1), cdt)
+    rest = tuple(placeholder if i == op.index else x for i, x in enumerate(extras))
+    return extras[op.index], rest
+
+
+def _sink_cotangent(plans: Plans, sink, out, m, den, dout):
+    """The sink logits' cotangent.  The sink's weight is ``p = exp(sink - m) /
+    den`` (the saved statistics include it) and its value is zero, so
+    ``dsink = p * (0 - delta)`` with ``delta = rowsum(dout * out)``, summed
+    over the axes ``sink`` broadcasts along."""
+    spec, cdt = plans.spec, plans.fwd.cdt
+    full = (spec.batch, spec.heads, spec.q_len)
+    delta = jnp.einsum("bhtd,bhtd->bht", dout.astype(cdt), out.astype(cdt))
+    s = jnp.broadcast_to(sink[..., 0].astype(cdt), full)
+    weight = jnp.where(s == -jnp.inf, 0, jnp.exp(s - m.reshape(full)) / den.reshape(full))
+    grad = -weight * delta
+    axes = tuple(a for a in range(3) if sink.shape[a] == 1 and full[a] != 1)
+    return grad.sum(axes, keepdims=True).reshape(sink.shape).astype(sink.dtype)
+
+
 def _keep(plan: Plan, key, t, s, transposed: bool):
     """The keep-mask of a tile ``[B, Hkv, rows, bk]`` (``[B, Hkv, bk, rows]``
     when ``transposed``); ``t``/``s`` are the rows' query positions and the keys'
@@ -416,10 +453,19 @@ def _attention_bwd(plans, res, dout):
     q, k, v, extras, out, m, den, wanted = res
     if isinstance(dout, SymbolicZero):
         return None, None, None, tuple(None for _ in extras)
-    args = (q, k, v, extras, out, m, den, dout, wanted.extras)
+    op = plans.spec.sink
+    inner = wanted.extras  # the sink's cotangent is computed here, not per tile
+    if op is not None:
+        inner = tuple(w and i != op.index for i, w in enumerate(inner))
+    args = (q, k, v, extras, out, m, den, dout, inner)
     if plans.head_loop:
-        return heads.backward_heads(backward, plans.bwd, plans.spec, *args)
-    return backward(plans.bwd, *args)
+        dq, dk, dv, dextras = heads.backward_heads(backward, plans.bwd, plans.spec, *args)
+    else:
+        dq, dk, dv, dextras = backward(plans.bwd, *args)
+    if op is not None and wanted.extras[op.index]:
+        dsink = _sink_cotangent(plans, extras[op.index], out, m, den, dout)
+        dextras = tuple(dsink if i == op.index else g for i, g in enumerate(dextras))
+    return dq, dk, dv, dextras
 
 
 attention.defvjp(_attention_fwd, _attention_bwd, symbolic_zeros=True)

@@ -24,6 +24,7 @@ from flashpass.spec import (
     Mask,
     Scale,
     Segments,
+    Sink,
     Softcap,
     Window,
 )
@@ -61,7 +62,7 @@ HEAD_LOOP_MIN_CAUSAL_LEN = 8192
 #: default, smaller ones lose to loop overhead; docs/benchmarks.md, "Masks").
 BAND_TILES, MIN_BAND_BLOCK = 4, 64
 
-_KNOWN_OPS = (Scale, Bias, Mask, Softcap, KvLengths, Dropout, *STRUCTURED)
+_KNOWN_OPS = (Scale, Bias, Mask, Softcap, KvLengths, Dropout, Sink, *STRUCTURED)
 
 
 @dataclasses.dataclass(frozen=True)

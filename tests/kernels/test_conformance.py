@@ -61,7 +61,16 @@ from flashpass.kernels.pallas_gpu import PallasGpuKernel
 from flashpass.kernels.pallas_tpu import PallasTpuKernel
 from flashpass.kernels.splash import SplashKernel
 from flashpass.kernels.tokamax import TokamaxKernel
-from flashpass.spec import DESCRIPTORS, FLOAT_DTYPES, Chunk, KvLengths, Prefix, Segments, Window
+from flashpass.spec import (
+    DESCRIPTORS,
+    FLOAT_DTYPES,
+    Chunk,
+    KvLengths,
+    Prefix,
+    Segments,
+    Sink,
+    Window,
+)
 
 # --------------------------------------------------------------------------- cases
 
@@ -160,6 +169,19 @@ def _kv_lengths(dtype):
     return spec, [jnp.asarray(np.array([0, 9, 40], np.int32).reshape(3, 1, 1, 1))]
 
 
+def _sinks(dtype):
+    """Attention sinks (gpt-oss): a logit per (batch, head) in the softmax, with
+    GQA, causal and key padding; example 1 keeps no key (its rows put all their
+    weight on the sink: the output is 0)."""
+    m, me = mask_op(1, (2, 1, 1, 24))
+    keep = np.zeros(me.shape, bool)
+    keep[0, ..., :9] = True
+    ops = [Scale(0.25), Causal(8, -1e9), m, Sink(0, (2, 4, 1, 1))]
+    extras = [((2, 4, 1, 1), dtype), me]
+    spec = spec_of(h=4, hkv=2, t=16, s=24, dtype=dtype, ops=ops, extras=extras)
+    return spec, [2 * normal((2, 4, 1, 1), 6, dtype), jnp.asarray(keep)]
+
+
 CASES = {
     "causal": _causal,
     "bool_mask": _bool_mask,
@@ -175,6 +197,7 @@ CASES = {
     "prefix": _prefix,
     "segments": _segments,
     "kv_lengths": _kv_lengths,
+    "sinks": _sinks,
 }
 DTYPES = {"f32": F32, "bf16": BF16}
 #: `check` is also asked about these (no numerics).
@@ -246,6 +269,7 @@ WORDS = {
     "prefix": "prefix",
     "segments": "segment",
     "kv_lengths": "kv lengths",
+    "sinks": "sink",
 }
 
 
@@ -271,7 +295,7 @@ def declared(adapter: str, case: str, dtype: str) -> list[str]:
 #: each new adapter on every feature it supports at least once, and the
 #: fully masked rows of the padding case on the older adapters.
 DEFAULT_NUMERICS = {
-    "blockwise": {("padding", "bf16")},
+    "blockwise": {("padding", "bf16"), ("sinks", "f32"), ("sinks", "bf16")},
     "blockwise_heads": {(c, "f32") for c in CASES} | {("gqa", "bf16"), ("bias", "bf16")},
     "pallas_tpu": {("padding", "f32"), ("segments", "f32")},
     "splash": {
