@@ -28,6 +28,9 @@ for ``q``, ``k``, ``v``.  This module maps an `AttentionSpec` onto it exactly:
   user's ids; keys a key mask or padding excludes get an id no query has, and
   rows left with no key are found from the sorted ids, `_util.segment_arrays`).
   A window or chunk with a boolean mask or segment ids is rejected.
+* ``Sink`` (attention sinks, one logit per head): the kernel's own ``sinks``
+  (it starts each row's softmax from them, and returns their gradient); rows
+  no key is left to are then 0, as the kernel computes them.
 * Sequence padding: queries to a multiple of 16 (one block up to
   ``max_block``) or of 128, keys to a multiple of 128; padded keys get segment
   id 1 (or are false in the dynamic mask), padded queries are sliced off.
@@ -94,6 +97,7 @@ def _reasons(spec: AttentionSpec) -> list[str]:
     reasons, form = _util.linear_reasons(
         spec, "splash attention", bias_instead="pallas_tpu", structured=_STRUCTURED
     )
+    reasons = [r for r in reasons if r != _util.SINK_REASON] + _sink_reasons(spec)
     if form is None or not form.structured:
         return reasons
     kinds = [type(op) for op in form.structured]
@@ -124,6 +128,20 @@ def _reasons(spec: AttentionSpec) -> list[str]:
             if np.dtype(extra.dtype).itemsize > 4:
                 reasons.append(f"segment ids of dtype {np.dtype(extra.dtype).name} (> 32 bits)")
     return reasons
+
+
+def _sink_reasons(spec: AttentionSpec) -> list[str]:
+    """Splash takes attention sinks as one logit per query head (its ``sinks``)."""
+    op = spec.sink
+    if op is None or not 0 <= op.index < len(spec.extras):
+        return [] if op is None else [f"the sink refers to extra #{op.index}, which the spec lacks"]
+    shape = tuple(spec.extras[op.index].shape)
+    if shape[0] != 1 or shape[2] != 1:
+        return [
+            f"attention sinks of shape {shape} vary over the batch or the queries; splash "
+            "takes one sink logit per head (the 'blockwise' kernel takes any)"
+        ]
+    return []
 
 
 def _plan(spec: AttentionSpec, max_block: int) -> _Plan:
@@ -195,7 +213,7 @@ class SplashKernel(_util.TpuKernel):
     name = "splash"
     dtypes = frozenset({"bfloat16", "float16", "float32"})  # float16 computed in float32
     descriptors = frozenset(
-        {"causal", "mask", "key_mask", "softcap", "gqa", "window", "chunk", "segments"}
+        {"causal", "mask", "key_mask", "softcap", "gqa", "window", "chunk", "segments", "sinks"}
     )
     spec_reasons = staticmethod(_reasons)
 
@@ -262,7 +280,13 @@ class SplashKernel(_util.TpuKernel):
         has_q_ids = q_ids is not None
         window, chunk = plan.window, plan.chunk
 
-        def one(q, k, v, ids, mask, qids):
+        # Sink logits, one per query head (float32, as the kernel keeps them).
+        sinks = None
+        if spec.sink is not None:
+            sink = extras[spec.sink.index].astype(jnp.float32)
+            sinks = jnp.broadcast_to(sink.reshape(-1), (spec.heads,))
+
+        def one(q, k, v, ids, mask, qids, sinks):
             """Splash attention of one example: [H, T, D] x [Hkv, S, D]."""
             sa = compat.splash_attention_module()
             if mask is None:
@@ -289,23 +313,28 @@ class SplashKernel(_util.TpuKernel):
                 attn_logits_soft_cap=cap,
                 interpret=interpret,
             )
-            return splash(q, k, v, segment_ids)
+            if sinks is None:
+                return splash(q, k, v, segment_ids)
+            return splash(q, k, v, segment_ids, sinks)
 
         def kernel(q, k, v, *rest):
             rest = list(rest)
             ids = rest.pop(0) if has_ids else None
             mask = rest.pop(0) if has_dynamic else None
             qids = rest.pop(0) if has_q_ids else None
+            sinks = rest.pop(0) if rest else None
             xs = (ids, mask, qids)
             axes = [None if x is None or x.shape[0] == 1 else 0 for x in xs]
             ids, mask, qids = (
                 x if x is None or axis == 0 else x[0] for x, axis in zip(xs, axes, strict=True)
             )
-            return jax.vmap(one, in_axes=(0, 0, 0, *axes))(q, k, v, ids, mask, qids)
+            return jax.vmap(one, in_axes=(0, 0, 0, *axes, None))(q, k, v, ids, mask, qids, sinks)
 
-        args = [q, k, v] + [x for x in (kv_ids, dynamic, q_ids) if x is not None]
+        args = [q, k, v] + [x for x in (kv_ids, dynamic, q_ids, sinks) if x is not None]
         # interpret=True goes to the kernel itself: the context-wide TPU interpret
         # mode does not support the grid axis that vmap adds.
         out = compat.pallas_tpu_traced(kernel, interpret=False)(*args)
         out = out[:, :, :T, : spec.v_head_dim].astype(spec.out_dtype)
+        if sinks is not None:
+            return out  # a row with no key weighs the sink only: 0, as the kernel gives
         return _util.fill_empty_rows(spec, out, v_in, empty)

@@ -170,16 +170,16 @@ def _kv_lengths(dtype):
 
 
 def _sinks(dtype):
-    """Attention sinks (gpt-oss): a logit per (batch, head) in the softmax, with
+    """Attention sinks (gpt-oss): a logit per head in the softmax, with
     GQA, causal and key padding; example 1 keeps no key (its rows put all their
     weight on the sink: the output is 0)."""
     m, me = mask_op(1, (2, 1, 1, 24))
     keep = np.zeros(me.shape, bool)
     keep[0, ..., :9] = True
-    ops = [Scale(0.25), Causal(8, -1e9), m, Sink(0, (2, 4, 1, 1))]
-    extras = [((2, 4, 1, 1), dtype), me]
+    ops = [Scale(0.25), Causal(8, -1e9), m, Sink(0, (1, 4, 1, 1))]
+    extras = [((1, 4, 1, 1), dtype), me]
     spec = spec_of(h=4, hkv=2, t=16, s=24, dtype=dtype, ops=ops, extras=extras)
-    return spec, [2 * normal((2, 4, 1, 1), 6, dtype), jnp.asarray(keep)]
+    return spec, [2 * normal((1, 4, 1, 1), 6, dtype), jnp.asarray(keep)]
 
 
 CASES = {
@@ -308,6 +308,7 @@ DEFAULT_NUMERICS = {
         ("window", "f32"),
         ("chunk", "f32"),
         ("segments", "f32"),
+        ("sinks", "f32"),
     },
     "pallas_gpu": {("causal", "f32"), ("padding", "f32"), ("odd", "f32"), ("gqa", "bf16")},
     "cudnn": {(c, d) for c in CASES for d in DTYPES},  # skipped without a GPU
