@@ -22,7 +22,8 @@ dK/dV block is back on its own device.
 Supported score ops (`RING_OPS`, applied in program order on global positions,
 with the program's own fills, so rows a mask empties compute what the
 original does): scales, causal (any offset), window, chunk and prefix masks,
-and kv lengths (padding); grouped-query attention.  Sites with biases, dense
+and kv lengths (padding); attention sinks (the row statistics start from the
+sink logit, as in the blockwise kernel); grouped-query attention.  Sites with biases, dense
 masks, segment ids or soft-caps keep the all-gather program (`unsupported`
 says why).  The per-step work is plain JAX on blocks of
 ``(T/n) x (S/n)`` scores.
@@ -38,10 +39,11 @@ from jax import lax
 
 from flashpass.kernels.reference import kv_valid_lengths, structured_keep
 
-from .spec import AttentionSpec, Causal, Chunk, KvLengths, Prefix, Scale, Window
+from .spec import AttentionSpec, Causal, Chunk, KvLengths, Prefix, Scale, Sink, Window
 
-#: Score ops a ring step applies (in program order, with global positions).
-RING_OPS = (Scale, Causal, Window, Chunk, Prefix, KvLengths)
+#: Score ops a ring step applies (in program order, with global positions), and
+#: attention sinks (the row statistics start from them).
+RING_OPS = (Scale, Causal, Window, Chunk, Prefix, KvLengths, Sink)
 
 
 def unsupported(spec: AttentionSpec) -> str | None:
@@ -49,8 +51,8 @@ def unsupported(spec: AttentionSpec) -> str | None:
     other = [type(op).__name__ for op in spec.score_ops if not isinstance(op, RING_OPS)]
     if other:
         return (
-            "the ring supports scales, causal, window, chunk and prefix masks and kv "
-            f"lengths, not {', '.join(sorted(set(other)))}"
+            "the ring supports scales, causal, window, chunk and prefix masks, kv "
+            f"lengths and attention sinks, not {', '.join(sorted(set(other)))}"
         )
     return None
 
@@ -101,6 +103,8 @@ def _ring(spec: AttentionSpec, axis_name, n: int):
         cols = k0 + jnp.arange(spec.kv_len)[None, :]
         kept = jnp.bool_(True)
         for op in spec.score_ops:
+            if isinstance(op, Sink):
+                continue  # joins the row statistics (`sink_rows`), not the scores
             if isinstance(op, Scale):
                 s = s * op.value
                 continue
@@ -120,6 +124,12 @@ def _ring(spec: AttentionSpec, axis_name, n: int):
         b, _, t, d = x.shape
         return x.reshape(b, spec.kv_heads, g, t, d)
 
+    def sink_rows(extras):
+        """The local query rows' sink logits ``[B, Hkv, G, T]`` (float32)."""
+        sink = extras[spec.sink.index].astype(jnp.float32)[..., 0]
+        full = (spec.batch, spec.heads, spec.q_len)
+        return jnp.broadcast_to(sink, full).reshape(spec.batch, spec.kv_heads, g, spec.q_len)
+
     def forward(q, k, v, extras):
         qf = grouped(q).astype(jnp.float32)
         b, hk, _, t, _ = qf.shape
@@ -130,6 +140,9 @@ def _ring(spec: AttentionSpec, axis_name, n: int):
         acc = jnp.zeros((b, hk, g, t, spec.v_head_dim), jnp.float32)
         m = jnp.full((b, hk, g, t), -jnp.inf, jnp.float32)
         total = jnp.zeros((b, hk, g, t), jnp.float32)
+        if spec.sink is not None:  # a score of weight exp(sink - m) with no value
+            m = sink_rows(extras)
+            total = jnp.where(m == -jnp.inf, 0.0, 1.0)
         kb, vb = k, v
         for step in range(n):
             q0, k0 = positions(step)
@@ -179,11 +192,22 @@ def _ring(spec: AttentionSpec, axis_name, n: int):
             # dK/dV travel with their K/V block; after n moves they are home.
             kb, vb, dkb, dvb = lax.ppermute((kb, vb, dkb, dvb), axis_name, perm)
         b, hk, _, t, d = qf.shape
+        dextras = [None for _ in extras]  # integer lengths: no cotangent
+        if spec.sink is not None:
+            # The sink has weight p = exp(sink - m) / total and no value:
+            # dsink = p * (0 - delta), summed where the sink broadcasts.
+            sink = sink_rows(extras)
+            p = jnp.where(sink == -jnp.inf, 0.0, jnp.exp(sink - m)) * scale_back[..., 0]
+            grad = (-p * delta).reshape(b, hk * g, t)
+            x = extras[spec.sink.index]
+            axes = tuple(a for a in range(3) if x.shape[a] == 1 and grad.shape[a] != 1)
+            grad = grad.sum(axes, keepdims=True).reshape(x.shape).astype(x.dtype)
+            dextras[spec.sink.index] = grad
         return (
             dq.reshape(b, hk * g, t, d).astype(q.dtype),
             dkb.astype(k.dtype),
             dvb.astype(v.dtype),
-            tuple(None for _ in extras),  # integer lengths: no cotangent
+            tuple(dextras),
         )
 
     @jax.custom_vjp

@@ -188,16 +188,34 @@ def _padded(q, k, v, lengths):
     return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1), v)
 
 
-@pytest.mark.parametrize("case", ["window", "padded"])
+def _sinks(q, k, v, sinks):
+    """gpt-oss: a causal window and a learned sink logit per head."""
+    t = q.shape[1]
+    i, j = jnp.arange(t)[:, None], jnp.arange(t)[None, :]
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, k) * 0.25
+    s = jnp.where((j <= i) & (j > i - 12), s, -1e9)
+    # (zeros_like: the column sharded like the scores, as concatenate requires)
+    col = jnp.zeros_like(s[..., :1]) + sinks.reshape(1, -1, 1, 1)
+    c = jnp.concatenate([s, col], axis=-1)
+    c = c - jax.lax.stop_gradient(c.max(-1, keepdims=True))
+    return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(c, axis=-1)[..., :-1], v)
+
+
+@pytest.mark.parametrize("case", ["window", "padded", "sinks"])
 def test_windowed_and_padded_rings(case):
     """Window masks skip the steps outside the window; kv lengths (a padded
-    batch, one row fully padded) are applied per step with the program's fill."""
+    batch, one row fully padded) are applied per step with the program's fill;
+    attention sinks start every row's statistics (their gradient included)."""
     m = mesh((8,), ("seq",))
     args = [put(m, P(None, "seq"), normal(i, (2, 64, 2, 16))) for i in range(3)]
+    argnums = (0, 1, 2)
     if case == "window":
         attend, extra = _windowed, []
-    else:
+    elif case == "padded":
         attend, extra = _padded, [put(m, P(), np.array([40, 0], np.int32))]
+    else:
+        attend, extra = _sinks, [put(m, P(), np.array([0.5, -1.0], np.float32))]
+        argnums = (0, 1, 2, 3)
 
     def fn(q, k, v, *rest):
         k, v = jax.sharding.reshard(k, REPLICATED), jax.sharding.reshard(v, REPLICATED)
@@ -206,9 +224,9 @@ def test_windowed_and_padded_rings(case):
     opt = flashpass.optimize(fn, kernel="reference")
     with jax.set_mesh(m):
         report = opt.explain(*args, *extra)
-        got = run(opt, [*args, *extra])
+        got = run(opt, [*args, *extra], argnums)
     assert report.kernels == ["ring"], str(report)
-    ref = run(attend, unsharded([*args, *extra]))
+    ref = run(attend, unsharded([*args, *extra]), argnums)
     assert_close(got.out, ref.out)
     for g, r in zip(got.grads, ref.grads, strict=True):
         assert_close(g, r)
