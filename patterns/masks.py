@@ -243,7 +243,54 @@ def and_factors(scope, prof):
         ):
             converted = compose(scope, prof, x)
             return and_factors(scope, compose(scope, converted, inner.ins[0]))
+    pred = _compared_select(scope, node)
+    if pred is not None:
+        return and_factors(scope, compose(scope, compose(scope, prof, node.ins[0]), pred))
     return [prof]
+
+
+_CMP_VALUE = {
+    "ge": np.greater_equal,
+    "gt": np.greater,
+    "le": np.less_equal,
+    "lt": np.less,
+    "eq": np.equal,
+    "ne": np.not_equal,
+}
+
+
+def _compared_select(scope, node):
+    """``pred`` when ``node`` is ``cmp(select(pred, a, b), c)`` with scalar
+    constants ``a``, ``b``, ``c``, ``cmp(a, c)`` false and ``cmp(b, c)`` true:
+    the comparison then equals ``pred`` elementwise.  MaxText spells its masks
+    this way: an additive ``where(keep, 0, -0.7 * max)`` read back as
+    ``mask >= -0.7 * max * 0.5``."""
+    if node.prim not in _CMP_VALUE:
+        return None
+    x, c = node.ins
+    sel = scope.producer(x)
+    if sel is None or sel.prim != "select_n" or len(sel.ins) != 3:
+        return None
+    pred = sel.ins[0]
+    if scope.dtype(pred) != np.bool_:
+        return None
+    shape = scope.shape(node.out)
+    c_prof = profile(scope, c, shape)
+    c_value = scalar_value(scope, c_prof.base) if c_prof.is_scalar else None
+    if c_value is None:
+        return None
+    cases = []
+    for case in sel.ins[1:]:
+        cp = profile(scope, case, scope.shape(x))
+        value = scalar_value(scope, cp.base) if cp.is_scalar else None
+        if value is None:
+            return None
+        # Compared in the select's dtype, as the program does.
+        dtype = scope.dtype(x)
+        cases.append(
+            bool(_CMP_VALUE[node.prim](np.asarray(value, dtype), np.asarray(c_value, dtype)))
+        )
+    return pred if cases == [False, True] else None
 
 
 #: An additive mask ``select(keep, 0, fill)`` with a fill this large swallows any

@@ -167,6 +167,33 @@ def _prefix_shifted(q, k, v):
     return jax.nn.softmax(jnp.where(keep, q @ k.swapaxes(-1, -2), -1e9), -1) @ v
 
 
+MAXTEXT_FILL = -0.7 * float(np.finfo(np.float32).max)
+
+
+def _additive_ids(q, k, v, ids):
+    """MaxText's packed-segment mask: made additive, then read back with ``>=``."""
+    t = q.shape[2]
+    keep = (ids[:, :, None] == ids[:, None, :])[:, None] & jnp.tril(jnp.ones((t, t), bool))
+    additive = jnp.where(keep, 0.0, MAXTEXT_FILL)
+    s = jnp.where(additive >= MAXTEXT_FILL * 0.5, q @ k.swapaxes(-1, -2) * 0.3, MAXTEXT_FILL)
+    return jax.nn.softmax(s, -1) @ v
+
+
+def _additive_ids_inverted(q, k, v, ids):
+    # ``<`` picks the fill: the comparison is ``not keep``, read as a dense mask
+    keep = ids[:, None, :, None] == ids[:, None, None, :]
+    additive = jnp.where(keep, 0.0, MAXTEXT_FILL)
+    s = jnp.where(additive < MAXTEXT_FILL * 0.5, MAXTEXT_FILL, q @ k.swapaxes(-1, -2))
+    return jax.nn.softmax(s, -1) @ v
+
+
+def _additive_ids_traced_threshold(q, k, v, ids, threshold):
+    keep = ids[:, None, :, None] == ids[:, None, None, :]
+    additive = jnp.where(keep, 0.0, MAXTEXT_FILL)
+    s = jnp.where(additive >= threshold, q @ k.swapaxes(-1, -2), MAXTEXT_FILL)
+    return jax.nn.softmax(s, -1) @ v
+
+
 def _with_ids(rng):
     ids = np.sort(rng.integers(0, 4, (spellings.B, spellings.T)), axis=1).astype(np.int32)
     return (*bnth(rng), jnp.asarray(ids))
@@ -186,6 +213,12 @@ NEAR_MISSES = {
     "segments_float": (_segments_float, _with_ids, ["Mask"]),
     "chunk_mismatched": (_chunk_mismatched, bnth, ["Segments"]),
     "prefix_shifted": (_prefix_shifted, bnth, ["Mask"]),
+    "additive_ids_inverted": (_additive_ids_inverted, _with_ids, ["Mask"]),
+    "additive_ids_traced_threshold": (
+        _additive_ids_traced_threshold,
+        lambda r: (*_with_ids(r), jnp.float32(MAXTEXT_FILL * 0.5)),
+        ["Mask"],
+    ),
 }
 
 
@@ -198,6 +231,20 @@ def test_near_miss_keeps_an_exact_reading(name, rng):
     assert len(report.rewrites) == 1, str(report)
     assert sorted(_described(report.rewrites[0].spec)) == sorted(want)
     _assert_close(opt(*args), fn(*args))
+
+
+def test_additive_mask_read_back_by_comparison(rng):
+    # MaxText's apply_mask_to_logits: where(mask >= fill / 2, s, fill) of an additive
+    # where(keep, 0, fill) is where(keep, s, fill), so keep's factors become descriptors.
+    args = _with_ids(rng)
+    opt = flashpass.optimize(_additive_ids, kernel="blockwise")
+    report = opt.explain(*args)
+    assert len(report.rewrites) == 1 and not report.fallbacks, str(report)
+    assert sorted(_described(report.rewrites[0].spec)) == ["Causal(0)", "Segments"]
+    for shape in _kernel_inputs(opt.rewritten_jaxpr(*args)):
+        assert sum(d >= spellings.T for d in shape) <= 1, shape
+    _assert_close(opt(*args), _additive_ids(*args))
+    _assert_close(_grads(opt, args), _grads(_additive_ids, args))
 
 
 def test_other_kernels_decline_descriptors_with_a_reason(rng):
