@@ -27,10 +27,27 @@ the bias.  This module maps an `AttentionSpec` onto it exactly:
   within the window are found by prefix counts (key masks) or one pass over
   the (already ``T x S``) mask, and every excluding op must end with one score
   (`_util.shared_fill_reasons`).
+* ``KvLengths`` (#18): the valid key count of each batch row, ``n =
+  clip(L + shift, 0, S)`` (`reference.kv_valid_lengths`, the minimum over
+  several ops), one per batch row (lengths varying over heads are rejected:
+  cuDNN takes one per row).  Without any other mask array (no bias, mask,
+  window or materialised causal mask) it is ``key_value_seq_lengths``, no
+  ``T x S`` array (cuDNN's padding mask, ``PADDING_CAUSAL`` with its causal
+  mask): a row of length 0 runs with length 1 (every kernel row keeps a key,
+  nothing non-finite reaches the backward) and its output is replaced by the
+  mean of ``v``; ``k`` and ``v`` past each row's length are zeroed by a
+  select before the call, so the gradient there is exactly 0 whatever cuDNN
+  leaves in the regions it skips.  With a bias, a mask or a window it is
+  ANDed into the mask as the key mask ``j < n`` (that path already builds a
+  ``T x S`` array), whose empty rows are found like any key mask's.  A
+  length of 0 can empty any row, so every excluding op must end with one
+  score (`_util.shared_fill_reasons`).
 * Bias and masks are broadcast to ``[B|1, H|1, T, S]``.
-* With a bias or a mask and an odd ``T`` or ``S`` (cuDNN's training kernels
-  want even lengths), both are padded by one: the padded key is masked out,
-  the padded query sliced off.
+* An odd ``T`` or ``S`` is padded by one (cuDNN's training kernels want even
+  lengths with a bias, and JAX's forward rule counts its placeholder for no
+  bias as one): the padded key is masked out (by the mask, or by
+  ``key_value_seq_lengths = S`` where there is no mask array), the padded
+  query sliced off.
 * Head dims are zero-padded to one multiple of 8 (``Dv != D`` included).
 
 Not supported (rejected by `check`): float32 attention (cuDNN computes on
@@ -38,7 +55,8 @@ Not supported (rejected by `check`): float32 attention (cuDNN computes on
 precision), Softcap, fills that do not exclude keys, head dims above the
 limit, windows other than the causal sliding window on self-attention (cuDNN
 has no right window without its causal mask; a ``T x S`` mask would lose
-what the descriptor saves), chunk/prefix/segment-id masks, and hosts whose
+what the descriptor saves), chunk/prefix/segment-id masks, kv lengths that
+vary over heads or whose rows can end empty with different fills, and hosts whose
 jaxlib has no cuDNN.  No interpret mode: it only runs on
 an NVIDIA GPU (`flashpass.compat.assume_cudnn` lets it be traced and lowered
 elsewhere, for tests).
@@ -56,10 +74,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from flashpass import compat
-from flashpass.spec import AttentionSpec, Window
+from flashpass.spec import AttentionSpec, KvLengths, Window, excludes
 
 from . import _util
 from .base import CheckContext, Kernel
+from .reference import kv_valid_lengths
 
 _HEAD_MULTIPLE = 8
 #: Structured ops the adapter takes: `Window`, as cuDNN's causal sliding window.
@@ -86,6 +105,12 @@ class _Plan:
     #: ``local_window_size``, ``(left, 0)`` with ``is_causal``: cuDNN's causal
     #: sliding window (None: no window, or one that excludes no key on the left)
     window: tuple[int, int] | None = None
+    #: how the `KvLengths` ops run: None (there are none), "native"
+    #: (``key_value_seq_lengths``) or "mask" (the key mask ``j < n``)
+    lengths: str | None = None
+    #: whether cuDNN gets ``key_value_seq_lengths``: the native kv lengths, or
+    #: ``S`` to exclude the padded key where there is no mask to do it
+    seq_lengths: bool = False
 
 
 def window_bounds(spec: AttentionSpec, form: _util.LinearForm):
@@ -109,8 +134,17 @@ def _native_window(spec: AttentionSpec, bounds) -> bool:
     return right == 0 and left >= 0 and spec.q_len == spec.kv_len
 
 
+def _without_lengths(spec: AttentionSpec) -> AttentionSpec:
+    """``spec`` without its `KvLengths` ops (for `_util.linear_form`, which
+    rejects them; removing a ``where`` changes no other op's final fill)."""
+    if not spec.ops_of(KvLengths):
+        return spec
+    ops = tuple(op for op in spec.score_ops if not isinstance(op, KvLengths))
+    return dataclasses.replace(spec, score_ops=ops)
+
+
 def _plan(spec: AttentionSpec) -> _Plan:
-    form = _util.linear_form(spec, _STRUCTURED)
+    form = _util.linear_form(_without_lengths(spec), _STRUCTURED)
     offset = form.causal_offset
     is_causal = offset == 0 and spec.q_len == spec.kv_len
     bounds = window_bounds(spec, form)
@@ -121,9 +155,15 @@ def _plan(spec: AttentionSpec) -> _Plan:
         if bounds[0] < spec.kv_len - 1:  # else it excludes no key on the left
             window = (bounds[0], 0)
     masked = bool(form.biases or form.masks) or (offset is not None and not is_causal)
-    q_len, kv_len = spec.q_len, spec.kv_len
-    if masked and (q_len % 2 or kv_len % 2):
-        q_len, kv_len = _util.round_up(q_len, 2), _util.round_up(kv_len, 2)
+    lengths = None
+    if spec.ops_of(KvLengths):
+        # Native only where no mask array exists: then no row but a length-0
+        # one is empty, and nothing adds to the regions cuDNN skips.
+        lengths = "mask" if masked or bounds is not None else "native"
+        masked = masked or lengths == "mask"
+    # cuDNN's training kernels want even lengths with a bias, and JAX's forward
+    # rule counts its placeholder for no bias as one: odd lengths are padded.
+    q_len, kv_len = _util.round_up(spec.q_len, 2), _util.round_up(spec.kv_len, 2)
     return _Plan(
         form=form,
         kernel_dtype=_util.kernel_dtype(spec, narrow=(_util.BF16, _util.F16)),
@@ -133,6 +173,8 @@ def _plan(spec: AttentionSpec) -> _Plan:
         kv_len=kv_len,
         window_bounds=bounds,
         window=window,
+        lengths=lengths,
+        seq_lengths=lengths == "native" or (not masked and kv_len > spec.kv_len),
     )
 
 
@@ -177,7 +219,61 @@ def _reasons(spec: AttentionSpec) -> list[str]:
             )
         elif form.masks:
             reasons += _util.shared_fill_reasons(spec, "a local window together with a mask")
-    return reasons
+    return reasons + _lengths_reasons(spec)
+
+
+def _lengths_reasons(spec: AttentionSpec) -> list[str]:
+    """Why the spec's `KvLengths` ops cannot be cuDNN's per-row kv lengths."""
+    if not spec.ops_of(KvLengths):
+        return []
+    reasons = []
+    for position, op in enumerate(spec.score_ops):
+        if not isinstance(op, KvLengths):
+            continue
+        if not 0 <= op.index < len(spec.extras):
+            reasons.append(f"kv lengths refer to extra #{op.index}, which the spec lacks")
+            continue
+        extra = spec.extras[op.index]
+        shape, dtype = tuple(extra.shape), np.dtype(extra.dtype)
+        rows = len(shape) == 4 and shape[0] in (1, spec.batch) and shape[2:] == (1, 1)
+        if not rows or shape[1] not in (1, spec.heads):
+            reasons.append(
+                f"kv lengths extra of shape {shape} is not [B|1, H|1, 1, 1] with "
+                f"B={spec.batch}, H={spec.heads}"
+            )
+        elif shape[1] != 1:
+            reasons.append(
+                f"per-row kv lengths of shape {shape} vary over heads; cuDNN takes one "
+                "key/value length per batch row (key_value_seq_lengths): use the "
+                "'blockwise' kernel"
+            )
+        bound = spec.kv_len + abs(op.shift) + 1
+        if not np.issubdtype(dtype, np.signedinteger) or np.iinfo(dtype).max < bound:
+            reasons.append(
+                f"kv lengths of dtype {dtype.name} cannot be clipped to +-{bound} (the "
+                "valid count clip(L + shift, 0, kv_len) needs a signed integer dtype that "
+                "holds it)"
+            )
+        final = spec.final_fill(position, op.fill)
+        if not excludes(final):
+            reasons.append(
+                f"kv lengths fill {op.fill} ends as score {final:.6g} after the ops that "
+                "follow it, which does not exclude keys: keys past a row's length would keep "
+                "a non-zero weight; use the 'blockwise' kernel"
+            )
+    return reasons + _util.shared_fill_reasons(
+        spec, "per-row kv lengths (a length of 0, or with the other masks)"
+    )
+
+
+def _valid_lengths(spec: AttentionSpec, extras):
+    """``[b]`` int32 (``b`` 1 or B): each batch row's valid key count, the
+    minimum of ``clip(L + shift, 0, S)`` over the `KvLengths` ops."""
+    n = None
+    for op in spec.ops_of(KvLengths):
+        count = kv_valid_lengths(op, extras[op.index], spec.kv_len)[:, 0, 0, 0]
+        n = count if n is None else jnp.minimum(n, count)
+    return n
 
 
 def _window_empty(spec: AttentionSpec, keep, left: int):
@@ -201,7 +297,8 @@ class CudnnKernel(Kernel):
 
     NVIDIA GPUs only (no interpret mode).  Supports Scale, Bias (with gradient),
     boolean Mask and Causal (any offset >= 0) ops, causal sliding windows
-    (`Window`, self-attention), GQA/MQA natively, any sequence length, head
+    (`Window`, self-attention), per-row kv lengths (`KvLengths`, one per
+    batch row), GQA/MQA natively, any sequence length, head
     dims up to 128 (256 on Hopper+), bfloat16/float16.
     Rejects float32 attention, Softcap and non-excluding fills.  Reverse-mode AD.
     """
@@ -210,7 +307,7 @@ class CudnnKernel(Kernel):
     platforms = ("gpu",)
     interpret_platforms = ()
     dtypes = frozenset({"bfloat16", "float16"})
-    descriptors = frozenset({"causal", "mask", "key_mask", "bias", "gqa", "window"})
+    descriptors = frozenset({"causal", "mask", "key_mask", "bias", "gqa", "window", "kv_lengths"})
     grad = True
     partitionable = True  # jax.nn.dot_product_attention's custom_partitioning
     plain_jax = False
@@ -254,19 +351,43 @@ class CudnnKernel(Kernel):
         k = prepare(k.astype(spec.compute_dtype).astype(kdt), Sp)
         v = prepare(v.astype(kdt), Sp)
 
+        lengths = _valid_lengths(spec, extras) if plan.lengths else None
+        seq_lengths = None
+        if plan.seq_lengths:
+            # The padded query row (if any) is cuDNN's padding too: never computed.
+            # Under vmap, JAX's cuDNN batching rule reshapes both length arrays
+            # with q's batch: an integer 0 read from q makes them batched with it
+            # (constant query lengths would stay unbatched, and fail).
+            zero = (q[:, 0, 0, 0] != 0).astype(jnp.int32) * 0
+            n = S if lengths is None else jnp.maximum(lengths, 1)
+            seq_lengths = (n + zero, jnp.full_like(zero, T) + zero)
+        if plan.lengths == "native":
+            # A row of length 0 runs with one key (a finite kernel row) and gets the
+            # mean of v below; keys past a row's length are selected to 0 so that
+            # their gradient is exactly 0 whatever the kernel leaves there.
+            key_rows = (jnp.arange(Sp) < seq_lengths[0][:, None])[:, :, None, None]
+            k = jnp.where(key_rows, k, jnp.zeros((), kdt))
+            v = jnp.where(key_rows, v, jnp.zeros((), kdt))
+
         bias = _util.bias_sum(spec, form, extras, kdt)
         if bias is not None:
             bias = jnp.broadcast_to(bias, (*bias.shape[:2], T, S))
             bias = _util.pad_axis(_util.pad_axis(bias, 2, Tp), 3, Sp)
 
-        keep, empty = _util.combined_keep(spec, form.masks, extras, offset=form.causal_offset)
+        masks = form.masks
+        if plan.lengths == "mask":  # the key mask j < n, ANDed with the others
+            extras = [*extras, (jnp.arange(S) < lengths[:, None])[:, None, None, :]]
+            masks = (*masks, len(extras) - 1)
+        keep, empty = _util.combined_keep(spec, masks, extras, offset=form.causal_offset)
+        if plan.lengths == "native":
+            empty = (lengths == 0)[:, None, None, None]
         if plan.window_bounds is not None and keep is not None:
             # (check: the window is native, keys i - left <= j <= i)
             empty = _window_empty(spec, keep, plan.window_bounds[0])
         if form.causal_offset is not None and not plan.is_causal:
             causal = jnp.asarray(_util.causal_keep(spec, form.causal_offset))
             keep = causal if keep is None else keep & causal
-        if keep is None and Sp > S:
+        if keep is None and Sp > S and not plan.seq_lengths:
             keep = jnp.ones((1, 1, 1, S), bool)
         if keep is not None:
             keep = jnp.broadcast_to(keep, (*keep.shape[:2], T, S))
@@ -281,6 +402,8 @@ class CudnnKernel(Kernel):
             mask=keep,
             scale=form.scale,
             is_causal=plan.is_causal,
+            query_seq_lengths=None if seq_lengths is None else seq_lengths[1],
+            key_value_seq_lengths=None if seq_lengths is None else seq_lengths[0],
             local_window_size=plan.window,
             implementation=self.implementation,
         )

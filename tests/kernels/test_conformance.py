@@ -312,7 +312,7 @@ DEFAULT_NUMERICS = {
     },
     "pallas_gpu": {("causal", "f32"), ("padding", "f32"), ("odd", "f32"), ("gqa", "bf16")},
     "cudnn": {(c, d) for c in CASES for d in DTYPES},  # skipped without a GPU
-    "cudnn_xla": {(c, "bf16") for c in ("bias", "padding", "odd", "gqa", "window")},
+    "cudnn_xla": {(c, "bf16") for c in ("bias", "padding", "odd", "gqa", "window", "kv_lengths")},
     "tokamax": {(c, d) for c in CASES for d in DTYPES},  # skipped without tokamax
 }
 

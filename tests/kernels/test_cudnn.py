@@ -19,6 +19,7 @@ from kernel_testing import (
     BF16,
     F32,
     bias_op,
+    fast_jit,
     has_gpu,
     mask_op,
     normal,
@@ -30,7 +31,7 @@ from kernel_testing import spec_of as _spec_of
 from flashpass import compat
 from flashpass.kernels import Causal, CheckContext, Mask, Scale, Softcap, get_kernel
 from flashpass.kernels.cudnn import CudnnKernel, _plan, _window_empty
-from flashpass.spec import Window
+from flashpass.spec import KvLengths, Window
 
 KERNEL = get_kernel("cudnn")
 GPU = CheckContext(platform="gpu")
@@ -78,8 +79,12 @@ def test_plan():
     p = _plan(spec_of(t=21, s=33, d=20, dv=12, ops=[Scale(0.1), Causal(12, -1e9)]))
     # causal with an offset is a mask; masks want even lengths; head dims to 8s.
     assert (p.is_causal, p.q_len, p.kv_len, p.head_dim) == (False, 22, 34, 24)
+    # Odd lengths are padded even without a mask (JAX's forward rule counts its
+    # placeholder for no bias as a bias): the padded key is cuDNN's padding.
     p = _plan(spec_of(t=21, ops=[Scale(0.1), Causal(0, -1e9)]))
-    assert (p.is_causal, p.q_len, p.kv_len) == (True, 21, 21)
+    assert (p.is_causal, p.q_len, p.kv_len, p.seq_lengths) == (True, 22, 22, True)
+    p = _plan(spec_of(t=21, s=32, ops=[Scale(0.1)]))  # no padded key
+    assert (p.q_len, p.kv_len, p.seq_lengths) == (22, 32, False)
 
 
 _m, _me = mask_op(0, (1, 1, 16, 16), fill=-10.0)
@@ -303,3 +308,249 @@ def test_window_traces_and_lowers_for_gpu_without_one():
 def test_window_runs_on_gpu():
     spec, extras = _window_with_masks((2, 1, 1, 21))
     run_and_compare(KERNEL, spec, extras, tol=3e-2, interpret=False)
+
+
+# --------------------------------------------------------------------------- kv lengths
+
+
+def _kv(n, *, fill=-1e9, shift=0, heads=1, dtype="int32", b=3):
+    """A `KvLengths` op on extra ``n`` with its `ExtraSpec` pair."""
+    shape = (b, heads, 1, 1)
+    return KvLengths(n, shape, fill, shift), (shape, dtype)
+
+
+def _lengths(values, heads=1):
+    return jnp.asarray(np.asarray(values, np.int32).reshape(len(values), heads, 1, 1))
+
+
+_k0, _k0e = _kv(0)
+_kb, _kbe = _kv(1)
+_b, _be = bias_op(0, (1, 2, 24, 24), BF16)
+_km, _kme = mask_op(1, (3, 1, 1, 24))
+#: How the `KvLengths` ops run: cuDNN's own kv lengths where no other mask
+#: array exists, else the key mask ``j < n`` ANDed into the mask.
+LENGTH_PLANS = {
+    "alone": (spec_of(b=3, t=2, s=40, ops=[Scale(0.25), _k0], extras=[_k0e]), "native"),
+    "causal": (
+        spec_of(b=3, t=24, ops=[Scale(0.25), Causal(0, -1e9), _k0], extras=[_k0e]),
+        "native",
+    ),
+    "causal_offset": (
+        spec_of(b=3, t=8, s=24, ops=[Scale(0.25), Causal(16, -1e9), _k0], extras=[_k0e]),
+        "mask",
+    ),
+    "bias": (spec_of(b=3, t=24, ops=[Scale(0.25), _b, _kb], extras=[_be, _kbe]), "mask"),
+    "key_mask": (
+        spec_of(b=3, t=24, ops=[Scale(0.25), _k0, _km], extras=[_k0e, _kme]),
+        "mask",
+    ),
+    "window": (
+        spec_of(
+            b=3, t=24, ops=[Scale(0.25), Causal(0, -1e9), Window(3, None, -1e9), _k0], extras=[_k0e]
+        ),
+        "mask",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(LENGTH_PLANS))
+def test_kv_lengths_plans(name):
+    spec, lengths = LENGTH_PLANS[name]
+    with compat.assume_cudnn():
+        assert KERNEL.check(spec, GPU) == []
+    assert _plan(spec).lengths == lengths
+
+
+_inf, _infe = _kv(0, fill=float("-inf"))
+LENGTHS_REJECTED = {
+    # cuDNN takes one length per batch row.
+    "per_head": (
+        spec_of(b=3, ops=[Scale(0.25), _kv(0, heads=2)[0]], extras=[_kv(0, heads=2)[1]]),
+        "vary over heads",
+    ),
+    # A length of 0 empties the row: -inf causal and -1e9 length fills weigh its
+    # keys differently, which the mean of v is not.
+    "two_fills": (
+        spec_of(b=3, ops=[Scale(0.25), Causal(0, float("-inf")), _k0], extras=[_k0e]),
+        "one fill",
+    ),
+    "fill": (spec_of(b=3, ops=[Scale(0.25), _kv(0, fill=-10.0)[0]], extras=[_k0e]), "exclude"),
+    "unsigned": (
+        spec_of(
+            b=3, ops=[Scale(0.25), _kv(0, dtype="uint32")[0]], extras=[_kv(0, dtype="uint32")[1]]
+        ),
+        "signed integer",
+    ),
+    "narrow": (
+        spec_of(
+            b=3, s=200, ops=[Scale(0.25), _kv(0, dtype="int8")[0]], extras=[_kv(0, dtype="int8")[1]]
+        ),
+        "signed integer",
+    ),
+    "missing_extra": (spec_of(b=3, ops=[Scale(0.25), _k0]), "lacks"),
+    "not_per_row": (
+        spec_of(
+            b=3,
+            ops=[Scale(0.25), KvLengths(0, (3, 1, 16, 1), -1e9)],
+            extras=[((3, 1, 16, 1), "int32")],
+        ),
+        "[B|1, H|1, 1, 1]",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(LENGTHS_REJECTED))
+def test_kv_lengths_rejected_with_reason(name):
+    spec, needle = LENGTHS_REJECTED[name]
+    with compat.assume_cudnn():
+        reasons = KERNEL.check(spec, GPU)
+    assert any(needle in r for r in reasons), reasons
+    with pytest.raises(ValueError, match="cudnn cannot run"):
+        KERNEL.apply(spec, None, None, None)
+
+
+def _kv_case(name):
+    """``(spec, extras)``: kv lengths with 0 (an empty row: the mean of v), a
+    shift, lengths past S and below 0 (clipped), with each other op cuDNN takes."""
+    if name == "causal_gqa_shift":  # native; odd head dims; j <= L: shift 1
+        op, e = _kv(0, shift=1, b=4)
+        ops = [Scale(0.3), Causal(0, -1e9), op]
+        spec = spec_of(b=4, h=4, hkv=2, t=21, d=20, dv=12, ops=ops, extras=[e])
+        return spec, [_lengths([-1, 0, 6, 30])]  # valid: 0, 1, 7, 21
+    if name == "decode_two_ops":  # native; two ops: the shorter length
+        a, ae = _kv(0)
+        b, be = KvLengths(1, (1, 1, 1, 1), -1e9, -2), ((1, 1, 1, 1), "int32")
+        spec = spec_of(b=3, t=3, s=33, ops=[Scale(0.25), a, b], extras=[ae, be])
+        return spec, [_lengths([0, 9, 40]), _lengths([30])]  # valid: 0, 9, 28
+    if name == "bias_key_mask":  # folded into the mask: rows the two empty together
+        bias, biase = bias_op(0, (1, 2, 21, 21), BF16)
+        m, me = mask_op(1, (3, 1, 1, 21))
+        op, e = _kv(2)
+        ops = [Scale(0.25), bias, m, op]
+        spec = spec_of(b=3, t=21, ops=ops, extras=[biase, me, e])
+        keep = np.ones(me.shape, bool)
+        keep[2, ..., :5] = False  # length 5: nothing left
+        return spec, [normal(biase.shape, 7, BF16), jnp.asarray(keep), _lengths([0, 13, 5])]
+    if name == "window":  # folded into the mask: rows i - 3 >= n are empty
+        op, e = _kv(0)
+        ops = [Scale(0.25), Causal(0, -1e9), Window(3, None, -1e9), op]
+        spec = spec_of(b=3, t=24, ops=ops, extras=[e])
+        return spec, [_lengths([0, 7, 24])]
+    if name == "causal_offset":  # folded: bottom-right causal on cross-attention
+        op, e = _kv(0)
+        spec = spec_of(b=3, t=8, s=24, ops=[Scale(0.25), Causal(16, -1e9), op], extras=[e])
+        return spec, [_lengths([0, 5, 24])]
+    raise KeyError(name)
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "causal_gqa_shift",
+        "bias_key_mask",
+        pytest.param("decode_two_ops", marks=pytest.mark.slow),
+        pytest.param("window", marks=pytest.mark.slow),
+        pytest.param("causal_offset", marks=pytest.mark.slow),
+    ],
+)
+def test_xla_implementation_kv_lengths(name):
+    """Forward and gradients (q, k, v, bias) against the float64 reference,
+    rows of length 0 included (the mean of v: the reference's for one fill)."""
+    spec, extras = _kv_case(name)
+    with compat.assume_cudnn():
+        assert KERNEL.check(spec, GPU) == []
+    native = name in ("causal_gqa_shift", "decode_two_ops")
+    assert _plan(spec).lengths == ("native" if native else "mask")
+    run_and_compare(CudnnKernel(implementation="xla"), spec, extras, tol=3e-2)
+
+
+def test_kv_lengths_minus_inf_rows_are_the_mean_of_v():
+    """A ``-inf`` fill: the reference's row of length 0 is NaN, the adapter's
+    the mean of v, as for every library kernel's fully masked rows (docs)."""
+    spec = spec_of(b=3, t=2, s=10, ops=[Scale(0.25), _inf], extras=[_infe], dtype=BF16)
+    with compat.assume_cudnn():
+        assert KERNEL.check(spec, GPU) == []
+    q, k, v = (
+        normal(shape, i, BF16) for i, shape in enumerate((spec.q_shape, spec.k_shape, spec.v_shape))
+    )
+    kernel = CudnnKernel(implementation="xla")
+    out = fast_jit(lambda *a: kernel.apply(spec, *a[:3], a[3:]))(q, k, v, _lengths([0, 4, 10]))
+    mean = jnp.mean(v[0].astype(jnp.float32), axis=1, keepdims=True)
+    np.testing.assert_allclose(
+        np.asarray(out[0], np.float32), np.broadcast_to(mean, out[0].shape), rtol=1e-2, atol=1e-2
+    )
+    assert np.all(np.isfinite(np.asarray(out, np.float32)))
+
+
+def test_kv_lengths_lower_to_cudnn_padding_without_a_mask():
+    """Native kv lengths: forward and gradient lower to cuDNN's padding mask
+    (with its causal mask: PADDING_CAUSAL), no bias operand (no T x S array);
+    the forward also under vmap (JAX's batching rule reshapes the lengths)."""
+    spec, _ = _kv_case("causal_gqa_shift")
+    shapes = _shapes(spec)
+
+    def fwd(q, k, v, n):
+        return KERNEL.apply(spec, q, k, v, (n,))
+
+    def grad(q, k, v, n):
+        loss = lambda *a: fwd(*a, n).astype(jnp.float32).sum()  # noqa: E731
+        return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+
+    def batched(shape):
+        return jax.ShapeDtypeStruct((2, *shape.shape), shape.dtype)
+
+    with compat.assume_cudnn():
+        hlos = [compat.lower_for_gpu(fn, *shapes) for fn in (fwd, grad)]
+        hlos.append(compat.lower_for_gpu(jax.vmap(fwd), *map(batched, shapes)))
+        hlos.append(
+            compat.lower_for_gpu(
+                jax.vmap(fwd, (0, 0, 0, None)), *map(batched, shapes[:3]), shapes[3]
+            )
+        )
+    for hlo in hlos:
+        targets = set(re.findall(r"__cudnn\$fmha\w*", hlo))
+        assert targets and not any("Bias" in t for t in targets), targets
+        config = hlo.replace("\\22", '"')
+        assert re.search(r'"mask_type": "PADDING_CAUSAL"', config)
+    assert any("Backward" in t for t in re.findall(r"__cudnn\$fmha\w*", hlos[1]))
+    spec = LENGTH_PLANS["alone"][0]
+    with compat.assume_cudnn():
+        hlo = compat.lower_for_gpu(lambda *a: KERNEL.apply(spec, *a[:3], a[3:]), *_shapes(spec))
+    assert re.search(r'"mask_type": "PADDING"', hlo.replace("\\22", '"'))
+
+
+@requires_gpu
+@pytest.mark.parametrize("name", ["causal_gqa_shift", "decode_two_ops", "bias_key_mask"])
+def test_kv_lengths_run_on_gpu(name):
+    spec, extras = _kv_case(name)
+    run_and_compare(KERNEL, spec, extras, tol=3e-2, interpret=False)
+
+
+# --------------------------------------------------------------------------- odd lengths
+
+
+ODD = {
+    "causal": spec_of(t=21, ops=[Scale(0.25), Causal(0, -1e9)]),
+    "cross": spec_of(t=11, s=41, hkv=1, ops=[Scale(0.25)]),
+}
+
+
+@pytest.mark.parametrize("name", list(ODD))
+def test_odd_lengths_without_a_mask(name):
+    """JAX's forward rule rejects odd lengths under a gradient even without a
+    bias (it counts its placeholder as one): the adapter pads them, the padded
+    key excluded by cuDNN's kv lengths (no mask array); forward and gradient
+    lower to cuDNN and match the reference on the XLA implementation."""
+    spec = ODD[name]
+    shapes = _shapes(spec)
+
+    def grad(q, k, v):
+        loss = lambda *a: KERNEL.apply(spec, *a).astype(jnp.float32).sum()  # noqa: E731
+        return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+
+    with compat.assume_cudnn():
+        hlo = compat.lower_for_gpu(grad, *shapes)
+    targets = set(re.findall(r"__cudnn\$fmha\w*", hlo))
+    assert any("Backward" in t for t in targets) and not any("Bias" in t for t in targets)
+    assert re.search(r'"mask_type": "PADDING', hlo.replace("\\22", '"'))
+    run_and_compare(CudnnKernel(implementation="xla"), spec, tol=3e-2)
