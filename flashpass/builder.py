@@ -14,11 +14,11 @@ from __future__ import annotations
 from flashpass.patterns.common import Miss, where
 from flashpass.patterns.masks import CausalSource, MaskStep
 from flashpass.patterns.probabilities import ScoreMasks
-from flashpass.patterns.regroup import UNIT, Merged
+from flashpass.patterns.regroup import UNIT
 from flashpass.patterns.softcap import fold_softcap
 
 from .graph import Scope
-from .site import ExtraSource, Layout
+from .site import ExtraSource, Layout, present_roles
 from .spec import Causal, excludes, fill_after
 
 
@@ -45,14 +45,12 @@ class SiteBuilder:
 
     def add_extra(self, prof, transform, dtype) -> tuple[int, tuple]:
         """Record a side array read by a Bias/Mask op: ``(index, 4-D shape)``."""
-        # Unit axes carry nothing (the base axis there has size 1); a merged head axis
-        # (patterns/regroup.py) has no canonical extra layout unless broadcast.
+        # Unit axes carry nothing (the base axis there has size 1); an axis merged
+        # from several roles (patterns/regroup.py) is split back when the extra is
+        # read (`AttentionSite._extra`).
         axes = {r: a for r, a in zip(self.roles, prof.axes, strict=True) if r != UNIT}
-        merged = [r for r, a in axes.items() if isinstance(r, Merged) and a is not None]
-        if merged and self.problem is None:
-            self.problem = Miss(f"a side array varies along the merged {merged[0]} score axis")
         self.extras.append(ExtraSource(prof.base, axes, transform, dtype))
-        shape4 = self.layout.extra_shape({r: a is not None for r, a in axes.items()})
+        shape4 = self.layout.extra_shape(present_roles(axes))
         return len(self.extras) - 1, shape4
 
     def add_causal(self, op: Causal, source: CausalSource) -> None:

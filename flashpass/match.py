@@ -31,7 +31,7 @@ from . import errors
 from .backward import match_backward
 from .builder import SiteBuilder
 from .graph import Const, Scope
-from .site import AttentionSite, ExtraSource, Layout, Operand
+from .site import AttentionSite, ExtraSource, Layout, Operand, present_roles
 from .spec import AttentionSpec, ExtraSpec
 
 
@@ -127,6 +127,9 @@ def _build_site(scope: Scope, soft, chain, sp) -> AttentionSite | Miss:
         return out
     root = out.node
     out_roles = tuple(out.roles)
+    absent = [r for r in sp.roles if isinstance(r, tuple) and r not in out_roles]
+    if any(sizes[r] != 1 for r in absent):  # only a squeezed unit axis may be absent
+        return Miss(f"P·V drops a batch axis of the scores{where(root)}", root)
     nodes |= out.casts | {root}
     if soft.deferred is not None:
         found = _deferred_division(scope, root, soft.deferred, roles, out.roles)
@@ -231,7 +234,7 @@ def _ops_extras(ops, extras, layout):
     # its literal mask) still gets its shape from the layout.
     by_index = {op.index: op.shape for op in ops if isinstance(getattr(op, "index", None), int)}
     return [
-        (by_index.get(i) or layout.extra_shape({r: a is not None for r, a in e.axes.items()}), e)
+        (by_index.get(i) or layout.extra_shape(present_roles(e.axes)), e)
         for i, e in enumerate(extras)
     ]
 

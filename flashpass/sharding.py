@@ -45,6 +45,7 @@ from typing import Any
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
+from flashpass.patterns.regroup import Merged
 from flashpass.spec import Bias, Mask
 
 from . import compat, errors, ring
@@ -194,6 +195,11 @@ def analyze(
             names = entries[axis]
             if not names:
                 continue
+            if isinstance(role, Merged):
+                return (
+                    f"{name} is sharded along an axis merged from several head axes ({role}) "
+                    "over mesh axis " + "x".join(names) + "; kept as written"
+                )
             if role in ("D", "Dv"):
                 return (
                     f"{name}'s head dim is sharded over mesh axis {'x'.join(names)}; a kernel "
@@ -208,6 +214,14 @@ def analyze(
         specs.append((atom, roles, ndim))
     if not axes or (ring_only and "T" not in axes and "S" not in axes):
         return None
+    for name, _, roles in operands:
+        # A merged head axis is read whole: none of its roles may be split.
+        split = [p for r in roles if isinstance(r, Merged) for p, _ in r.parts if p in axes]
+        if split:
+            return (
+                f"{name} varies along an axis merged from several head axes while "
+                f"{_role_name(site.layout, split[0])} is sharded; kept as written"
+            )
     ring_axes = None
     if "T" in axes or "S" in axes:
         ring_axes = _ring_axes(site, axes)

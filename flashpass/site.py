@@ -23,6 +23,9 @@ import math
 
 import jax.numpy as jnp
 
+# UNIT: the role of a size-1 batch axis P·V keeps but the scores never had.
+from flashpass.patterns.regroup import UNIT, Merged
+
 from . import compat
 from .graph import Const, Node
 from .spec import AttentionSpec
@@ -84,6 +87,30 @@ class Layout:
             self.sizes["T"] if present.get("T") else 1,
             self.sizes["S"] if present.get("S") else 1,
         )
+
+
+def present_roles(axes: dict) -> dict:
+    """``role -> carried`` of an extra's ``axes`` (role -> axis or None), with an
+    axis merged from several roles (`Merged`) carrying each of them."""
+    present = {}
+    for r, a in axes.items():
+        for part in [p for p, _ in r.parts] if isinstance(r, Merged) else [r]:
+            present[part] = a is not None
+    return present
+
+
+def _split_merged(x, axes: dict):
+    """``x`` with each `Merged` axis reshaped into its roles' axes, and the
+    axes map that says where each role now is."""
+    for r, a in sorted(axes.items(), key=lambda item: -1 if item[1] is None else -item[1]):
+        if not isinstance(r, Merged) or a is None:
+            continue
+        sizes = tuple(size for _, size in r.parts)
+        x = x.reshape(x.shape[:a] + sizes + x.shape[a + 1 :])
+        shift = len(sizes) - 1
+        axes = {q: (b if b is None or b < a else b + shift) for q, b in axes.items() if q != r}
+        axes.update({part: a + i for i, (part, _) in enumerate(r.parts)})
+    return x, axes
 
 
 def _group_size(layout: Layout, roles, present: dict) -> int:
@@ -202,6 +229,7 @@ class AttentionSite:
         x = jnp.squeeze(x, axis=drop) if drop else x
         kept = sorted(used)
         axes = {r: (None if a is None else kept.index(a)) for r, a in src.axes.items()}
+        x, axes = _split_merged(x, axes)
         b, h, _ = self.layout.groups
         out = []
         for group in (b, h, ["T"], ["S"]):
@@ -248,7 +276,14 @@ class AttentionSite:
         roles = [*b, *h, "T", "Dv"]
         sizes = [*(self.layout.sizes[r] for r in [*b, *h, "T"]), out.shape[-1]]
         out = out.reshape(sizes)
-        out = jnp.transpose(out, [roles.index(r) for r in self.out_roles])
+        dropped = tuple(i for i, r in enumerate(roles) if r not in self.out_roles)  # size 1
+        if dropped:
+            out = jnp.squeeze(out, dropped)
+            roles = [r for r in roles if r in self.out_roles]
+        out = jnp.transpose(out, [roles.index(r) for r in self.out_roles if r != UNIT])
+        units = [t for t, r in enumerate(self.out_roles) if r == UNIT]  # P·V kept them
+        if units:
+            out = jnp.expand_dims(out, units)
         return out.astype(self.root.eqn.outvars[0].aval.dtype)
 
 
@@ -266,8 +301,19 @@ def _rows_kept(spec, extras, q_len: int):
 
 
 def _gather(x, axes: dict, groups: list):
-    """Transpose ``x`` so its role axes come in group order, then merge groups."""
+    """Transpose ``x`` so its role axes come in group order, then merge groups
+    (axes with no role are size-1 axes the scores never had: dropped; see
+    `patterns.regroup.resolve_units`)."""
     x = jnp.asarray(x)
+    unit = tuple(a for a in range(x.ndim) if a not in axes.values())
+    if unit:
+        x = jnp.squeeze(x, unit)
+        axes = {r: a - sum(u < a for u in unit) for r, a in axes.items()}
+    # Roles x lacks (size 1: squeezed before P·V only) become new unit axes.
+    lacking = [r for g in groups for r in g if r not in axes]
+    if lacking:
+        axes = {**axes, **{r: x.ndim + i for i, r in enumerate(lacking)}}
+        x = jnp.expand_dims(x, tuple(range(x.ndim, x.ndim + len(lacking))))
     order = [axes[r] for g in groups for r in g]
     x = jnp.transpose(x, order)
     sizes, i = [], 0

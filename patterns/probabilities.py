@@ -25,7 +25,7 @@ from flashpass.graph import Scope
 from .common import ESCAPE_HINT, Miss, profile, scalar_value, where
 from .dropout import match_dropout
 from .regroup import PRIMS as REGROUP_PRIMS
-from .regroup import UNIT, Merged, regroup
+from .regroup import UNIT, regroup
 
 #: Primitives whose presence marks a value as random (dropout masks).
 RANDOM_PRIMS = frozenset(
@@ -197,8 +197,6 @@ def walk_probabilities(
                     node,
                 )
             axes = {r: a for r, a in zip(roles, prof.axes, strict=True) if r != UNIT}
-            if any(isinstance(r, Merged) and a is not None for r, a in axes.items()):
-                return Miss(f"the probabilities are scaled along a merged axis{where(node)}", node)
             post.append(("scale", prof.base, axes, node.prim == "div"))
             nodes.add(node)
             atom = node.out

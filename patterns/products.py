@@ -178,7 +178,7 @@ def output_product(
         )
     batch_roles = [p_roles[a] for a in pb]
     want = sorted(r for r in p_roles if isinstance(r, tuple))
-    if sorted(batch_roles, key=str) != sorted(want, key=str):
+    if sorted((r for r in batch_roles if r != UNIT), key=str) != sorted(want, key=str):
         return Miss(
             f"P·V batches over {batch_roles}, expected the score product's batch axes "
             f"{want}{where(node)}",
@@ -191,8 +191,12 @@ def output_product(
         return Miss(f"P·V keeps probability axes other than the query axis{where(node)}", node)
     if len(vfree) != 1:
         return Miss(f"value operand has {len(vfree)} free axes, expected one{where(node)}", node)
-    # v's batch axis paired with p's batch axis of role ("b", i) is v's ("b", i).
-    v_axes = {role: a for role, a in zip(batch_roles, vb, strict=True)}
+    # v's batch axis paired with p's batch axis of role ("b", i) is v's ("b", i);
+    # one paired with a unit axis the scores never had must be a unit axis too.
+    v_shape = scope.shape(v)
+    if any(r == UNIT and v_shape[a] != 1 for r, a in zip(batch_roles, vb, strict=True)):
+        return Miss(f"P·V batches a unit axis of the probabilities with v's{where(node)}", node)
+    v_axes = {role: a for role, a in zip(batch_roles, vb, strict=True) if role != UNIT}
     v_axes.update({"S": vc[0], "Dv": vfree[0]})
     p_free_roles = [p_roles[a] for a in pfree]
     out_free = [*p_free_roles, "Dv"] if pos == 0 else ["Dv", *p_free_roles]

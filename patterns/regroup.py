@@ -174,9 +174,15 @@ def resolve_units(roles: list, want: list, batch_axes) -> list | str:
     for in_batch in (True, False):
         units = [t for t, r in enumerate(roles) if r == UNIT and (t in batch_axes) == in_batch]
         lost = sorted((r for r in missing if isinstance(r, tuple) == in_batch), key=_order)
-        if len(units) != len(lost):
+        # Unit batch axes and lost batch roles need not pair up one to one (G6):
+        # a unit axis the score product never had (jnp.matmul squeezed it for
+        # Q·Kᵀ, an einsum keeps it for P·V) stays UNIT, a size-1 batch axis v
+        # and the output carry too; a lost role P·V never gets back (squeezed
+        # for P·V only) is absent from v and the output (match.py checks that
+        # it has size 1).
+        if len(units) != len(lost) and not in_batch:
             return "the probabilities reach P·V with unit axes that are not the score product's"
-        for t, r in zip(units, lost, strict=True):
+        for t, r in zip(units, lost, strict=False):
             out[t] = r
     return out
 

@@ -537,6 +537,17 @@ def gemma_gqa(q, k, v):
     return encoded.reshape(b, t, n, h)
 
 
+def gemma_gqa_head_bias(q, k, v, bias):
+    # The GQA scores regrouped as in `gemma_gqa`, with a per-head bias along the
+    # merged (kv head, group) axis: split back into the two roles when read.
+    b, t, n, h = q.shape
+    kv = k.shape[2]
+    logits = jnp.einsum("BTKGH,BSKH->BTKGS", q.reshape(b, t, kv, n // kv, h) * 0.3, k)
+    logits = logits.reshape(b, t, n, k.shape[1]) + bias
+    probs = jax.nn.softmax(logits, axis=-1).reshape(b, t, kv, n // kv, k.shape[1])
+    return jnp.einsum("BTKGS,BSKH->BTKGH", probs, v).reshape(b, t, n, h)
+
+
 def _gqa_mqa_args(rng):
     # one kv head: the size-1 kv-head axis is dropped by the reshape and restored
     return (_normal(rng, (B, T, 4, D)), _normal(rng, (B, S, 1, D)), _normal(rng, (B, S, 1, D)))
@@ -546,6 +557,10 @@ POSITIVE.update(
     {
         "gemma_gqa": (gemma_gqa, _gqa_args),
         "gemma_mqa": (gemma_gqa, _gqa_mqa_args),
+        "gemma_gqa_head_bias": (
+            gemma_gqa_head_bias,
+            lambda r: (*_gqa_args(r), _normal(r, (1, T, 4, S))),
+        ),
     }
 )
 #: JAX 0.9's jnp.matmul keeps a unit batch axis as a unit *free* axis of the

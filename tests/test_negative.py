@@ -294,10 +294,12 @@ def test_merged_heads_reach_pv_unsplit(rng):
     _assert_not_rewritten(fn, spellings.bnth(rng), "merged into one axis")
 
 
-def test_bias_varying_along_merged_heads(rng):
-    # a bias along the merged head axis has no canonical extra layout (yet): kept
+def test_bias_varying_along_merged_heads_is_split_back(rng):
+    # Positive neighbour of the regroupings above: a bias along the merged
+    # batch x heads axis is split back into its roles when read (site._extra).
     q, k, v = spellings.bnth(rng)
-    bias = jnp.asarray(rng.standard_normal((B_H := q.shape[0] * q.shape[1], 1, 1)), jnp.float32)
+    b, h, _, _ = q.shape
+    bias = jnp.asarray(rng.standard_normal((b * h, 1, k.shape[2])), jnp.float32)  # per key
 
     def fn(q, k, v, bias):
         b, h, t, d = q.shape
@@ -305,5 +307,13 @@ def test_bias_varying_along_merged_heads(rng):
         p = jax.nn.softmax(s, axis=-1).reshape(b, h, t, -1)
         return jnp.einsum("bhts,bhsd->bhtd", p, v)
 
-    assert B_H == 6
-    _assert_not_rewritten(fn, (q, k, v, bias), "varies along the merged")
+    opt = flashpass.optimize(fn, kernel="blockwise")
+    report = opt.explain(q, k, v, bias)
+    assert len(report.rewrites) == 1, str(report)
+    assert report.rewrites[0].spec["extras"][0]["shape"] == [b, h, 1, k.shape[2]]
+    loss = lambda f: lambda *a: jnp.sum(f(*a) ** 2)  # noqa: E731
+    got = jax.grad(loss(opt), argnums=(0, 3))(q, k, v, bias)
+    want = jax.grad(loss(fn), argnums=(0, 3))(q, k, v, bias)
+    np.testing.assert_allclose(opt(q, k, v, bias), fn(q, k, v, bias), rtol=2e-5, atol=1e-6)
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_allclose(g, w, rtol=2e-4, atol=1e-5)

@@ -957,18 +957,12 @@ KNOWN_GAPS = {
     "G5": "JAX 0.9 only: jnp.matmul with a size-1 batch or head axis keeps it as a unit free "
     "axis of the score product ('key operand of the score product has 2 free axes'); JAX "
     "0.10+ squeezes it, which is recognised",
-    "G6": "a size-1 batch or head axis that only one of the two products squeezes (jnp.matmul "
-    "for one product, einsum or dot_general for the other): the score product and P·V then "
-    "disagree on the axis, which q/k or v does not have (reported); G5, both products "
-    "spelled with jnp.matmul, is closed",
 }
 
 
 def known_gap(site: Site) -> str | None:
     """The id of the first known gap ``site`` falls into, or None."""
     matmuls = (site.scores_product == "matmul") + (site.output_product == "matmul")
-    if matmuls == 1 and 1 in (site.b, site.h):
-        return "G6"
     if matmuls and 1 in (site.b, site.h) and not UNIT_AXIS_MATMUL:
         return "G5"
     return None
@@ -980,7 +974,7 @@ def avoid_known_gaps(site: Site) -> Site:
         gap = known_gap(site)
         if gap is None:
             return site
-        if gap in ("G5", "G6"):
+        if gap == "G5":
             site = dataclasses.replace(
                 site,
                 scores_product=site.scores_product.replace("matmul", "einsum"),

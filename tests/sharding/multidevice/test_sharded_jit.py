@@ -152,3 +152,40 @@ def test_auto_axes_pallas_falls_back():
     assert report.kernels == [], str(report)
     assert "mesh with Auto axes (data=4)" in report.fallbacks[0].reason
     assert_close(jax.jit(opt)(*args), mha(*unsharded(args)))
+
+
+def gemma_head_bias(q, k, v, bias):
+    """DeepMind gemma's GQA scores regrouped to ``[B, T, Hkv*G, S]`` with a
+    per-head bias along that merged axis (split back into its roles when read)."""
+    b, t, n, h = q.shape
+    kv = k.shape[2]
+    s = jnp.einsum("BTKGH,BSKH->BTKGS", q.reshape(b, t, kv, n // kv, h) * 0.25, k)
+    s = s.reshape(b, t, n, k.shape[1]) + bias
+    p = jax.nn.softmax(s, axis=-1).reshape(b, t, kv, n // kv, k.shape[1])
+    return jnp.einsum("BTKGS,BSKH->BTKGH", p, v).reshape(b, t, n, h)
+
+
+def test_merged_head_bias_data_parallel():
+    """Batch-sharded: the merged-axis bias is read whole on every device."""
+    m = mesh((8,), ("data",))
+    q = put(m, P("data"), normal(0, (8, 32, 4, 16)))
+    k, v = (put(m, P("data"), normal(i, (8, 32, 2, 16))) for i in (1, 2))
+    bias = put(m, P(), normal(3, (1, 1, 4, 32)))
+    opt = flashpass.optimize(gemma_head_bias, kernel="blockwise")
+    _check(gemma_head_bias, opt, m, [q, k, v, bias], argnums=(0, 1, 2, 3))
+
+
+def test_merged_head_bias_with_sharded_heads_is_kept():
+    """Heads sharded: the merged axis would have to be split across devices; kept."""
+    m = mesh((2,), ("model",))
+    q = put(m, P(None, None, "model"), normal(0, (2, 32, 4, 16)))
+    k, v = (put(m, P(None, None, "model"), normal(i, (2, 32, 2, 16))) for i in (1, 2))
+    bias = put(m, P(), normal(3, (1, 1, 4, 32)))
+    opt = flashpass.optimize(gemma_head_bias, kernel="blockwise")
+    with jax.set_mesh(m):
+        report = opt.explain(q, k, v, bias)
+        assert not report.rewrites, str(report)
+        assert "merged from several head axes" in report.fallbacks[0].reason, str(report)
+        got = run(opt, [q, k, v, bias], (0, 1, 2, 3))
+    want = run(gemma_head_bias, unsharded([q, k, v, bias]), (0, 1, 2, 3))
+    assert_close(got.out, want.out)
