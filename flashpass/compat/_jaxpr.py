@@ -7,6 +7,8 @@ import inspect
 
 import jax
 
+from . import _host
+
 try:
     from jax._src import core as _core
     from jax._src import source_info_util as _siu
@@ -369,7 +371,12 @@ def compile_time_eval():
 
 
 def evaluate_equation(eqn, invals) -> list:
-    """``eqn`` evaluated eagerly on concrete ``invals`` (constant folding)."""
+    """``eqn`` evaluated eagerly on concrete ``invals`` (constant folding): in
+    NumPy where `_host` computes it exactly (no XLA program is compiled, nor
+    kept in JAX's caches, per folded shape), else by binding its primitive."""
+    host = _host.evaluate(eqn, invals)
+    if host is not None:
+        return host
     with compile_time_eval():
         return bind_equation(eqn, invals)
 
