@@ -14,12 +14,29 @@ thresholds in ``kernels/blockwise/cost.py`` come from this table.
     python benchmarks/decode.py --sizes 2048 32768 --queries 1 --reps 21
     python benchmarks/decode.py --plain               # the site without kv lengths
     python benchmarks/decode.py --kernel blockwise    # force the kernel (the crossover)
+    python benchmarks/decode.py --table               # the cost model's table (below)
+    python benchmarks/decode.py --memory 250          # resident memory over new shapes
+
+``--table`` measures the decode path forced (``kernel="blockwise"``) against
+the original over batch, heads, dtype, cache length and query count, full
+and ragged rows, and prints for each shape the smaller of the two ratios
+(a static choice cannot know at trace time which rows it will get) next to
+what `cost.faster_as_written` decides: ``DECODE_MIN_ROW_BYTES`` in
+``kernels/blockwise/cost.py`` is read from it.
+
+``--memory N`` calls a decode step on N new cache lengths, each in a fresh
+process, as ``jax.jit(fn)`` and as ``flashpass.optimize(fn, cache_size=32)``,
+and prints each one's growth of current resident memory (VmRSS) after a
+warm-up of 5 shapes.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
+import subprocess
+import sys
 import time
 
 import jax
@@ -64,14 +81,16 @@ def interleaved(fns, args, reps: int) -> list[tuple[float, float]]:
     return [(statistics.median(t), min(t)) for t in times]
 
 
-def run(sizes, queries, reps, plain, kernel, batch=4, heads=8, dim=64):
+def run(
+    sizes, queries, reps, plain, kernel, batch=4, heads=8, dim=64, dtype=np.float32, quiet=False
+):
     rng = np.random.default_rng(0)
     rows = []
     for s in sizes:
-        k = jnp.asarray(rng.standard_normal((batch, heads, s, dim), np.float32))
-        v = jnp.asarray(rng.standard_normal((batch, heads, s, dim), np.float32))
+        k = jnp.asarray(rng.standard_normal((batch, heads, s, dim), np.float32), dtype)
+        v = jnp.asarray(rng.standard_normal((batch, heads, s, dim), np.float32), dtype)
         for t in queries:
-            q = jnp.asarray(rng.standard_normal((batch, heads, t, dim), np.float32))
+            q = jnp.asarray(rng.standard_normal((batch, heads, t, dim), np.float32), dtype)
             for ragged in (False, True) if not plain else (False,):
                 lengths = jnp.asarray(lengths_for(batch, s, ragged))
                 fn = step(plain)
@@ -88,6 +107,8 @@ def run(sizes, queries, reps, plain, kernel, batch=4, heads=8, dim=64):
                 )
                 kind = "ragged" if ragged else "full"
                 rows.append((s, t, kind, did, orig, new, orig / new, orig_min / new_min))
+                if quiet:
+                    continue
                 print(
                     f"S={s:6d} q={t:2d} {kind:6s} {did:24s} original {orig * 1e3:8.3f} ms"
                     f"  optimized {new * 1e3:8.3f} ms  ratio {orig / new:5.2f}x"
@@ -95,6 +116,87 @@ def run(sizes, queries, reps, plain, kernel, batch=4, heads=8, dim=64):
                     flush=True,
                 )
     return rows
+
+
+#: The --table sweep: (batch, heads) pairs, dtypes, cache lengths, queries.
+TABLE_SHAPES = ((1, 8), (4, 2), (4, 8), (4, 32), (16, 8))
+TABLE_DTYPES = (np.float32, jnp.bfloat16)
+TABLE_SIZES = (1024, 2048, 4096, 8192)
+TABLE_QUERIES = (1, 4)
+TABLE_MAX_BYTES = 1 << 28  # skip shapes whose K and V exceed this
+
+
+def table(reps: int) -> None:
+    """The forced decode path against the original over batch, heads and dtype
+    (see the module doc); prints one Markdown row per shape."""
+    from flashpass.kernels.blockwise.cost import faster_as_written
+    from flashpass.spec import AttentionSpec, ExtraSpec, KvLengths, Scale
+
+    print("| B | H | dtype | S | q | row KV bytes | full | ragged | min | cost model |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for batch, heads in TABLE_SHAPES:
+        for dtype in TABLE_DTYPES:
+            name = np.dtype(dtype).name
+            for s in TABLE_SIZES:
+                if 2 * batch * heads * s * 64 * np.dtype(dtype).itemsize > TABLE_MAX_BYTES:
+                    continue
+                shape = dict(batch=batch, heads=heads, dtype=dtype, quiet=True)
+                measured = run([s], TABLE_QUERIES, reps, False, "blockwise", **shape)
+                for t in TABLE_QUERIES:
+                    full, ragged = (r[6] for r in measured if r[1] == t)
+                    spec = AttentionSpec(
+                        batch, heads, heads, t, s, 64, 64, *[name] * 6,
+                        score_ops=(Scale(0.125), KvLengths(0, (batch, 1, 1, 1), -1e9, 0)),
+                        extras=(ExtraSpec((batch, 1, 1, 1), np.int32),),
+                    )  # fmt: skip
+                    kept = faster_as_written(spec, "cpu")
+                    row_bytes = 2 * heads * s * 64 * np.dtype(dtype).itemsize
+                    print(
+                        f"| {batch} | {heads} | {name} | {s} | {t} | {row_bytes >> 10} KiB "
+                        f"| {full:.2f}x | {ragged:.2f}x | {min(full, ragged):.2f}x "
+                        f"| {'kept' if kept else 'rewritten'} |",
+                        flush=True,
+                    )
+
+
+def _rss_mib() -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    raise RuntimeError("no VmRSS in /proc/self/status (Linux only)")
+
+
+def memory_child(mode: str, shapes: int, cache_size: int = 32) -> None:
+    """Run in a fresh process: one decode step (B=4, H=8, D=64, one query,
+    half-full rows, rewritten to the decode path) on ``shapes`` new cache
+    lengths from 2048 on; prints the VmRSS growth after a 5-shape warm-up."""
+    fn = step(False)
+    call = jax.jit(fn)
+    if mode != "jit":  # forced: one-query caches under 8k are kept as written on CPU
+        call = flashpass.optimize(fn, kernel="blockwise", cache_size=cache_size)
+
+    def args(s):
+        kv = np.zeros((4, 8, s, 64), np.float32)
+        return np.zeros((4, 8, 1, 64), np.float32), kv, kv, np.full((4,), s // 2, np.int32)
+
+    for i in range(5):
+        jax.block_until_ready(call(*args(2048 - 16 * (i + 1))))
+    before = _rss_mib()
+    for i in range(shapes):
+        jax.block_until_ready(call(*args(2048 + 16 * i)))
+    print(f"{_rss_mib() - before:.1f}")
+
+
+def memory(shapes: int) -> None:
+    print(f"resident memory growth over {shapes} new cache lengths (fresh process each):")
+    labels = {"jit": "jax.jit(fn)", "opt": "optimize(fn, kernel='blockwise', cache_size=32)"}
+    for mode, label in labels.items():
+        out = subprocess.run(
+            [sys.executable, __file__, "--memory-child", mode, str(shapes)],
+            capture_output=True, text=True, check=True, env=dict(os.environ),
+        )  # fmt: skip
+        print(f"  {label:50s} {float(out.stdout.split()[-1]):7.1f} MB", flush=True)
 
 
 def main() -> None:
@@ -105,7 +207,20 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--plain", action="store_true", help="no kv lengths mask")
     ap.add_argument("--kernel", default=None, help="force a kernel (default: the pass chooses)")
+    ap.add_argument("--table", action="store_true", help="the cost model's table")
+    ap.add_argument("--memory", type=int, metavar="N", help="VmRSS growth over N shapes")
+    ap.add_argument("--memory-child", nargs=2, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.memory_child:
+        memory_child(args.memory_child[0], int(args.memory_child[1]))
+        return
+    if args.memory:
+        memory(args.memory)
+        return
+    if args.table:
+        print(f"jax {jax.__version__}, {jax.devices()[0].platform}, D=64, kernel='blockwise'")
+        table(args.reps)
+        return
     print(f"jax {jax.__version__}, {jax.devices()[0].platform}, B={args.batch} H=8 D=64 f32")
     rows = run(args.sizes, args.queries, args.reps, args.plain, args.kernel, batch=args.batch)
     print("\n| S | q | rows | pass | original ms | optimized ms | ratio | ratio of minima |")

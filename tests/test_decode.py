@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -25,7 +26,12 @@ from jax import lax
 import flashpass
 from flashpass.kernels import CheckContext
 from flashpass.kernels.blockwise import BlockwiseKernel
-from flashpass.kernels.blockwise.cost import DECODE_MIN_KV_LEN, faster_as_written
+from flashpass.kernels.blockwise.cost import (
+    DECODE_MIN_KV_LEN,
+    DECODE_MIN_KV_LEN_NARROW,
+    DECODE_MIN_KV_LEN_ONE_ROW,
+    faster_as_written,
+)
 from flashpass.kernels.reference import reference_attention
 from flashpass.spec import AttentionSpec, Causal, ExtraSpec, KvLengths, Scale, Softcap
 
@@ -149,22 +155,38 @@ def _spec(t, s, fill, extra_ops=(), hkv=H, shift=0):
     )  # fmt: skip
 
 
+@functools.cache
+def _runner(kernel, spec):
+    """``(out, grads)`` of ``kernel`` (None: the reference) for ``spec``, jitted
+    once per (kernel, spec): the lengths are an argument, not a constant."""
+
+    def attend(q, k, v, ln):
+        if kernel is None:
+            return reference_attention(spec, q, k, v, (ln,))
+        return kernel.apply(spec, q, k, v, (ln,))
+
+    def run(q, k, v, ln, w):
+        loss = lambda *a: jnp.nansum(attend(*a, ln) * w)  # noqa: E731
+        return attend(q, k, v, ln), jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+
+    return jax.jit(run)
+
+
 def _check_against_reference(spec, lengths, kernel, seed=0):
     q, k, v = _qkv(spec.q_len, spec.kv_len, seed, spec.kv_heads)
     ln = jnp.asarray(np.asarray(lengths, np.int32).reshape(B, 1, 1, 1))
     w = jnp.asarray(np.random.default_rng(seed + 1).standard_normal(spec.out_shape), jnp.float32)
-
-    def run(fn):
-        out = fn(q, k, v)
-        grads = jax.grad(lambda *a: jnp.nansum(fn(*a) * w), argnums=(0, 1, 2))(q, k, v)
-        return out, grads
-
-    got = run(jax.jit(lambda q, k, v: kernel.apply(spec, q, k, v, (ln,))))
-    want = run(lambda q, k, v: reference_attention(spec, q, k, v, (ln,)))
+    got = _runner(kernel, spec)(q, k, v, ln, w)
+    want = _runner(None, spec)(q, k, v, ln, w)
     np.testing.assert_allclose(got[0], want[0], rtol=2e-5, atol=2e-6)
     for g, r in zip(got[1], want[1], strict=True):
         np.testing.assert_allclose(g, r, rtol=2e-5, atol=2e-5)
     return got[0]
+
+
+# Shared, so that cases of one spec compile once (`_runner`).
+KERNEL_16 = BlockwiseKernel(block_k=16)
+KERNEL_32 = BlockwiseKernel(block_k=32)
 
 
 @pytest.mark.parametrize("fill", [-1e9, -np.inf])
@@ -178,7 +200,7 @@ def _check_against_reference(spec, lengths, kernel, seed=0):
     ],
 )
 def test_decode_path_matches_reference(fill, lengths):
-    kernel = BlockwiseKernel(block_k=16)  # 100 keys: 7 chunks, the last one ragged
+    kernel = KERNEL_16  # 100 keys: 7 chunks, the last one ragged
     spec = _spec(1, 100, fill)
     assert kernel.uses_decode(spec)
     out = _check_against_reference(spec, lengths, kernel)
@@ -197,7 +219,7 @@ def test_decode_path_matches_reference(fill, lengths):
     ],
 )
 def test_decode_path_variants(ops, t, hkv):
-    kernel = BlockwiseKernel(block_k=32)
+    kernel = KERNEL_32
     spec = _spec(t, 101, -1e9, ops, hkv=hkv, shift=1)
     assert kernel.uses_decode(spec)
     _check_against_reference(spec, (0, 5, 40), kernel)
@@ -236,8 +258,25 @@ CPU = CheckContext(platform="cpu")
 def test_cost_model():
     long = DECODE_MIN_KV_LEN
     assert "decode step" in faster_as_written(_plain_spec(1, long), "cpu")
-    assert faster_as_written(_spec(1, long, -1e9), "cpu") is None
-    assert "short kv cache" in faster_as_written(_spec(1, long // 2, -1e9), "cpu")
+    # Several score rows per kv head (queries, or grouped heads): from 2k keys on.
+    assert faster_as_written(_spec(4, long, -1e9), "cpu") is None
+    assert faster_as_written(_spec(1, long, -1e9, hkv=H // 4), "cpu") is None
+    assert "short kv cache" in faster_as_written(_spec(4, long // 2, -1e9), "cpu")
+    # One row per kv head: a matrix-vector product per chunk, kept below 8k keys.
+    one_row = faster_as_written(_spec(1, long, -1e9), "cpu")
+    assert one_row == (
+        f"short kv cache (kv_len={long} < {DECODE_MIN_KV_LEN_ONE_ROW}) for a decode step "
+        "with 1 score row per kv head, float32"
+    )
+    assert faster_as_written(_spec(1, DECODE_MIN_KV_LEN_ONE_ROW, -1e9), "cpu") is None
+    # Narrow floats: the kernel computes in float32, and pays from 1k keys on.
+    narrow = dataclasses.replace(_spec(4, 1024, -1e9), q_dtype="bfloat16", k_dtype="bfloat16")
+    assert DECODE_MIN_KV_LEN_NARROW == 1024 and faster_as_written(narrow, "cpu") is None
+    assert "short kv cache" in faster_as_written(_spec(4, 1024, -1e9), "cpu")
+    # Batch and heads move no threshold.
+    for b, h in ((1, 1), (16, 32)):
+        wide = dataclasses.replace(_spec(4, long, -1e9), batch=b, heads=h, kv_heads=h)
+        assert faster_as_written(wide, "cpu") is None
     assert "short sequence" in faster_as_written(_plain_spec(64, 256), "cpu")
     assert faster_as_written(_plain_spec(1, 64), "gpu") is None
     reasons = BlockwiseKernel().check(_plain_spec(1, long), CPU)
@@ -256,7 +295,7 @@ def test_choice_in_the_pass():
     one with ragged lengths against a long cache is rewritten; naming the
     kernel forces the first."""
     s = DECODE_MIN_KV_LEN
-    q, k, v = _qkv(1, s)
+    q, k, v = _qkv(2, s)
     lengths = jnp.asarray([1, s // 4, s], jnp.int32)
     ragged = _attend(lambda n_keys, n: _ar(n_keys) < n[:, None])
 

@@ -27,8 +27,32 @@ DECODE_BLOCK_K = 1024
 #: would be visited (full rows), and the chunk loop otherwise.
 DECODE_DENSE_FRACTION = 0.5
 #: Decode with per-row kv lengths pays from this cache length on (skipping
-#: the chunks past each row's length); below it the masked original is faster.
+#: the chunks past each row's length); below it the masked original is as
+#: fast or faster (`benchmarks/decode.py --table`).
 DECODE_MIN_KV_LEN = 2048
+#: With a single score row per kv head (one query, no grouped heads) a chunk
+#: is a matrix-vector product: the loop's per-chunk cost is not repaid below
+#: this cache length (ragged 2k rows ran 0.3-0.75x, 4k rows 0.9-1.15x, at
+#: every batch, head count and dtype of the table).
+DECODE_MIN_KV_LEN_ONE_ROW = 8192
+#: Narrow floats (bf16, f16) with several rows per kv head: the original's
+#: narrow products are slow on CPU and the kernel computes in float32, so it
+#: pays from this (shorter) cache length on (1.5-4x at 1k keys in the table).
+DECODE_MIN_KV_LEN_NARROW = 1024
+_NARROW = ("bfloat16", "float16")
+
+
+def decode_min_kv_len(spec: AttentionSpec) -> int:
+    """The cache length from which the decode path beats the original on CPU,
+    by the score rows per kv head (queries x grouped heads), the dtype and
+    `DECODE_MIN_KV_LEN`; batch and head count move no threshold in the table
+    (``python benchmarks/decode.py --table``: B=1..16, H=2..32)."""
+    rows = spec.q_len * spec.groups
+    if rows == 1:
+        return DECODE_MIN_KV_LEN_ONE_ROW
+    if str(spec.q_dtype) in _NARROW and str(spec.k_dtype) in _NARROW:
+        return DECODE_MIN_KV_LEN_NARROW
+    return DECODE_MIN_KV_LEN
 
 
 def faster_as_written(spec: AttentionSpec, platform: str) -> str | None:
@@ -46,8 +70,13 @@ def faster_as_written(spec: AttentionSpec, platform: str) -> str | None:
                 f"decode step (q_len={spec.q_len} <= {DECODE_MAX_Q}) without per-row kv "
                 "lengths: the original is as memory-efficient and faster"
             )
-        if spec.kv_len < DECODE_MIN_KV_LEN:
-            return f"short kv cache (kv_len={spec.kv_len} < {DECODE_MIN_KV_LEN}) for a decode step"
+        shortest = decode_min_kv_len(spec)
+        if spec.kv_len < shortest:
+            rows = spec.q_len * spec.groups
+            return (
+                f"short kv cache (kv_len={spec.kv_len} < {shortest}) for a decode step with "
+                f"{rows} score row{'s' if rows > 1 else ''} per kv head, {spec.q_dtype}"
+            )
         return None
     if spec.kv_len < CPU_MIN_KV_LEN:
         return f"short sequence (kv_len={spec.kv_len} < {CPU_MIN_KV_LEN})"

@@ -161,8 +161,10 @@ def forward(dp: DecodePlan, q, k, v, extras):
         s = jnp.einsum("bhtd,bhsd->bhts", a, c, preferred_element_type=cdt)
         s = tile_score_fn(plan, ex5, q_pos, jnp.arange(S), True)(s, {})
         m = jnp.max(s, axis=-1)
-        m_safe = jnp.where(m == -jnp.inf, 0, m)
-        p = jnp.exp(s - m_safe[..., None])
+        # exp(s - m), as the original's softmax writes it (XLA fuses the max,
+        # the shift and the exp into one pass); a row with only -inf scores
+        # gets NaN weights, as in the original (and the chunk loop: 0 / 0).
+        p = jnp.exp(s - m[..., None])
         den = jnp.sum(p, axis=-1)
         acc = jnp.einsum("bhts,bhsd->bhtd", p.astype(p_dtype), v, preferred_element_type=cdt)
         return (acc / den[..., None]).astype(spec.out_dtype), m, den
