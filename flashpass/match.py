@@ -25,6 +25,8 @@ from flashpass.patterns import chain as chain_mod
 from flashpass.patterns.common import ESCAPE_HINT, Miss, profile, where
 from flashpass.patterns.dropout import dropout_op
 from flashpass.patterns.products import output_product, score_products
+from flashpass.patterns.regroup import PRIMS as REGROUP_PRIMS
+from flashpass.patterns.regroup import UNIT, regroup
 from flashpass.patterns.softmax import match_softmax
 
 from . import errors
@@ -243,9 +245,11 @@ def _deferred_division(scope: Scope, pv, total, score_roles: list, out_roles: li
     """``(P·V) / sum``: the division node and helpers, when normalisation is deferred.
 
     Layout ops may sit on either side: the P·V result transposed (an einsum to
-    a ``BTHD`` output) or cast (mixed precision) before the division, and the
-    sum transposed to match.  Either way the division must divide each output
-    element by the sum of its own row."""
+    a ``BTHD`` output), cast (mixed precision) or regrouped (MaxText merges the
+    (kv head, group) axes into heads) before the division, and the sum moved
+    the same way.  Either way the division must divide each output element by
+    the sum of its own row: the roles of the divisor's axes, followed from the
+    sum, must be the output's (`patterns.regroup` for reshapes)."""
     out_roles = list(out_roles)
     layout: set = set()
     atom = pv.out
@@ -254,10 +258,10 @@ def _deferred_division(scope: Scope, pv, total, score_roles: list, out_roles: li
         if len(users) != 1 or scope.is_output(atom):
             break
         node, _ = users[0]
-        if node.prim == "transpose":
-            out_roles = [out_roles[i] for i in node.params["permutation"]]
-        elif not (node.prim == "convert_element_type" and _is_float(scope.dtype(node.out))):
+        roles = _layout_roles(scope, node, atom, out_roles)
+        if roles is None:
             break
+        out_roles = roles
         layout.add(node)
         atom = node.out
     # Other readers (autodiff's backward) are checked as escapes.
@@ -266,34 +270,52 @@ def _deferred_division(scope: Scope, pv, total, score_roles: list, out_roles: li
         return Miss(f"exp(scores) @ v is not divided by the sum of exp{where(pv)}", pv)
     div = divs[0]
     prof = profile(scope, div.ins[1], scope.shape(div.out))
-    base, axes = _through_layout(scope, prof.base, prof.axes, total)
-    sum_roles = [r for r in score_roles if r != "S"]
-    if any(r not in sum_roles for r in out_roles if r != "Dv"):  # regrouped scores
-        return Miss(f"P·V is divided by a sum over regrouped scores{where(div)}", div)
-    expect = tuple(None if r == "Dv" else sum_roles.index(r) for r in out_roles)
-    if base != scope.resolve(total) or axes != expect:
+    sum_roles = _roles_of_sum(scope, prof.base, total, [r for r in score_roles if r != "S"])
+    ok = sum_roles is not None and {r for r in sum_roles if r != UNIT} == {
+        r for r in out_roles if r not in ("Dv", UNIT)
+    }
+    for t, r in enumerate(out_roles):
+        a = prof.axes[t]
+        if r == "Dv":
+            ok = ok and a is None
+        elif r != UNIT:
+            ok = ok and a is not None and sum_roles[a] == r
+    if not ok:
         return Miss(f"P·V is divided by something other than the softmax sum{where(div)}", div)
     helpers = scope.backward_cone([div.ins[1]], stop={scope.producer(total)})
     helpers.discard(scope.producer(total))
     return div, {div, *layout, *helpers}, tuple(out_roles)
 
 
-def _through_layout(scope: Scope, base, axes: tuple, total):
-    """Follow ``base`` back through transposes and float casts towards ``total``,
-    mapping ``axes`` (target axis -> base axis) along."""
-    base = scope.resolve(base)
-    stop = scope.resolve(total)
-    while base != stop:
-        node = scope.producer(base)
-        if node is None:
-            break
-        if node.prim == "transpose":
-            perm = node.params["permutation"]
-            axes = tuple(None if a is None else perm[a] for a in axes)
-        elif not (node.prim == "convert_element_type" and _is_float(scope.dtype(node.out))):
-            break
-        base = scope.resolve(node.ins[0])
-    return base, axes
+def _layout_roles(scope: Scope, node, atom, roles: list) -> list | None:
+    """The roles of ``node``'s output axes when it only moves the axes of
+    ``atom`` (whose axes have ``roles``): a transpose, a float cast or a
+    role-preserving regrouping; else None."""
+    if node.prim == "transpose":
+        return [roles[i] for i in node.params["permutation"]]
+    if node.prim == "convert_element_type" and _is_float(scope.dtype(node.out)):
+        return roles
+    if node.prim in REGROUP_PRIMS and len(node.ins) == 1:
+        new = regroup(node, roles, scope.shape(atom), scope.shape(node.out))
+        return None if isinstance(new, str) else new
+    return None
+
+
+def _roles_of_sum(scope: Scope, base, total, roles: list) -> list | None:
+    """The roles of ``base``'s axes when it is the sum ``total`` (whose axes
+    have ``roles``) moved by layout ops only (`_layout_roles`); else None."""
+    path, atom, stop = [], scope.resolve(base), scope.resolve(total)
+    while atom != stop:
+        node = scope.producer(atom)
+        if node is None or len(path) > 16:
+            return None
+        path.append(node)
+        atom = scope.resolve(node.ins[0])
+    for node in reversed(path):
+        roles = _layout_roles(scope, node, node.ins[0], roles)
+        if roles is None:
+            return None
+    return roles
 
 
 def _is_float(dtype) -> bool:

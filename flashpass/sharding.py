@@ -214,7 +214,8 @@ def analyze(
         specs.append((atom, roles, ndim))
     if not axes or (ring_only and "T" not in axes and "S" not in axes):
         return None
-    for name, _, roles in operands:
+    output = ("the output", None, {r: i for i, r in enumerate(site.out_roles)})
+    for name, _, roles in [*operands, output]:
         # A merged head axis is read whole: none of its roles may be split.
         split = [p for r in roles if isinstance(r, Merged) for p, _ in r.parts if p in axes]
         if split:

@@ -89,14 +89,15 @@ class Layout:
         )
 
 
+def _parts(role) -> list:
+    """The roles an axis holds: a `Merged` axis's parts, else the role itself."""
+    return [p for p, _ in role.parts] if isinstance(role, Merged) else [role]
+
+
 def present_roles(axes: dict) -> dict:
     """``role -> carried`` of an extra's ``axes`` (role -> axis or None), with an
     axis merged from several roles (`Merged`) carrying each of them."""
-    present = {}
-    for r, a in axes.items():
-        for part in [p for p, _ in r.parts] if isinstance(r, Merged) else [r]:
-            present[part] = a is not None
-    return present
+    return {part: a is not None for r, a in axes.items() for part in _parts(r)}
 
 
 def _split_merged(x, axes: dict):
@@ -276,15 +277,17 @@ class AttentionSite:
         roles = [*b, *h, "T", "Dv"]
         sizes = [*(self.layout.sizes[r] for r in [*b, *h, "T"]), out.shape[-1]]
         out = out.reshape(sizes)
-        dropped = tuple(i for i, r in enumerate(roles) if r not in self.out_roles)  # size 1
+        # The root's axes, each one role, a merge of roles (`Merged`, major
+        # first) or a unit axis: drop the roles it lacks (size 1), put the
+        # others in its order, then one reshape merges and adds unit axes.
+        wanted = [p for r in self.out_roles for p in _parts(r) if p != UNIT]
+        dropped = tuple(i for i, r in enumerate(roles) if r not in wanted)
         if dropped:
             out = jnp.squeeze(out, dropped)
-            roles = [r for r in roles if r in self.out_roles]
-        out = jnp.transpose(out, [roles.index(r) for r in self.out_roles if r != UNIT])
-        units = [t for t, r in enumerate(self.out_roles) if r == UNIT]  # P·V kept them
-        if units:
-            out = jnp.expand_dims(out, units)
-        return out.astype(self.root.eqn.outvars[0].aval.dtype)
+            roles = [r for r in roles if r in wanted]
+        out = jnp.transpose(out, [roles.index(r) for r in wanted])
+        aval = self.root.eqn.outvars[0].aval
+        return out.reshape(aval.shape).astype(aval.dtype)
 
 
 def _rows_kept(spec, extras, q_len: int):

@@ -235,17 +235,8 @@ def _ops(rewrite):
     return [op["op"] for op in rewrite.spec["score_ops"]]
 
 
-#: What the match needs for MaxText's own normalisation (flashpass/match.py,
-#: ``_deferred_division``): follow the P·V output through the reshape that merges
-#: (kv, groups) into heads, and the sum through its keepdims axis, ``moveaxis``
-#: and the same merge.
-VERBATIM = pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="exp(scores) @ v is not divided by the sum of exp",
-)
 NORMALISATION = [
-    pytest.param(True, id="verbatim", marks=VERBATIM),
+    pytest.param(True, id="verbatim"),
     pytest.param(False, id="normalised-before-head-merge"),
 ]
 
