@@ -352,32 +352,26 @@ def _skipped_dv(plan: Plan, m, inv_den, do5):
     return dv.reshape(B, Hkv, plan.nk * plan.bk, Dv)[:, :, : spec.kv_len]
 
 
-# --------------------------------------------------------------------------- dropout
+# --------------------------------------------------------------------------- dropout, sinks
+
+
+def _split_out(op, extras, placeholder):
+    """``(extras[op.index], extras)`` with a placeholder in its place (the score
+    tiles never read it), or ``(None, extras)`` without ``op``."""
+    if op is None:
+        return None, tuple(extras)
+    rest = tuple(placeholder if i == op.index else x for i, x in enumerate(extras))
+    return extras[op.index], rest
 
 
 def _split_key(spec, extras):
-    """``(key, extras)``: the `Dropout` op's key (None without one) and the
-    extras with a placeholder in its place (the tiles never slice it)."""
-    op = spec.dropout
-    if op is None:
-        return None, tuple(extras)
-    placeholder = jnp.ones((1, 1, 1, 1), bool)
-    rest = tuple(placeholder if i == op.index else x for i, x in enumerate(extras))
-    return extras[op.index], rest
-
-
-# --------------------------------------------------------------------------- sinks
+    """The `Dropout` op's key data, split out of the extras (`_split_out`)."""
+    return _split_out(spec.dropout, extras, jnp.ones((1, 1, 1, 1), bool))
 
 
 def _split_sink(spec, extras, cdt):
-    """``(sink, extras)``: the `Sink` op's logits (None without one) and the
-    extras with a placeholder in its place (the score tiles never read it)."""
-    op = spec.sink
-    if op is None:
-        return None, tuple(extras)
-    placeholder = jnp.zeros((1, 1, 1, 1), cdt)
-    rest = tuple(placeholder if i == op.index else x for i, x in enumerate(extras))
-    return extras[op.index], rest
+    """The `Sink` op's logits, split out of the extras (`_split_out`)."""
+    return _split_out(spec.sink, extras, jnp.zeros((1, 1, 1, 1), cdt))
 
 
 def _sink_cotangent(plans: Plans, sink, out, m, den, dout):
