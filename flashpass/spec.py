@@ -148,11 +148,14 @@ class Segments:
     """``s = where(extras[q_index] == extras[kv_index], s, fill)``: packed
     documents.  The extras are the program's own integer segment ids, 4-D
     ``[B|1, H|1, T, 1]`` (queries) and ``[B|1, H|1, 1, S]`` (keys): O(T), never
-    ``T x S``."""
+    ``T x S``.  ``same``: the matcher proved the two are one array read at the
+    query and at the key position (``ids[i] == ids[j]``, ``T == S``), which a
+    kernel with one shared id array needs."""
 
     q_index: int
     kv_index: int
     fill: float
+    same: bool = False
 
 
 #: Score ops that exclude keys by position or segment id, so kernels may skip

@@ -30,13 +30,16 @@ blocks.  This module maps an `AttentionSpec` onto it exactly:
   forward and the backward (`flashpass.compat.traced_with`).
 * ``interpret=True`` runs the kernel in Pallas interpret mode (any platform).
 
+* Segment ids (`Segments`): the kernel's ``segment_ids`` is one array read
+  for both the query rows and the keys at each position (``seg[i] ==
+  seg[j]``), exact only when the program's query and key ids are one array
+  (``Segments.same``, which the matcher proves for ``ids[:, None] ==
+  ids[None, :]``), with causal offset 0 and no boolean mask; padded keys get
+  an id no query has.
+
 Not supported (rejected by `check`): Bias ops, Softcap, masks that vary over
-queries, non-positive scales, float64, and structured masks.  Segment ids
-(`Segments`) are rejected although the kernel has a ``segment_ids`` argument:
-it is one array read for both the query rows and the keys at each position
-(``seg[i] == seg[j]``), exact only when the query ids and the key ids are one
-array (self-attention with causal offset 0), which the spec cannot prove (its
-query and key ids are separate extras).
+queries, non-positive scales, float64, windows, chunks and prefix-LM masks,
+and segment ids the matcher could not prove to be one array.
 
 Rows in which every key is excluded: the mean of ``v`` over all keys (the
 reference's result when the excluded keys share one finite fill).
@@ -92,14 +95,8 @@ def _reasons(spec: AttentionSpec) -> list[str]:
     )
     if form is None:
         return reasons
-    if any(isinstance(op, Segments) for op in form.structured):
-        reasons.append(
-            "segment ids (packed documents) are not supported: the Pallas GPU kernel takes "
-            "one segment-id array for queries and keys (query row p and key p share one "
-            "id), which is exact only when the query and key ids are the same array, and "
-            "the attention's query and key ids are separate inputs that nothing proves "
-            "equal; use the 'blockwise' kernel, which skips the blocks across documents"
-        )
+    for op in form.structured:
+        reasons += _segment_reasons(spec, op, form)
     if form.softcap is not None:
         reasons.append(
             "logit soft-capping is not supported by the Pallas GPU attention kernel; "
@@ -120,8 +117,38 @@ def _reasons(spec: AttentionSpec) -> list[str]:
     return reasons
 
 
+def _segment_reasons(spec: AttentionSpec, op: Segments, form) -> list[str]:
+    """The kernel's one segment-id array serves queries and keys at each
+    position: exact for the program's ids only when they are one array
+    (`Segments.same`) at aligned positions, with nothing else excluding keys."""
+    if not op.same:
+        return [
+            "segment ids (packed documents) are supported only when the query and key ids "
+            "are one array (ids[:, :, None] == ids[:, None, :]): the Pallas GPU kernel "
+            "takes one segment-id array for queries and keys (query row p and key p share "
+            "one id), and this attention's query and key ids are separate inputs; use the "
+            "'blockwise' kernel, which skips the blocks across documents"
+        ]
+    reasons = []
+    if form.causal_offset not in (None, 0):
+        reasons.append(
+            f"segment ids with a causal offset {form.causal_offset}: the kernel's query rows "
+            "would be shifted against their ids"
+        )
+    if form.masks:
+        reasons.append("segment ids together with a boolean mask are not supported")
+    extra = spec.extras[op.q_index]
+    if extra.shape[1] != 1:
+        reasons.append("segment ids that differ between heads are not supported")
+    dtype = np.dtype(extra.dtype)
+    if dtype.itemsize > 4 or not (np.issubdtype(dtype, np.integer) or dtype == np.bool_):
+        reasons.append(f"segment ids of dtype {dtype.name} (the kernel takes int32)")
+    reasons += _util.exclusion_reasons(spec, spec.score_ops.index(op))
+    return reasons
+
+
 def _plan(spec: AttentionSpec, block_q: int, block_k: int, block_bwd: int) -> _Plan:
-    form = _util.linear_form(spec)
+    form = _util.linear_form(spec, frozenset({Segments}))
     front = form.causal_offset or 0
     n = max(front + spec.q_len, spec.kv_len)
     block = max(block_q, block_k, block_bwd)  # every block divides the common length
@@ -131,8 +158,10 @@ def _plan(spec: AttentionSpec, block_q: int, block_k: int, block_bwd: int) -> _P
         length = _util.round_up(n, block)
     pad_keys = length > spec.kv_len
     # Segment ids are shared by queries and keys: usable only when no real query
-    # row sits at a padded key's position.
-    segments = pad_keys and not form.masks and front + spec.q_len <= spec.kv_len
+    # row sits at a padded key's position (the program's own ids, `Segments.same`:
+    # padded keys get an id no query has).
+    user_ids = bool(form.structured)
+    segments = user_ids or (pad_keys and not form.masks and front + spec.q_len <= spec.kv_len)
     column = bool(form.masks) or (pad_keys and not segments)
     head_dim = max(spec.head_dim, spec.v_head_dim) + (1 if column else 0)
     return _Plan(
@@ -182,6 +211,7 @@ class PallasGpuKernel(Kernel):
     platforms = ("gpu",)
     interpret_platforms = ("cpu",)
     dtypes = frozenset({"bfloat16", "float16", "float32"})
+    # (segment ids only when they are one array, `Segments.same`: not declared)
     descriptors = frozenset({"causal", "key_mask", "gqa"})
     grad = True
     partitionable = False  # a Pallas custom call: XLA runs it replicated
@@ -245,7 +275,11 @@ class PallasGpuKernel(Kernel):
         k = _util.pad_axis(k, 3, plan.head_dim)
 
         args = [q, k, v]
-        if plan.segments:
+        if form.structured:  # the program's ids, one array (`_segment_reasons`)
+            (op,) = form.structured
+            _, ids, _ = _util.segment_arrays(spec, op, extras, kv_len=L)
+            args.append(jnp.broadcast_to(ids, (spec.batch, L)))
+        elif plan.segments:
             ids = (np.arange(L) >= S).astype(np.int32)
             args.append(jnp.asarray(np.broadcast_to(ids, (spec.batch, L))))
 

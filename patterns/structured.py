@@ -371,4 +371,18 @@ def recognise_chunk_or_segments(build, factor, keep_when, fill) -> bool:
             return _emit(build, Chunk(size, fill), factor, keep_when, fill)
     q_index, _ = build.add_extra(q_side, None, dtype)
     kv_index, _ = build.add_extra(kv_side, None, dtype)
-    return _emit(build, Segments(q_index, kv_index, fill), factor, keep_when, fill)
+    same = t_len == s_len and _one_array(scope, q_side, kv_side, roles)
+    return _emit(build, Segments(q_index, kv_index, fill, same), factor, keep_when, fill)
+
+
+def _one_array(scope, q_side, kv_side, roles) -> bool:
+    """Whether both sides read one array, the query side at the query position
+    and the key side at the key position, and every other axis alike."""
+    if scope.resolve(q_side.base) != scope.resolve(kv_side.base):
+        return False
+    at = {r: t for t, r in enumerate(roles)}
+    if q_side.axes[at["T"]] != kv_side.axes[at["S"]]:
+        return False
+    return all(
+        q_side.axes[t] == kv_side.axes[t] for t, r in enumerate(roles) if r not in ("T", "S")
+    )

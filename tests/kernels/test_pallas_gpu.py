@@ -91,6 +91,23 @@ REJECTED = {
         ),
         "one segment-id array for queries and keys",
     ),
+    # One array (`Segments.same`), but the causal offset shifts query rows against it.
+    "segments_offset": (
+        spec_of(
+            t=12,
+            s=16,
+            ops=[Scale(0.25), Causal(4, -1e9), Segments(0, 1, -1e9, same=True)],
+            extras=[((2, 1, 12, 1), np.int32), ((2, 1, 1, 16), np.int32)],
+        ),
+        "causal offset 4",
+    ),
+    "segments_per_head": (
+        spec_of(
+            ops=[Segments(0, 1, -1e9, same=True)],
+            extras=[((2, 2, 16, 1), np.int32), ((2, 2, 1, 16), np.int32)],
+        ),
+        "differ between heads",
+    ),
 }
 
 
@@ -101,6 +118,54 @@ def test_check_rejects_with_reason(name):
     assert reasons and any(needle in r for r in reasons), reasons
     with pytest.raises(ValueError, match="pallas_gpu cannot run"):
         KERNEL.apply(spec, None, None, None)
+
+
+def _packed(q, k, v, ids):
+    """Packed documents, causal: the ids compared with themselves (one array)."""
+    t = q.shape[2]
+    keep = (ids[:, :, None] == ids[:, None, :])[:, None] & jnp.tril(jnp.ones((t, t), bool))
+    s = jnp.where(keep, jnp.einsum("bhtd,bhsd->bhts", q, k) * 0.3, -1e9)
+    return jnp.einsum("bhts,bhsd->bhtd", jax.nn.softmax(s, -1), v)
+
+
+@pytest.mark.parametrize("t", [16, 21], ids=["t16", "t21-padded"])
+def test_segment_ids_of_one_array_numerics(t):
+    """The program's ids, proven one array, become the kernel's segment_ids
+    (padded keys get an id no query has): forward and gradients."""
+    import flashpass
+
+    rng = np.random.default_rng(0)
+    q, k, v = (jnp.asarray(rng.standard_normal((2, 2, t, 16)), jnp.float32) for _ in range(3))
+    ids = jnp.asarray(np.sort(rng.integers(0, 4, (2, t)), axis=1).astype(np.int32))
+    opt = flashpass.optimize(
+        _packed, kernel=PallasGpuKernel(block_q=16, block_k=16, block_bwd=16), interpret=True
+    )
+    report = opt.explain(q, k, v, ids)
+    assert report.kernels == ["pallas_gpu"], str(report)
+    ops = report.rewrites[0].spec["score_ops"]
+    assert any(op["op"] == "segments" and op["same"] for op in ops), ops
+    loss = lambda f: lambda *a: jnp.sum(f(*a) ** 2)  # noqa: E731
+    got = jax.jit(jax.value_and_grad(loss(opt), argnums=(0, 1, 2)))(q, k, v, ids)
+    want = jax.value_and_grad(loss(_packed), argnums=(0, 1, 2))(q, k, v, ids)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(g, w, rtol=2e-4, atol=2e-5 * float(jnp.abs(w).max()))
+
+
+def test_segment_ids_of_two_arrays_are_kept_for_blockwise():
+    import flashpass
+
+    def separate(q, k, v, q_ids, kv_ids):
+        keep = (q_ids[:, :, None] == kv_ids[:, None, :])[:, None]
+        s = jnp.where(keep, jnp.einsum("bhtd,bhsd->bhts", q, k), -1e9)
+        return jnp.einsum("bhts,bhsd->bhtd", jax.nn.softmax(s, -1), v)
+
+    rng = np.random.default_rng(1)
+    q, k, v = (jnp.asarray(rng.standard_normal((2, 2, 16, 16)), jnp.float32) for _ in range(3))
+    ids = jnp.asarray(np.sort(rng.integers(0, 4, (2, 16)), axis=1).astype(np.int32))
+    opt = flashpass.optimize(separate, kernel=["pallas_gpu", "blockwise"], interpret=True)
+    report = opt.explain(q, k, v, ids, ids)
+    assert report.kernels == ["blockwise"], str(report)
+    assert "one array" in report.rewrites[0].rejected["pallas_gpu"][0]
 
 
 def test_column_exclusion_numerics():
