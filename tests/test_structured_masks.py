@@ -45,7 +45,7 @@ from flashpass.spec import (
 import spellings
 from spellings import bnth
 
-_IDS = {"index", "q_index", "kv_index", "fill", "shape"}
+_IDS = {"index", "q_index", "kv_index", "fill", "shape", "same"}
 
 
 def _described(spec: dict) -> list[str]:
