@@ -10,6 +10,9 @@ only.  B=1, H=``--heads``, D=64, float32, S=T=``--seq``.
   - ``original``: the same code, not optimized;
   - ``dense_mask``: flashpass on the same site with the band passed in as a
     ``[T, S]`` boolean array (a dense ``Mask``; causal skipping still applies);
+* ``sinks``: the window with gpt-oss attention sinks (a per-head logit
+  concatenated to the scores, the row max subtracted, the column sliced off;
+  the descriptors plus a ``Sink`` op), flashpass against the original;
 * ``packed``: ``--docs`` documents per row, segment ids compared with ``==``
   and combined with causal (``Segments`` + ``Causal``);
   - ``causal``: flashpass on plain causal attention of the same row;
@@ -52,6 +55,21 @@ def window_fn(width):
         return _attend(jnp.where(keep, _scores(q, k), FILL), v)
 
     return window
+
+
+def window_sinks_fn(width):
+    def window_sinks(q, k, v, sinks):
+        t, s_len = q.shape[2], k.shape[2]
+        i = lax.broadcasted_iota(jnp.int32, (t, s_len), 0)
+        j = lax.broadcasted_iota(jnp.int32, (t, s_len), 1)
+        s = jnp.where((j <= i) & (i - j < width), _scores(q, k), FILL)
+        col = jnp.broadcast_to(sinks.reshape(1, -1, 1, 1), (*s.shape[:-1], 1))
+        c = jnp.concatenate([s, col], axis=-1)
+        c = c - lax.stop_gradient(c.max(-1, keepdims=True))
+        p = jax.nn.softmax(c, axis=-1)[..., :-1]
+        return jnp.einsum("bhts,bhsd->bhtd", p, v)
+
+    return window_sinks
 
 
 def causal_and_mask(q, k, v, mask):
@@ -114,8 +132,14 @@ def main() -> None:
         "window: flashpass (descriptors)": (opt_win, (q, k, v)),
         "window: flashpass (dense mask)": (flashpass.optimize(causal_and_mask), (q, k, v, band)),
     }
+    sinks = jnp.asarray(rng.standard_normal(h), jnp.float32)
+    win_sinks = window_sinks_fn(args.window)
+    opt_sinks = flashpass.optimize(win_sinks)
+    print(opt_sinks.explain(q, k, v, sinks))
+    variants["sinks: flashpass (descriptors + Sink)"] = (opt_sinks, (q, k, v, sinks))
     if not args.skip_original:
         variants["window: original"] = (jax.jit(win), (q, k, v))
+        variants["sinks: original"] = (jax.jit(win_sinks), (q, k, v, sinks))
     result = interleaved(variants, args.rounds)
     opt_packed = flashpass.optimize(packed)
     print(opt_packed.explain(q, k, v, ids))
@@ -126,11 +150,14 @@ def main() -> None:
     }
     result.update(interleaved(docs, args.rounds))
     for name, seconds in result.items():
-        print(f"{name:36s} {seconds * 1e3:10.1f} ms")
+        print(f"{name:40s} {seconds * 1e3:10.1f} ms")
     w = result["window: flashpass (descriptors)"]
     print(f"window: dense mask / descriptors = {result['window: flashpass (dense mask)'] / w:.1f}x")
+    ws = result["sinks: flashpass (descriptors + Sink)"]
+    print(f"sinks: flashpass / window flashpass = {ws / w:.2f}x")
     if not args.skip_original:
         print(f"window: original / descriptors   = {result['window: original'] / w:.1f}x")
+        print(f"sinks: original / flashpass      = {result['sinks: original'] / ws:.1f}x")
     p = result["packed: flashpass (segment ids)"]
     plain = result["packed: flashpass (plain causal)"]
     print(f"packed: plain causal / segments  = {plain / p:.1f}x")
