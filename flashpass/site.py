@@ -286,8 +286,10 @@ class AttentionSite:
             out = jnp.squeeze(out, dropped)
             roles = [r for r in roles if r in wanted]
         out = jnp.transpose(out, [roles.index(r) for r in wanted])
-        aval = self.root.eqn.outvars[0].aval
-        return out.reshape(aval.shape).astype(aval.dtype)
+        # (Sizes from the layout: inside a shard_map it is the local one.)
+        size = {**self.layout.sizes, "Dv": sizes[-1], UNIT: 1}
+        shape = [math.prod(size[p] for p in _parts(r)) for r in self.out_roles]
+        return out.reshape(shape).astype(self.root.eqn.outvars[0].aval.dtype)
 
 
 def _rows_kept(spec, extras, q_len: int):
