@@ -221,7 +221,7 @@ def _feeds_a_product(scope: Scope, e, sum_nodes: set) -> bool:
         for node, _ in scope.consumers(stack.pop()):
             if node in sum_nodes:
                 continue
-            if node.prim == "convert_element_type":
+            if node.prim in ("convert_element_type", "slice"):  # (a slice: attention sinks)
                 stack.append(node.out)
             elif node.prim == "dot_general":
                 return True

@@ -83,6 +83,14 @@ def padded(q, k, v, sinks, keep):
     return jnp.einsum("bhts,bshd->bthd", p[..., :-1], v)
 
 
+def deferred(q, k, v, sinks):
+    """Normalisation deferred past P·V: the sum over scores and sink divides."""
+    s = _scores(q, k)
+    c = jnp.concatenate([s, _column(sinks, s)], axis=-1)
+    e = jnp.exp(c - c.max(-1, keepdims=True))
+    return jnp.einsum("bhts,bshd->bthd", e[..., :-1], v) / jnp.swapaxes(e.sum(-1), 1, 2)[..., None]
+
+
 def windowed(q, k, v, sinks):
     """gpt-oss' sliding-window layers: causal, a window of 6 keys, sinks."""
     s = _scores(q, k)
@@ -106,6 +114,7 @@ CASES = {
     "grouped": (grouped, {"hkv": 2}),
     "padded": (padded, {}),
     "windowed": (windowed, {}),
+    "deferred": (deferred, {}),
 }
 
 
