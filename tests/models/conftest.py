@@ -106,7 +106,7 @@ def check_model(request):
     ):
         opt = flashpass.optimize(fn, kernel="blockwise")
         report = opt.explain(params, *inputs)
-        _record(request, report, library, case, sites)
+        _record(request, report, library, case, sites, not_attention)
         kept = sorted(
             next((i for i, w in enumerate(not_attention) if w in f.reason), -1)
             for f in report.fallbacks
@@ -151,25 +151,32 @@ def check_model(request):
     return check
 
 
-def _record(request, report, library: str, case: str, sites: int) -> None:
-    """The coverage-table row of the running test."""
+def _record(request, report, library: str, case: str, sites: int, not_attention=()) -> None:
+    """The coverage-table row of the running test (fallbacks the test expects
+    because they are not attention, e.g. an MoE router, say so)."""
     TABLE.record(
         request.node.nodeid,
         library=library,
         case=case,
         rewritten=len(report.rewrites),
         expected=sites,
-        fallbacks=[f.reason for f in report.fallbacks],
+        fallbacks=[
+            f"not attention, kept: {f.reason}"
+            if any(w in f.reason for w in not_attention)
+            else f.reason
+            for f in report.fallbacks
+        ],
     )
 
 
 @pytest.fixture
 def record_coverage(request):
-    """``record_coverage(report, library=, case=, sites=)``: the coverage-table row
-    of a test that checks its numerics itself (`check_model` records its own)."""
+    """``record_coverage(report, library=, case=, sites=, not_attention=())``: the
+    coverage-table row of a test that checks its numerics itself (`check_model`
+    records its own)."""
 
-    def record(report, *, library: str, case: str, sites: int) -> None:
-        _record(request, report, library, case, sites)
+    def record(report, *, library: str, case: str, sites: int, not_attention=()) -> None:
+        _record(request, report, library, case, sites, not_attention)
 
     return record
 
@@ -270,7 +277,7 @@ def pytest_sessionfinish(session, exitstatus):
     if path is None or not TABLE.rows:
         return
     versions = {"jax": jax.__version__}
-    for name in ("flax", "equinox", "haiku", "keras", "transformers"):
+    for name in ("flax", "equinox", "haiku", "keras", "keras_hub", "transformers", "penzai"):
         module = sys.modules.get(name)
         if module is not None and hasattr(module, "__version__"):
             versions[name] = module.__version__
