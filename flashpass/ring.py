@@ -22,10 +22,11 @@ dK/dV block is back on its own device.
 Supported score ops (`RING_OPS`, applied in program order on global positions,
 with the program's own fills, so rows a mask empties compute what the
 original does): scales, causal (any offset), window, chunk and prefix masks,
-and kv lengths (padding); attention sinks (the row statistics start from the
-sink logit, as in the blockwise kernel); grouped-query attention.  Sites with biases, dense
-masks, segment ids or soft-caps keep the all-gather program (`unsupported`
-says why).  The per-step work is plain JAX on blocks of
+and kv lengths (padding); logit soft-caps (the backward differentiates the
+elementwise score ops with ``jax.vjp``); attention sinks (the row statistics
+start from the sink logit, as in the blockwise kernel); grouped-query
+attention.  Sites with biases, dense masks or segment ids keep the all-gather
+program (`unsupported` says why).  The per-step work is plain JAX on blocks of
 ``(T/n) x (S/n)`` scores.
 """
 
@@ -39,11 +40,11 @@ from jax import lax
 
 from flashpass.kernels.reference import kv_valid_lengths, structured_keep
 
-from .spec import AttentionSpec, Causal, Chunk, KvLengths, Prefix, Scale, Sink, Window
+from .spec import AttentionSpec, Causal, Chunk, KvLengths, Prefix, Scale, Sink, Softcap, Window
 
 #: Score ops a ring step applies (in program order, with global positions), and
 #: attention sinks (the row statistics start from them).
-RING_OPS = (Scale, Causal, Window, Chunk, Prefix, KvLengths, Sink)
+RING_OPS = (Scale, Softcap, Causal, Window, Chunk, Prefix, KvLengths, Sink)
 
 
 def unsupported(spec: AttentionSpec) -> str | None:
@@ -51,8 +52,8 @@ def unsupported(spec: AttentionSpec) -> str | None:
     other = [type(op).__name__ for op in spec.score_ops if not isinstance(op, RING_OPS)]
     if other:
         return (
-            "the ring supports scales, causal, window, chunk and prefix masks, kv "
-            f"lengths and attention sinks, not {', '.join(sorted(set(other)))}"
+            "the ring supports scales, soft-caps, causal, window, chunk and prefix masks, "
+            f"kv lengths and attention sinks, not {', '.join(sorted(set(other)))}"
         )
     return None
 
@@ -96,17 +97,23 @@ def _ring(spec: AttentionSpec, axis_name, n: int):
         return ok
 
     def scores(qf, kb, q0, k0, extras):
-        """The step's scores after every score op, in program order, and where
-        they still depend on q·k (the masks' keep, for the backward)."""
-        s = jnp.einsum("bhgtd,bhsd->bhgts", qf, kb.astype(jnp.float32))
+        """The step's scores after every score op, in program order."""
+        raw = jnp.einsum("bhgtd,bhsd->bhgts", qf, kb.astype(jnp.float32))
+        return score_ops(raw, q0, k0, extras)
+
+    def score_ops(s, q0, k0, extras):
+        """The spec's score ops on raw scores ``s`` (global positions ``q0``,
+        ``k0``): elementwise, so the backward differentiates it (`jax.vjp`)."""
         rows = q0 + jnp.arange(spec.q_len)[:, None]
         cols = k0 + jnp.arange(spec.kv_len)[None, :]
-        kept = jnp.bool_(True)
         for op in spec.score_ops:
             if isinstance(op, Sink):
                 continue  # joins the row statistics (`sink_rows`), not the scores
             if isinstance(op, Scale):
                 s = s * op.value
+                continue
+            if isinstance(op, Softcap):
+                s = op.cap * jnp.tanh(s / op.cap)
                 continue
             if isinstance(op, Causal):
                 keep = cols <= rows + op.offset
@@ -117,8 +124,7 @@ def _ring(spec: AttentionSpec, axis_name, n: int):
             else:
                 keep = structured_keep(op, extras, rows, cols)
             s = jnp.where(keep, s, op.fill)
-            kept = kept & keep
-        return s, kept
+        return s
 
     def grouped(x):  # [B, H, T, D] -> [B, Hkv, G, T, D]
         b, _, t, d = x.shape
@@ -148,7 +154,7 @@ def _ring(spec: AttentionSpec, axis_name, n: int):
             q0, k0 = positions(step)
 
             def attend(acc, m, total, kb=kb, vb=vb, q0=q0, k0=k0):
-                s, _ = scores(qf, kb, q0, k0, extras)
+                s = scores(qf, kb, q0, k0, extras)
                 m_new = jnp.maximum(m, jnp.max(s, axis=-1))
                 base = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
                 p = jnp.exp(s - base[..., None])
@@ -178,12 +184,13 @@ def _ring(spec: AttentionSpec, axis_name, n: int):
             q0, k0 = positions(step)
 
             def grads(dq, dkb, dvb, kb=kb, vb=vb, q0=q0, k0=k0):
-                s, kept = scores(qf, kb, q0, k0, extras)
+                raw = jnp.einsum("bhgtd,bhsd->bhgts", qf, kb.astype(jnp.float32))
+                s, score_vjp = jax.vjp(lambda r: score_ops(r, q0, k0, extras), raw)
                 p = jnp.exp(s - base) * scale_back  # the forward's probabilities
                 dvb = dvb + jnp.einsum("bhgts,bhgtd->bhsd", p, do)
                 dp = jnp.einsum("bhgtd,bhsd->bhgts", do, vb.astype(jnp.float32))
-                # d(scores)/d(q·k): the scales where no mask replaced the score.
-                ds = jnp.where(kept, p * (dp - delta[..., None]) * spec.scale, 0.0)
+                # Through the score ops (scales, soft-cap; zero where a mask replaced it).
+                (ds,) = score_vjp(p * (dp - delta[..., None]))
                 dq = dq + jnp.einsum("bhgts,bhsd->bhgtd", ds, kb.astype(jnp.float32))
                 dkb = dkb + jnp.einsum("bhgts,bhgtd->bhsd", ds, qf)
                 return dq, dkb, dvb

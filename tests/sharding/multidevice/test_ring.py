@@ -188,6 +188,15 @@ def _padded(q, k, v, lengths):
     return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1), v)
 
 
+def _softcapped(q, k, v):
+    """Gemma 2: a logit soft-cap, then a causal window of 12."""
+    t = q.shape[1]
+    i, j = jnp.arange(t)[:, None], jnp.arange(t)[None, :]
+    s = 5.0 * jnp.tanh(jnp.einsum("bqhd,bkhd->bhqk", q, k) * 0.25 / 5.0)
+    s = jnp.where((j <= i) & (j > i - 12), s, -jnp.inf)
+    return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1), v)
+
+
 def _sinks(q, k, v, sinks):
     """gpt-oss: a causal window and a learned sink logit per head."""
     t = q.shape[1]
@@ -201,11 +210,12 @@ def _sinks(q, k, v, sinks):
     return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(c, axis=-1)[..., :-1], v)
 
 
-@pytest.mark.parametrize("case", ["window", "padded", "sinks"])
+@pytest.mark.parametrize("case", ["window", "padded", "sinks", "softcap"])
 def test_windowed_and_padded_rings(case):
     """Window masks skip the steps outside the window; kv lengths (a padded
     batch, one row fully padded) are applied per step with the program's fill;
-    attention sinks start every row's statistics (their gradient included)."""
+    attention sinks start every row's statistics (their gradient included); a
+    soft-cap is differentiated through in the backward ring."""
     m = mesh((8,), ("seq",))
     args = [put(m, P(None, "seq"), normal(i, (2, 64, 2, 16))) for i in range(3)]
     argnums = (0, 1, 2)
@@ -213,6 +223,8 @@ def test_windowed_and_padded_rings(case):
         attend, extra = _windowed, []
     elif case == "padded":
         attend, extra = _padded, [put(m, P(), np.array([40, 0], np.int32))]
+    elif case == "softcap":
+        attend, extra = _softcapped, []
     else:
         attend, extra = _sinks, [put(m, P(), np.array([0.5, -1.0], np.float32))]
         argnums = (0, 1, 2, 3)
