@@ -119,8 +119,9 @@ def _ring(spec: AttentionSpec, axis_name, n: int):
                 keep = cols <= rows + op.offset
             elif isinstance(op, KvLengths):
                 valid = kv_valid_lengths(op, extras[op.index], spec.kv_len * n)
-                b, h = valid.shape[:2]
-                keep = cols < valid.reshape(b, h // g if h > 1 else 1, -1, 1, 1)
+                b, h, t = valid.shape[:3]  # (t: the local queries' own limits, or 1)
+                heads = (h // g, g) if h > 1 else (1, 1)
+                keep = cols < valid.reshape(b, *heads, t, 1)
             else:
                 keep = structured_keep(op, extras, rows, cols)
             s = jnp.where(keep, s, op.fill)

@@ -93,8 +93,9 @@ class KvLengths:
     """``s = where(j < L + shift, s, fill)`` for key ``j``, ``L = extras[index]``.
 
     ``L`` is the user's integer lengths array (a KV cache's fill level), 4-D
-    ``[B|1, H|1, 1, 1]``: it varies over batch rows and heads, never over
-    queries or keys.  ``shift`` absorbs the comparison's spelling: ``j < L``
+    ``[B|1, H|1, T|1, 1]``: it varies over batch rows and heads, and over
+    queries in chunked prefill (each query's own cache position), never over
+    keys.  ``shift`` absorbs the comparison's spelling: ``j < L``
     is shift 0, ``j <= L`` shift 1, ``j + 2 < L`` shift -2.  Kernels read the
     valid length of a row as ``clip(L + shift, 0, kv_len)`` computed without
     overflow (`flashpass.kernels.reference.kv_valid_lengths`).  A row whose

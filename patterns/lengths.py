@@ -11,15 +11,20 @@ spellings (each a structured mask, recognised before a dense `Mask`)::
     ~(jnp.arange(S) >= lengths[:, None])            # the negated form
     jnp.where(jnp.arange(S) >= lengths[:, None], fill, s)   # keep where False
 
+Chunked prefill compares the key position with each query's own position
+in the cache (``k_pos[None, None, :] <= q_pos[:, :, None]``, ``q_pos =
+start[:, None] + arange(T)``): the "length" then varies over queries too, and
+is kept as the program's ``[B, T]`` array (O(T), never ``T x S``).
+
 The proof is structural: one operand must be affine in the indices with
 coefficient exactly 1 along the key axis and 0 elsewhere (``j + c``, from
 iotas; `masks._affine`), the other an integer array that is broadcast along
-both the query and the key axes (it varies over batch rows and heads only).
+the key axis (it varies over batch rows, heads and queries only).
 Then ``keep == (j + c < L)`` (or ``<=``) for every index, which is
 ``KvLengths(shift=-c)`` (or ``1 - c``).  Near misses stay dense masks: a
-length that varies over queries (chunked prefill, causal), a key coefficient
-other than 1, ``j > L`` (keeping the tail: left padding), float lengths, a
-fill that does not exclude keys, a lengths dtype too narrow for ``S``.
+length that varies over keys, a key coefficient other than 1, ``j > L``
+(keeping the tail: left padding), float lengths, a fill that does not
+exclude keys, a lengths dtype too narrow for ``S``.
 """
 
 from __future__ import annotations
@@ -89,8 +94,8 @@ def match_kv_lengths(scope, factor: Profile, roles, keep_when: bool, fill: float
         return None  # the kernel's clip bound must fit the lengths' dtype
     lengths = compose(scope, Profile(base, factor.axes, factor.target), length_side)
     for t, a in enumerate(lengths.axes):
-        if a is not None and roles[t] in ("T", "S"):
-            return None  # varies over queries or keys: not a per-row length
+        if a is not None and roles[t] == "S":
+            return None  # varies over keys: not a length
     return lengths, shift
 
 

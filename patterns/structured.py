@@ -83,6 +83,8 @@ def diagonal(scope, atom, tax, sax, t_len, s_len, depth=0):
         return None
     atom = scope.resolve(atom)
     shape = scope.shape(atom)
+    if not shape:  # a rank-0 operand of an elementwise op broadcasts over every axis
+        tax = sax = None
     dtype = scope.dtype(atom)
     n = t_len + s_len - 1
     d = np.arange(n) - (t_len - 1)

@@ -433,3 +433,20 @@ def test_window_mask_built_with_lax_select(rng):
     opt = flashpass.optimize(fn, kernel="blockwise")
     assert _described(opt.explain(*args).rewrites[0].spec) == ["Window(2, 0)"]
     _assert_close(opt(*args), fn(*args))
+
+
+def test_mask_with_scalar_operands_is_read_without_error(rng):
+    # jnp.remainder combines [1, S] positions with rank-0 constants: the
+    # diagonal reader broadcasts those (it once indexed their missing axes).
+    def fn(q, k, v):
+        t, s_len = q.shape[2], k.shape[2]
+        i, j = jnp.arange(t)[:, None], jnp.arange(s_len)[None, :]
+        keep = (j <= i) & ((i - j) % 3 != 1)  # strided: no descriptor, a dense mask
+        s = jnp.where(keep, jnp.einsum("bhtd,bhsd->bhts", q, k) * 0.3, -1e9)
+        return jnp.einsum("bhts,bhsd->bhtd", jax.nn.softmax(s, -1), v)
+
+    q, k, v = spellings.bnth(rng)
+    opt = flashpass.optimize(fn, kernel="blockwise")
+    (rewrite,) = opt.explain(q, k, v).rewrites
+    assert "boolean" in rewrite.mask, rewrite.spec
+    _assert_close(opt(q, k, v), fn(q, k, v))
