@@ -38,6 +38,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from flashpass import compat
 from flashpass.kernels.reference import kv_valid_lengths, structured_keep
 
 from .spec import AttentionSpec, Causal, Chunk, KvLengths, Prefix, Scale, Sink, Softcap, Window
@@ -58,23 +59,28 @@ def unsupported(spec: AttentionSpec) -> str | None:
     return None
 
 
-def ring_attention(q, k, v, extras, spec: AttentionSpec, axis_name, axis_size: int):
+def ring_attention(
+    q, k, v, extras, spec: AttentionSpec, axis_name, axis_size: int, q_global: bool = True
+):
     """Attention of local blocks ``q [B,H,T/n,D]``, ``k``/``v [B,Hkv,S/n,D]``
     inside ``shard_map`` over ``axis_name`` (``axis_size`` devices); ``extras``
-    are the spec's extra arrays (kv lengths), whole on every device."""
-    return _ring(spec, axis_name, axis_size)(q, k, v, tuple(extras))
+    are the spec's extra arrays (kv lengths), whole on every device.
+    ``q_global``: the score ops read query rows at their global positions
+    (the sequence-sharded site); else at the local ones, as code inside the
+    user's ``shard_map`` wrote them (keys are global either way)."""
+    return _ring(spec, axis_name, axis_size, q_global)(q, k, v, tuple(extras))
 
 
 @functools.lru_cache(maxsize=64)
-def _ring(spec: AttentionSpec, axis_name, n: int):
+def _ring(spec: AttentionSpec, axis_name, n: int, q_global: bool = True):
     g = spec.groups
     perm = [(i, (i + 1) % n) for i in range(n)]
 
     def positions(step):
-        """Global row and column offsets of this step's query and K/V blocks."""
+        """Row and (global) column offsets of this step's query and K/V blocks."""
         me = lax.axis_index(axis_name)
         src = (me - step) % n
-        return me * spec.q_len, src * spec.kv_len
+        return (me * spec.q_len if q_global else 0), src * spec.kv_len
 
     # Steps whose K/V block every position mask excludes are skipped; with kv
     # lengths a row may keep no key at all, and the original then averages
@@ -150,6 +156,8 @@ def _ring(spec: AttentionSpec, axis_name, n: int):
         if spec.sink is not None:  # a score of weight exp(sink - m) with no value
             m = sink_rows(extras)
             total = jnp.where(m == -jnp.inf, 0.0, 1.0)
+        # (In the user's shard_map with check_vma: typed like the blocks they meet.)
+        acc, m, total = (compat.vary_like(x, qf, k, v) for x in (acc, m, total))
         kb, vb = k, v
         for step in range(n):
             q0, k0 = positions(step)
@@ -181,6 +189,7 @@ def _ring(spec: AttentionSpec, axis_name, n: int):
         kb, vb = k, v
         dkb = jnp.zeros(k.shape, jnp.float32)
         dvb = jnp.zeros(v.shape, jnp.float32)
+        dq, dkb, dvb = (compat.vary_like(x, qf, k, v, dout) for x in (dq, dkb, dvb))
         for step in range(n):
             q0, k0 = positions(step)
 

@@ -82,6 +82,19 @@ class ShardPlan:
         return {r: math.prod(self.mesh.shape[a] for a in names) for r, names in self.axes.items()}
 
 
+@dataclasses.dataclass(frozen=True)
+class BodyRing:
+    """A site inside the user's ``shard_map`` whose k and v are all-gathered
+    along the key axis over manual mesh axes (``lax.all_gather(k, axis,
+    tiled=True)``): it runs as a ring over those axes where it stands (no
+    ``shard_map`` of its own), reading k and v from before the gathers, which
+    then go with the dead code.  ``site`` has the local key length."""
+
+    site: AttentionSite
+    ring: tuple  # the manual axis names
+    size: int
+
+
 # --------------------------------------------------------------------------- planning
 
 
@@ -101,11 +114,56 @@ def plan_sites(planned, scopes: dict) -> tuple[dict, dict]:
             hinted = analyze(site, p.kernel, scope.aval, _constrained(scope), ring_only=True)
             if isinstance(hinted, ShardPlan):
                 result = hinted
+        if result is None:
+            result = _body_ring(p.site, scope)
         if isinstance(result, str):
             kept[p.site.root.path] = result
         elif result is not None:
             shards[p.site.root.path] = result
     return shards, kept
+
+
+def _body_ring(site: AttentionSite, scope) -> BodyRing | None:
+    """The `BodyRing` of a forward site whose k and v are both all-gathered,
+    tiled along their key axis, over the same manual axes; else None (the
+    kernel then runs on the gathered k and v, as written)."""
+    if site.backward is not None or ring.unsupported(site.spec) is not None:
+        return None  # (a differentiated one: the gathers' transposes are not read yet)
+    gathers = []
+    for operand in (site.k, site.v):
+        node = scope.producer(operand.atom)
+        if node is None or node.prim != "all_gather":
+            return None
+        params = node.params
+        if (
+            not params.get("tiled")
+            or params.get("axis_index_groups") is not None
+            or params.get("all_gather_dimension") != operand.axes["S"]
+        ):
+            return None
+        gathers.append(node)
+    names = {_axis_tuple(node.params["axis_name"]) for node in gathers}
+    sizes = {node.params["axis_size"] for node in gathers}
+    if len(names) != 1 or len(sizes) != 1:
+        return None
+    q_node = scope.producer(site.q.atom)
+    if q_node is not None and q_node.prim == "all_gather":
+        return None  # queries gathered too: every device computes every row
+    n = sizes.pop()
+    if n <= 1 or site.layout.sizes["S"] % n:
+        return None
+
+    def local(operand, node):
+        shape = list(operand.shape)
+        shape[operand.axes["S"]] //= n
+        return dataclasses.replace(operand, atom=scope.resolve(node.ins[0]), shape=tuple(shape))
+
+    site = dataclasses.replace(site, k=local(site.k, gathers[0]), v=local(site.v, gathers[1]))
+    return BodyRing(localize(site, {"S": n}), names.pop(), n)
+
+
+def _axis_tuple(name) -> tuple:
+    return tuple(name) if isinstance(name, tuple | list) else (name,)
 
 
 def _constrained(scope):
@@ -346,6 +404,13 @@ def run_site(shard: ShardPlan | None, planned, read, compute):
     """The site's output: ``compute(site, kernel, interpret, read)``, per shard
     inside a ``shard_map`` when ``shard`` says the operands are sharded."""
     site, kernel, interpret = planned.site, planned.kernel, planned.interpret
+    if isinstance(shard, BodyRing):  # already in the user's shard_map
+        local = shard.site
+        q, k, v, extras = local.to_kernel(read)
+        name = shard.ring[0] if len(shard.ring) == 1 else shard.ring
+        with jax.named_scope("flashpass_ring"):
+            out = ring.ring_attention(q, k, v, extras, local.spec, name, shard.size, False)
+        return local.from_kernel(out, read, extras)
     if shard is None:
         atoms = _atoms(site)
         values = [read(a) for a in atoms]

@@ -101,6 +101,7 @@ from ._sharding import (  # noqa: F401
     reshard,
     shard_map,
     shard_map_params,
+    vary_like,
     varying_axes,
     vma_checks,
 )

@@ -93,6 +93,16 @@ def varying_axes(x) -> frozenset:
     return frozenset(getattr(aval, "vma", ()))
 
 
+def vary_like(x, *refs):
+    """``x`` typed as varying over every manual mesh axis one of ``refs`` varies
+    over (``lax.pcast(..., to="varying")``): a loop's zero accumulators must
+    have the type of what the loop adds to them under ``check_vma``."""
+    axes = frozenset().union(*(varying_axes(r) for r in refs)) - varying_axes(x)
+    if not axes:
+        return x
+    return jax.lax.pcast(x, tuple(sorted(axes)), to="varying")
+
+
 def aval_key(aval) -> tuple:
     """A hashable description of ``aval`` with what ``str`` leaves out: its varying
     manual axes and its sharding (a jaxpr traced for one must not serve another)."""
