@@ -10,8 +10,9 @@
 # manages (PYENV_VERSION=3.12.x python3.12).  With neither, the leg says so and
 # is skipped (exit status 0).  No model libraries are installed: it runs the
 # core tests, the golden jaxprs, the compat self-test, the kernel conformance
-# tests (Pallas in interpret mode), and the model-free integration tests
-# (kernels end to end, lowering, jax.nn.dot_product_attention): about five minutes.
+# tests (Pallas in interpret mode), the model-free integration tests
+# (kernels end to end, lowering, jax.nn.dot_product_attention), training steps
+# and the 8-device sharding tests (rings): about five minutes.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 venv=.ci-venv-newest
@@ -40,4 +41,5 @@ FLASHPASS_HYPOTHESIS_PROFILE=quick "$venv/bin/python" -m pytest -q -p no:cachepr
     tests/test_matching.py tests/test_negative.py tests/test_api.py tests/test_bad_input.py \
     tests/test_golden.py tests/test_compat.py \
     tests/kernels tests/test_kernel_integration.py tests/test_lowering.py \
-    tests/models/test_jax_nn.py tests/test_training.py -k "not every_spelling"
+    tests/models/test_jax_nn.py tests/test_training.py tests/sharding/test_session.py \
+    -k "not every_spelling"
