@@ -82,15 +82,21 @@ def _ring(spec: AttentionSpec, axis_name, n: int, q_global: bool = True):
         src = (me - step) % n
         return (me * spec.q_len if q_global else 0), src * spec.kv_len
 
-    # Steps whose K/V block every position mask excludes are skipped; with kv
+    # Steps whose K/V block every position mask excludes are skipped.  With kv
     # lengths a row may keep no key at all, and the original then averages
-    # over every key's fill, so nothing is skipped.
-    skippable = not spec.ops_of(KvLengths)
+    # over every key's fill: a step is skipped only when, at run time, every
+    # row keeps key 0 (each length >= 1; only causal masks besides, which keep
+    # it too) and no row's length reaches the block.
+    lengths = spec.ops_of(KvLengths)
+    skippable = not lengths
+    by_length = bool(lengths) and all(
+        isinstance(op, Scale | Softcap | Causal | KvLengths | Sink) for op in spec.score_ops
+    )
 
-    def visible(q0, k0):
+    def visible(q0, k0, extras):
         """Whether the K/V block at ``k0`` can hold a key the query block sees."""
         ok = jnp.bool_(True)
-        if not skippable:
+        if not (skippable or by_length):
             return ok
         q_last, k_last = q0 + spec.q_len - 1, k0 + spec.kv_len - 1
         for op in spec.score_ops:
@@ -100,6 +106,12 @@ def _ring(spec: AttentionSpec, axis_name, n: int, q_global: bool = True):
                 ok &= k_last >= q0 - op.left
                 if op.right is not None:
                     ok &= k0 <= q_last + op.right
+            elif isinstance(op, KvLengths):
+                ok &= k0 < jnp.max(kv_valid_lengths(op, extras[op.index], spec.kv_len * n))
+        if by_length:
+            valid = [kv_valid_lengths(op, extras[op.index], spec.kv_len * n) for op in lengths]
+            empty_rows = jnp.any(jnp.stack([jnp.min(x) for x in valid]) < 1)
+            ok |= empty_rows  # such a row needs every key's fill: nothing is skipped
         return ok
 
     def scores(qf, kb, q0, k0, extras):
@@ -171,7 +183,7 @@ def _ring(spec: AttentionSpec, axis_name, n: int, q_global: bool = True):
                 o_blk = jnp.einsum("bhgts,bhsd->bhgtd", p, vb.astype(jnp.float32))
                 return acc * old[..., None] + o_blk, m_new, total * old + jnp.sum(p, axis=-1)
 
-            acc, m, total = lax.cond(visible(q0, k0), attend, lambda *a: a, acc, m, total)
+            acc, m, total = lax.cond(visible(q0, k0, extras), attend, lambda *a: a, acc, m, total)
             if step < n - 1:
                 kb, vb = lax.ppermute((kb, vb), axis_name, perm)
         o = acc / jnp.where(total > 0, total, 1.0)[..., None]
@@ -205,7 +217,7 @@ def _ring(spec: AttentionSpec, axis_name, n: int, q_global: bool = True):
                 dkb = dkb + jnp.einsum("bhgts,bhgtd->bhsd", ds, qf)
                 return dq, dkb, dvb
 
-            dq, dkb, dvb = lax.cond(visible(q0, k0), grads, lambda *a: a, dq, dkb, dvb)
+            dq, dkb, dvb = lax.cond(visible(q0, k0, extras), grads, lambda *a: a, dq, dkb, dvb)
             # dK/dV travel with their K/V block; after n moves they are home.
             kb, vb, dkb, dvb = lax.ppermute((kb, vb, dkb, dvb), axis_name, perm)
         b, hk, _, t, d = qf.shape

@@ -335,3 +335,43 @@ def test_ring_inside_the_users_shard_map(causal, mesh_shape, names, spec):
     assert _full_length_gathers(orig.hlo, whole) > 0
     assert _full_length_gathers(got.hlo, whole) == 0, dict(collectives(got.hlo))
     assert any(kind == "collective-permute" for kind, _, _ in collectives(got.hlo))
+
+
+def test_kv_length_steps_are_skipped_when_every_row_keeps_a_key():
+    """White-box: with kv lengths >= 1 in every row (and no other excluding op
+    than causal), a K/V block past every row's length is not computed (its
+    NaN values never reach the output); with a row of length 0 every block is
+    (that row averages every key's fill, as the original does)."""
+    from flashpass import ring
+    from flashpass.spec import AttentionSpec, ExtraSpec, KvLengths
+
+    m = mesh((8,), ("seq",))
+    b, t, h, d = 1, 64, 2, 16
+    spec = AttentionSpec(
+        b, h, h, t // 8, t // 8, d, d, *(np.float32,) * 6,
+        score_ops=(KvLengths(0, (b, 1, 1, 1), -1e9, 0),),
+        extras=(ExtraSpec((b, 1, 1, 1), np.int32),),
+    )  # fmt: skip
+    seq = P(None, None, "seq")
+    q, k = put(m, seq, normal(0, (b, h, t, d))), put(m, seq, normal(1, (b, h, t, d)))
+    v = np.array(normal(2, (b, h, t, d)))
+    v[:, :, 40:48] = np.nan  # the sixth device's block, past every length below
+    v = put(m, seq, v)
+
+    def run_ring(lengths):
+        def body(q, k, v, n):
+            return ring.ring_attention(q, k, v, (n,), spec, "seq", 8)
+
+        fn = jax.shard_map(
+            body,
+            mesh=m,
+            in_specs=(seq,) * 3 + (P(),),
+            out_specs=seq,
+            check_vma=False,
+        )
+        n = put(m, P(), np.full((b, 1, 1, 1), lengths, np.int32))
+        with jax.set_mesh(m):
+            return np.asarray(jax.jit(fn)(q, k, v, n))
+
+    assert np.all(np.isfinite(run_ring(20)))  # blocks from key 24 on: skipped
+    assert np.isnan(run_ring(0)).any()  # a row with no key reads every block
