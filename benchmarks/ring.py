@@ -16,7 +16,12 @@ backward step.  Simulated devices share this machine's cores, so times say
 little about a real multi-chip run (see docs/benchmarks.md); memory and
 collectives are what the program itself does.
 
+With ``--shard-map`` the attention is the user's own ``shard_map`` body
+instead: k and v gathered there with ``lax.all_gather``, the causal mask on
+``lax.axis_index`` positions (the ring then runs where the site stands).
+
     python benchmarks/ring.py [--devices 8] [--sizes 2048 4096 8192] [--reps 3]
+    python benchmarks/ring.py --shard-map
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ def main(argv=None):
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--shard-map", action="store_true", help="the user's shard_map body")
     args = parser.parse_args(argv)
     os.environ["XLA_FLAGS"] = (
         os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={args.devices}"
@@ -58,9 +64,10 @@ def main(argv=None):
 
     mesh = jax.make_mesh((args.devices,), ("seq",), axis_types=(AxisType.Auto,))
     sharding = NamedSharding(mesh, P(None, "seq"))
+    where = "in the user's shard_map" if args.shard_map else "Auto axes"
     print(
         f"causal attention, B=1, H={args.heads}, D={args.head_dim}, f32, sequence sharded over "
-        f"{args.devices} simulated CPU devices (Auto axes); JAX {jax.__version__}"
+        f"{args.devices} simulated CPU devices ({where}); JAX {jax.__version__}"
     )
     print(
         f"{'S':>6} {'program':>7} {'temp MiB/device':>16} {'all-gathers':>11} "
@@ -74,6 +81,18 @@ def main(argv=None):
         def constrained(q, k, v):  # Auto axes: annotated, as logical-axis rules do
             q, k, v = (jax.lax.with_sharding_constraint(x, sharding) for x in (q, k, v))
             return attention(q, k, v)
+
+        def body(q, k, v):  # the user's shard_map: gather k/v, causal on global rows
+            k = jax.lax.all_gather(k, "seq", axis=1, tiled=True)
+            v = jax.lax.all_gather(v, "seq", axis=1, tiled=True)
+            s = jnp.einsum("bqhd,bkhd->bhqk", q, k) / jnp.sqrt(q.shape[-1]).astype(q.dtype)
+            rows = jax.lax.axis_index("seq") * q.shape[1] + jnp.arange(q.shape[1])
+            s = jnp.where(jnp.arange(k.shape[1])[None, :] <= rows[:, None], s, -jnp.inf)
+            return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1), v)
+
+        if args.shard_map:
+            spec = P(None, "seq")
+            constrained = jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec)
 
         opt = flashpass.optimize(constrained, kernel="blockwise")
         rows = {}
