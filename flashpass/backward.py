@@ -191,7 +191,9 @@ def _trace_template(scope: Scope, forward: list[Node], inputs: list, diff: tuple
         out, vjp = jax.vjp(part, *(vals[i] for i in diff))
         return (out, *vjp(ct))
 
-    avals = [scope.aval(a) for a in inputs] + [scope.aval(out_key)]
+    # Traced with no varying manual axes, as outside the body's shard_map the
+    # primitives give none (`_signature` keeps them in the cache key).
+    avals = [compat.without_varying(scope.aval(a)) for a in [*inputs, out_key]]
     closed = jax.make_jaxpr(joint)(*avals)
     return Scope(compat.dce_closed_jaxpr(closed), prefix=("template",))
 

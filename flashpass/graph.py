@@ -147,7 +147,7 @@ class Scope:
             path = (*inst, i)
             ins = [self.resolve(self._atom(inst, a)) for a in eqn.invars]
             kernel_call = is_kernel_call(eqn)
-            if compat.is_noop_rounding(eqn):  # an identity: its output is its operand
+            if compat.is_view_identity(eqn):  # an identity: its output is its operand
                 out = eqn.outvars[0]
                 if not compat.is_drop_var(out):
                     self._avals.setdefault((inst, out), out.aval)

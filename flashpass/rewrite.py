@@ -158,9 +158,9 @@ class _Evaluator:
                 planned = plan.pairs[path]
                 remat = planned[0].site.backward.pair.forward is None
                 outs = (self._remat if remat else self._scan)(eqn, path, planned)
-            elif compat.is_noop_rounding(eqn):  # the view looks through it (graph.py)
+            elif compat.is_view_identity(eqn):  # the view looks through it (graph.py)
                 value = self.read(inst, eqn.invars[0], _MISSING)
-                outs = [value] if value is _MISSING else compat.bind_equation(eqn, [value])
+                outs = [value] if value is _MISSING else compat.bind_view_identity(eqn, value)
             elif path in plan.inline:
                 # Values inside the site were never computed: pass them on as _MISSING.
                 invals = [self.read(inst, a, _MISSING) for a in eqn.invars]

@@ -162,6 +162,26 @@ def test_train_step_in_a_users_shard_map(where):
     assert _passes(opt.reports[-1]) == ["forward+backward"] * 2
 
 
+def test_data_parallel_train_step_in_a_users_shard_map():
+    # The batch varies over the manual axis (check_vma): the program's types vary,
+    # the backward template is traced without them (as outside the body) and still
+    # matches; the gradients are psum'd by the user.
+    from jax.sharding import PartitionSpec as P
+
+    mesh = jax.make_mesh((1,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
+    loss = _stack(_params())
+
+    def body(ps, x):
+        value, grads = jax.value_and_grad(loss)(ps, x)
+        return jax.lax.psum(value, "x"), jax.tree.map(lambda g: jax.lax.psum(g, "x"), grads)
+
+    step = jax.shard_map(body, mesh=mesh, in_specs=(P(), P("x")), out_specs=(P(), P()))
+    opt = flashpass.optimize(step, kernel="blockwise")
+    args = (_params(), _inputs())
+    _assert_same(jax.jit(opt)(*args), jax.jit(step)(*args))
+    assert _passes(opt.reports[-1]) == ["forward+backward"] * 2
+
+
 @pytest.mark.parametrize("argnums", [0, 1, (0, 1)])
 def test_grad_argnums(argnums):
     loss = _stack(_params())

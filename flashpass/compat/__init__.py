@@ -34,6 +34,7 @@ from ._jaxpr import (  # noqa: F401
     _eval_jaxpr,
     as_closed,
     bind_equation,
+    bind_view_identity,
     bodies_in_params,
     closed_jaxpr,
     closed_parts,
@@ -46,6 +47,7 @@ from ._jaxpr import (  # noqa: F401
     is_drop_var,
     is_literal,
     is_noop_rounding,
+    is_view_identity,
     jaxpr_as_fun,
     literal_value,
     passthrough_operands,
@@ -104,4 +106,5 @@ from ._sharding import (  # noqa: F401
     vary_like,
     varying_axes,
     vma_checks,
+    without_varying,
 )

@@ -130,6 +130,31 @@ def scan_counts(params) -> tuple[int, int]:
     return len(consts.vals), len(carry.vals)
 
 
+def is_view_identity(eqn) -> bool:
+    """An equation the pass's view reads as its operand: a no-op rounding, or a
+    change of type only (`pvary` in a ``shard_map`` body with ``check_vma``,
+    which a backward template traced outside the body does not have)."""
+    from ._sharding import VALUE_IDENTITY_PRIMITIVES
+
+    if eqn.primitive.name in VALUE_IDENTITY_PRIMITIVES:
+        return len(eqn.invars) == 1 and len(eqn.outvars) == 1
+    return is_noop_rounding(eqn)
+
+
+def bind_view_identity(eqn, value) -> list:
+    """``eqn`` (`is_view_identity`) bound on ``value``: a `pvary` whose value
+    already varies over its axes (a rewritten value can vary where the
+    original did not) passes it on as it is."""
+    from ._sharding import varying_axes
+
+    if eqn.primitive.name == "pvary":
+        axes = eqn.params.get("axes", ())
+        axes = set(axes) if isinstance(axes, tuple | list) else {axes}
+        if axes <= varying_axes(value):
+            return [value]
+    return bind_equation(eqn, [value])
+
+
 def is_noop_rounding(eqn) -> bool:
     """A ``reduce_precision`` to its operand's own precision: an identity.  Remat
     policies that save values (``everything_saveable``, ``save_anything_except_these_names``)

@@ -103,6 +103,20 @@ def vary_like(x, *refs):
     return jax.lax.pcast(x, tuple(sorted(axes)), to="varying")
 
 
+def without_varying(aval):
+    """``aval`` typed with no varying manual axes (shape, dtype and sharding
+    kept): a backward template is traced outside the ``shard_map`` whose body
+    it serves, where primitives give their outputs none either."""
+    mat = getattr(aval, "mat", None)
+    if mat is not None:
+        if not mat.varying:
+            return aval
+        return type(aval)(aval.shape, aval.dtype, aval.weak_type, sharding=aval.sharding)
+    if getattr(aval, "vma", None):
+        return aval.update(vma=frozenset())
+    return aval
+
+
 def aval_key(aval) -> tuple:
     """A hashable description of ``aval`` with what ``str`` leaves out: its varying
     manual axes and its sharding (a jaxpr traced for one must not serve another)."""
