@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 from sharded_testing import P, assert_like_original, mesh, normal, put, run, unsharded
+from test_ring import _in_body
 from test_sharded_jit import mha
 
 import flashpass
@@ -102,14 +103,7 @@ def test_train_step_in_shard_map_with_gathered_kv():
     m = mesh((4,), ("seq",))
     spec = P(None, "seq")
     args = [put(m, spec, normal(i, (2, 32, 2, 16))) for i in range(3)]
-
-    def attend(q, k, v):
-        kk = jax.lax.all_gather(k, "seq", axis=1, tiled=True)
-        vv = jax.lax.all_gather(v, "seq", axis=1, tiled=True)
-        s = jnp.einsum("bqhd,bkhd->bhqk", q, kk) * 0.25
-        rows = jax.lax.axis_index("seq") * q.shape[1] + jnp.arange(q.shape[1])
-        s = jnp.where(jnp.arange(kk.shape[1])[None, :] <= rows[:, None], s, -1e9)
-        return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1), vv)
+    attend = _in_body(causal=True)
 
     def body(q, k, v):
         loss = lambda *a: jnp.sum(attend(*a) ** 2)  # noqa: E731
