@@ -39,7 +39,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from flashpass import compat
-from flashpass.kernels.reference import kv_valid_lengths, structured_keep
+from flashpass.kernels.reference import kv_valid_lengths, sink_cotangent, structured_keep
 
 from .spec import AttentionSpec, Causal, Chunk, KvLengths, Prefix, Scale, Sink, Softcap, Window
 
@@ -106,12 +106,12 @@ def _ring(spec: AttentionSpec, axis_name, n: int, q_global: bool = True):
                 ok &= k_last >= q0 - op.left
                 if op.right is not None:
                     ok &= k0 <= q_last + op.right
-            elif isinstance(op, KvLengths):
-                ok &= k0 < jnp.max(kv_valid_lengths(op, extras[op.index], spec.kv_len * n))
         if by_length:
             valid = [kv_valid_lengths(op, extras[op.index], spec.kv_len * n) for op in lengths]
-            empty_rows = jnp.any(jnp.stack([jnp.min(x) for x in valid]) < 1)
-            ok |= empty_rows  # such a row needs every key's fill: nothing is skipped
+            for x in valid:
+                ok &= k0 < jnp.max(x)
+            # A row with no key needs every key's fill: then nothing is skipped.
+            ok |= jnp.any(jnp.stack([jnp.min(x) for x in valid]) < 1)
         return ok
 
     def scores(qf, kb, q0, k0, extras):
@@ -222,16 +222,11 @@ def _ring(spec: AttentionSpec, axis_name, n: int, q_global: bool = True):
             kb, vb, dkb, dvb = lax.ppermute((kb, vb, dkb, dvb), axis_name, perm)
         b, hk, _, t, d = qf.shape
         dextras = [None for _ in extras]  # integer lengths: no cotangent
-        if spec.sink is not None:
-            # The sink has weight p = exp(sink - m) / total and no value:
-            # dsink = p * (0 - delta), summed where the sink broadcasts.
-            sink = sink_rows(extras)
-            p = jnp.where(sink == -jnp.inf, 0.0, jnp.exp(sink - m)) * scale_back[..., 0]
-            grad = (-p * delta).reshape(b, hk * g, t)
-            x = extras[spec.sink.index]
-            axes = tuple(a for a in range(3) if x.shape[a] == 1 and grad.shape[a] != 1)
-            grad = grad.sum(axes, keepdims=True).reshape(x.shape).astype(x.dtype)
-            dextras[spec.sink.index] = grad
+        if spec.sink is not None:  # from the saved statistics, which include the sink
+            rows = (b, hk * g, t)
+            i = spec.sink.index
+            stats = (x.reshape(rows) for x in (m, total, delta))
+            dextras[i] = sink_cotangent(extras[i], *stats)
         return (
             dq.reshape(b, hk * g, t, d).astype(q.dtype),
             dkb.astype(k.dtype),

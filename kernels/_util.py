@@ -133,10 +133,13 @@ def exclusion_reasons(spec: AttentionSpec, position: int) -> list[str]:
     return reasons
 
 
-def linear_form(spec: AttentionSpec, structured: frozenset = frozenset()) -> LinearForm:
+def linear_form(
+    spec: AttentionSpec, structured: frozenset = frozenset(), *, sinks: bool = False
+) -> LinearForm:
     """Rewrite ``spec.score_ops`` as a `LinearForm` (see module doc); the
     structured op types in ``structured`` are kept (the caller maps them to
-    its own masks) instead of rejected."""
+    its own masks) instead of rejected; with ``sinks`` the caller applies a
+    `Sink` op itself (it is not part of the form)."""
     reasons: list[str] = []
     scale = 1.0
     biases: list[list] = []
@@ -175,7 +178,8 @@ def linear_form(spec: AttentionSpec, structured: frozenset = frozenset()) -> Lin
         elif isinstance(op, KvLengths):
             reasons.append(KV_LENGTHS_REASON)
         elif isinstance(op, Sink):
-            reasons.append(SINK_REASON)
+            if not sinks:  # (a caller that applies the sink itself says so)
+                reasons.append(SINK_REASON)
         elif type(op) in structured:
             reasons += exclusion_reasons(spec, position)
             kept.append(op)
@@ -270,7 +274,7 @@ KV_LENGTHS_REASON = (
 )
 
 
-#: Why a library adapter declines a `Sink` op (none declares "sinks"; `linear_form` gives it).
+#: Why a library adapter declines a `Sink` op (`linear_form` gives it, unless ``sinks``).
 SINK_REASON = (
     "attention sinks (a per-row logit that joins the softmax's normaliser) are not "
     "supported by this kernel; the 'blockwise' kernel starts its online softmax from them"
@@ -312,15 +316,17 @@ def linear_reasons(
     *,
     bias_instead: str | None = None,
     structured: frozenset = frozenset(),
+    sinks: bool = False,
 ):
     """``(reasons, form)`` of an adapter built on `linear_form`: `input_reasons`,
     then (if there are none) the spec's `LinearForm` and its reasons.  With
     ``bias_instead`` the kernel takes no bias, and the reason names that kernel
-    instead.  ``form`` is None when the inputs fail (it would read missing extras)."""
+    instead.  ``form`` is None when the inputs fail (it would read missing extras).
+    ``structured``, ``sinks``: what the caller takes itself (`linear_form`)."""
     reasons = input_reasons(spec, kernel)
     if reasons:
         return reasons, None
-    form = linear_form(spec, structured)
+    form = linear_form(spec, structured, sinks=sinks)
     reasons = list(form.reasons)
     if bias_instead is not None and form.biases:
         reasons.append(

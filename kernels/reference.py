@@ -120,6 +120,21 @@ def softmax_with_sink(spec: AttentionSpec, s, extras):
     return jax.nn.softmax(jnp.concatenate([s, sink], axis=-1), axis=-1)[..., :-1]
 
 
+def sink_cotangent(sink, m, den, delta):
+    """The cotangent of a `Sink` extra ``sink`` (``[B|1, H|1, T|1, 1]``) for a
+    kernel that started each row's softmax from it.  The sink weighs ``p =
+    exp(sink - m) / den`` in its row (``m``, ``den``: the row max and sum,
+    sink included, ``[B, H, T]``) and has no value, so ``dsink = -p * delta``
+    (``delta = rowsum(dO * O)``), summed over the axes ``sink`` broadcasts
+    along."""
+    full = delta.shape
+    s = jnp.broadcast_to(sink[..., 0].astype(delta.dtype), full)
+    weight = jnp.where(s == -jnp.inf, 0, jnp.exp(s - m) / den)
+    axes = tuple(a for a in range(3) if sink.shape[a] == 1 and full[a] != 1)
+    grad = (-weight * delta).sum(axes, keepdims=True)
+    return grad.reshape(sink.shape).astype(sink.dtype)
+
+
 def reference_attention(spec: AttentionSpec, q, k, v, extras=(), *, dtype=None):
     """Naive attention for ``spec``; ``dtype`` overrides the compute dtype
     (tests use float64 as the oracle)."""

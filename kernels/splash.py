@@ -95,9 +95,9 @@ _STRUCTURED = frozenset({Window, Chunk, Segments})
 
 def _reasons(spec: AttentionSpec) -> list[str]:
     reasons, form = _util.linear_reasons(
-        spec, "splash attention", bias_instead="pallas_tpu", structured=_STRUCTURED
+        spec, "splash attention", bias_instead="pallas_tpu", structured=_STRUCTURED, sinks=True
     )
-    reasons = [r for r in reasons if r != _util.SINK_REASON] + _sink_reasons(spec)
+    reasons += _sink_reasons(spec)
     if form is None or not form.structured:
         return reasons
     kinds = [type(op) for op in form.structured]

@@ -21,6 +21,7 @@ from jax.custom_derivatives import SymbolicZero
 
 from .. import _util
 from ..dropout import apply_dropout, keep_mask
+from ..reference import sink_cotangent
 from . import heads
 from .bounds import segments_case
 from .plan import Plan, Plans
@@ -375,18 +376,12 @@ def _split_sink(spec, extras, cdt):
 
 
 def _sink_cotangent(plans: Plans, sink, out, m, den, dout):
-    """The sink logits' cotangent.  The sink's weight is ``p = exp(sink - m) /
-    den`` (the saved statistics include it) and its value is zero, so
-    ``dsink = p * (0 - delta)`` with ``delta = rowsum(dout * out)``, summed
-    over the axes ``sink`` broadcasts along."""
+    """The sink logits' cotangent (`reference.sink_cotangent`) from the saved
+    statistics, which include the sink."""
     spec, cdt = plans.spec, plans.fwd.cdt
     full = (spec.batch, spec.heads, spec.q_len)
     delta = jnp.einsum("bhtd,bhtd->bht", dout.astype(cdt), out.astype(cdt))
-    s = jnp.broadcast_to(sink[..., 0].astype(cdt), full)
-    weight = jnp.where(s == -jnp.inf, 0, jnp.exp(s - m.reshape(full)) / den.reshape(full))
-    grad = -weight * delta
-    axes = tuple(a for a in range(3) if sink.shape[a] == 1 and full[a] != 1)
-    return grad.sum(axes, keepdims=True).reshape(sink.shape).astype(sink.dtype)
+    return sink_cotangent(sink, m.reshape(full), den.reshape(full), delta)
 
 
 def _keep(plan: Plan, key, t, s, transposed: bool):
