@@ -150,16 +150,15 @@ def _build_site(scope: Scope, soft, chain, sp) -> AttentionSite | Miss:
             ops, extras = [*ops, op], [*extras, key]
         else:  # "row_keep": zero the rows the score masks exclude entirely
             post.append(("row_keep",))
+    cone = scope.forward_cone([dot.out], until=root.order)  # what the scores reach
     if soft.shifts:
-        cone = scope.forward_cone([dot.out], until=root.order)
         nodes |= scope.backward_cone(list(soft.shifts), since=dot.order) & cone
 
-    problem = _check_unknown(scope, dot, root, nodes)
+    problem = _check_unknown(scope, dot, root, nodes, cone)
     if problem is not None:
         return problem
     # A side operand computed from the scores (hidden inside a shift's cone
     # above, which may read anything) cannot be a kernel input.
-    cone = scope.forward_cone([dot.out], until=root.order)
     for atom in [e.atom for e in extras] + [atom for atom, _ in build.q_scales]:
         node = scope.producer(atom)
         if node is not None and node in cone:
@@ -326,11 +325,9 @@ def _role_name(role) -> str:
     return {"T": "query", "S": "key"}.get(role, "batch")
 
 
-def _check_unknown(scope: Scope, dot, root, nodes: set) -> Miss | None:
-    """Nothing unrecognised in between."""
-    between = scope.forward_cone([dot.out], until=root.order) & scope.backward_cone(
-        [root.out], since=dot.order
-    )
+def _check_unknown(scope: Scope, dot, root, nodes: set, cone: set) -> Miss | None:
+    """Nothing unrecognised in between (``cone``: the nodes the scores reach)."""
+    between = cone & scope.backward_cone([root.out], since=dot.order)
     unknown = sorted(between - nodes, key=lambda n: n.order)
     if unknown:
         n = unknown[0]

@@ -405,12 +405,7 @@ def run_site(shard: ShardPlan | None, planned, read, compute):
     inside a ``shard_map`` when ``shard`` says the operands are sharded."""
     site, kernel, interpret = planned.site, planned.kernel, planned.interpret
     if isinstance(shard, BodyRing):  # already in the user's shard_map
-        local = shard.site
-        q, k, v, extras = local.to_kernel(read)
-        name = shard.ring[0] if len(shard.ring) == 1 else shard.ring
-        with jax.named_scope("flashpass_ring"):
-            out = ring.ring_attention(q, k, v, extras, local.spec, name, shard.size, False)
-        return local.from_kernel(out, read, extras)
+        return _ring_output(shard.site, read, shard.ring, shard.size, q_global=False)
     if shard is None:
         atoms = _atoms(site)
         values = [read(a) for a in atoms]
@@ -428,13 +423,9 @@ def run_site(shard: ShardPlan | None, planned, read, compute):
     ]
     if shard.ring is not None:
         n = math.prod(shard.mesh.shape[a] for a in shard.ring)
-        name = shard.ring[0] if len(shard.ring) == 1 else shard.ring
 
         def compute(site, kernel, interpret, read):  # noqa: F811 - the ring replaces the kernel
-            q, k, v, extras = site.to_kernel(read)
-            with jax.named_scope("flashpass_ring"):
-                out = ring.ring_attention(q, k, v, extras, site.spec, name, n)
-            return site.from_kernel(out, read, extras)
+            return _ring_output(site, read, shard.ring, n)
 
     out = compat.shard_map(
         lambda *v: compute(local, kernel, interpret, _reader(shard.atoms, v)),
@@ -448,6 +439,16 @@ def run_site(shard: ShardPlan | None, planned, read, compute):
     if shard.root_spec is not None:
         out = compat.reshard(out, NamedSharding(shard.mesh, shard.root_spec))
     return out
+
+
+def _ring_output(site: AttentionSite, read, axes: tuple, n: int, q_global: bool = True):
+    """The site's output from `ring.ring_attention` over the mesh ``axes``
+    (``n`` devices in all), inside a ``shard_map`` over them."""
+    q, k, v, extras = site.to_kernel(read)
+    name = axes[0] if len(axes) == 1 else axes
+    with jax.named_scope("flashpass_ring"):
+        out = ring.ring_attention(q, k, v, extras, site.spec, name, n, q_global)
+    return site.from_kernel(out, read, extras)
 
 
 def _atoms(site: AttentionSite) -> list:

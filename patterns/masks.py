@@ -249,6 +249,7 @@ def and_factors(scope, prof):
     return [prof]
 
 
+#: Comparison primitives as NumPy functions (also `structured`'s diagonal reader).
 _CMP_VALUE = {
     "ge": np.greater_equal,
     "gt": np.greater,

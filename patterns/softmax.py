@@ -36,12 +36,11 @@ class Softmax:
     exp: Node
     axis: int  # the normalised (key) axis, in the layout of ``s_in``
     s_in: object  # the softmax input (scores after all score ops)
-    shift: object | None  # the ``c`` of ``exp(s - c)``, if any
     out: object  # normalised probabilities (unnormalised ``exp`` when deferred)
     nodes: set  # equations that belong to the softmax itself
     dtype: object  # dtype the softmax is computed in
     deferred: object = None  # the sum to divide P·V by, when normalisation is deferred
-    shifts: tuple = ()  # every row constant subtracted before the exp (``shift`` first)
+    shifts: tuple = ()  # the row constants ``c`` subtracted before the exp: ``exp(s - c)``
 
 
 def match_softmax(scope: Scope, exp: Node) -> Softmax | Miss:
@@ -107,7 +106,7 @@ def match_softmax(scope: Scope, exp: Node) -> Softmax | Miss:
             break
         shifts, s_in = (*shifts, c), sub.ins[0]
         nodes.add(sub)
-    return Softmax(exp, axis, s_in, shift, out, nodes, scope.dtype(e), deferred, shifts)
+    return Softmax(exp, axis, s_in, out, nodes, scope.dtype(e), deferred, shifts)
 
 
 def _sums_of(scope: Scope, e) -> list:

@@ -31,16 +31,9 @@ from flashpass.graph import Const
 from flashpass.spec import Causal, Chunk, Prefix, Segments, Window, excludes
 
 from .common import _unit_reshape_map, scalar_value
+from .masks import _CMP_VALUE as _CMP
 from .masks import CausalSource, _affine, compose, halfspaces, mask_recogniser
 
-_CMP = {
-    "ge": np.greater_equal,
-    "gt": np.greater,
-    "le": np.less_equal,
-    "lt": np.less,
-    "eq": np.equal,
-    "ne": np.not_equal,
-}
 _LOGIC = {"and": np.bitwise_and, "or": np.bitwise_or, "xor": np.bitwise_xor}
 _ARITH = {"add": np.add, "sub": np.subtract, "mul": np.multiply, "max": np.maximum}
 _ARITH["min"] = np.minimum
