@@ -49,6 +49,7 @@ _BUILTIN = {
     "blockwise": "blockwise:BlockwiseKernel",
     "cudnn": "cudnn:CudnnKernel",
     "pallas_gpu": "pallas_gpu:PallasGpuKernel",
+    "paged_tpu": "paged_tpu:PagedTpuKernel",
     "pallas_tpu": "pallas_tpu:PallasTpuKernel",
     "reference": "reference:ReferenceKernel",
     "splash": "splash:SplashKernel",
@@ -58,7 +59,7 @@ _BUILTIN = {
 
 #: Kernels tried, in order, when the user names none (see docs/kernels.md).
 DEFAULT_ORDER: dict[str, tuple[str, ...]] = {
-    "tpu": ("splash", "pallas_tpu", "blockwise"),
+    "tpu": ("paged_tpu", "splash", "pallas_tpu", "blockwise"),
     "gpu": ("cudnn", "pallas_gpu", "blockwise"),
     "cpu": ("blockwise",),
 }

@@ -43,6 +43,7 @@ from flashpass.spec import (
 )
 
 from .base import CheckContext, Kernel
+from .reference import kv_valid_lengths
 
 BF16 = np.dtype(jnp.bfloat16)
 F16 = np.dtype(np.float16)
@@ -272,6 +273,73 @@ KV_LENGTHS_REASON = (
     "per-row kv lengths (a `j < lengths[b]` mask) are not supported by this kernel; "
     "the 'blockwise' kernel skips the blocks past each row's length"
 )
+
+
+# --------------------------------------------------------------------------- kv lengths
+
+
+def without_lengths(spec: AttentionSpec) -> AttentionSpec:
+    """``spec`` without its `KvLengths` ops (for `linear_form`, which rejects
+    them; removing a ``where`` changes no other op's final fill)."""
+    if not spec.ops_of(KvLengths):
+        return spec
+    ops = tuple(op for op in spec.score_ops if not isinstance(op, KvLengths))
+    return dataclasses.replace(spec, score_ops=ops)
+
+
+def lengths_reasons(spec: AttentionSpec, takes: str) -> list[str]:
+    """Why the spec's `KvLengths` ops cannot be a kernel's one valid key count
+    per batch row (``takes`` says how the kernel takes it, in words)."""
+    if not spec.ops_of(KvLengths):
+        return []
+    reasons = []
+    for position, op in enumerate(spec.score_ops):
+        if not isinstance(op, KvLengths):
+            continue
+        if not 0 <= op.index < len(spec.extras):
+            reasons.append(f"kv lengths refer to extra #{op.index}, which the spec lacks")
+            continue
+        extra = spec.extras[op.index]
+        shape, dtype = tuple(extra.shape), np.dtype(extra.dtype)
+        rows = len(shape) == 4 and shape[0] in (1, spec.batch) and shape[2:] == (1, 1)
+        if not rows or shape[1] not in (1, spec.heads):
+            reasons.append(
+                f"kv lengths extra of shape {shape} is not [B|1, H|1, 1, 1] with "
+                f"B={spec.batch}, H={spec.heads}"
+            )
+        elif shape[1] != 1:
+            reasons.append(
+                f"per-row kv lengths of shape {shape} vary over heads; {takes}: use the "
+                "'blockwise' kernel"
+            )
+        bound = spec.kv_len + abs(op.shift) + 1
+        if not np.issubdtype(dtype, np.signedinteger) or np.iinfo(dtype).max < bound:
+            reasons.append(
+                f"kv lengths of dtype {dtype.name} cannot be clipped to +-{bound} (the "
+                "valid count clip(L + shift, 0, kv_len) needs a signed integer dtype that "
+                "holds it)"
+            )
+        final = spec.final_fill(position, op.fill)
+        if not excludes(final):
+            reasons.append(
+                f"kv lengths fill {op.fill} ends as score {final:.6g} after the ops that "
+                "follow it, which does not exclude keys: keys past a row's length would keep "
+                "a non-zero weight; use the 'blockwise' kernel"
+            )
+    return reasons + shared_fill_reasons(
+        spec, "per-row kv lengths (a length of 0, or with the other masks)"
+    )
+
+
+def valid_lengths(spec: AttentionSpec, extras):
+    """``[b]`` int32 (``b`` 1 or B): each batch row's valid key count, the
+    minimum of ``clip(L + shift, 0, S)`` over the `KvLengths` ops (None
+    without one)."""
+    n = None
+    for op in spec.ops_of(KvLengths):
+        count = kv_valid_lengths(op, extras[op.index], spec.kv_len)[:, 0, 0, 0]
+        n = count if n is None else jnp.minimum(n, count)
+    return n
 
 
 #: Why a library adapter declines a `Sink` op (`linear_form` gives it, unless ``sinks``).

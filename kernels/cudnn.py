@@ -74,11 +74,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from flashpass import compat
-from flashpass.spec import AttentionSpec, KvLengths, Window, excludes
+from flashpass.spec import AttentionSpec, KvLengths, Window
 
 from . import _util
 from .base import CheckContext, Kernel
-from .reference import kv_valid_lengths
 
 _HEAD_MULTIPLE = 8
 #: Structured ops the adapter takes: `Window`, as cuDNN's causal sliding window.
@@ -134,17 +133,8 @@ def _native_window(spec: AttentionSpec, bounds) -> bool:
     return right == 0 and left >= 0 and spec.q_len == spec.kv_len
 
 
-def _without_lengths(spec: AttentionSpec) -> AttentionSpec:
-    """``spec`` without its `KvLengths` ops (for `_util.linear_form`, which
-    rejects them; removing a ``where`` changes no other op's final fill)."""
-    if not spec.ops_of(KvLengths):
-        return spec
-    ops = tuple(op for op in spec.score_ops if not isinstance(op, KvLengths))
-    return dataclasses.replace(spec, score_ops=ops)
-
-
 def _plan(spec: AttentionSpec) -> _Plan:
-    form = _util.linear_form(_without_lengths(spec), _STRUCTURED)
+    form = _util.linear_form(_util.without_lengths(spec), _STRUCTURED)
     offset = form.causal_offset
     is_causal = offset == 0 and spec.q_len == spec.kv_len
     bounds = window_bounds(spec, form)
@@ -219,61 +209,9 @@ def _reasons(spec: AttentionSpec) -> list[str]:
             )
         elif form.masks:
             reasons += _util.shared_fill_reasons(spec, "a local window together with a mask")
-    return reasons + _lengths_reasons(spec)
-
-
-def _lengths_reasons(spec: AttentionSpec) -> list[str]:
-    """Why the spec's `KvLengths` ops cannot be cuDNN's per-row kv lengths."""
-    if not spec.ops_of(KvLengths):
-        return []
-    reasons = []
-    for position, op in enumerate(spec.score_ops):
-        if not isinstance(op, KvLengths):
-            continue
-        if not 0 <= op.index < len(spec.extras):
-            reasons.append(f"kv lengths refer to extra #{op.index}, which the spec lacks")
-            continue
-        extra = spec.extras[op.index]
-        shape, dtype = tuple(extra.shape), np.dtype(extra.dtype)
-        rows = len(shape) == 4 and shape[0] in (1, spec.batch) and shape[2:] == (1, 1)
-        if not rows or shape[1] not in (1, spec.heads):
-            reasons.append(
-                f"kv lengths extra of shape {shape} is not [B|1, H|1, 1, 1] with "
-                f"B={spec.batch}, H={spec.heads}"
-            )
-        elif shape[1] != 1:
-            reasons.append(
-                f"per-row kv lengths of shape {shape} vary over heads; cuDNN takes one "
-                "key/value length per batch row (key_value_seq_lengths): use the "
-                "'blockwise' kernel"
-            )
-        bound = spec.kv_len + abs(op.shift) + 1
-        if not np.issubdtype(dtype, np.signedinteger) or np.iinfo(dtype).max < bound:
-            reasons.append(
-                f"kv lengths of dtype {dtype.name} cannot be clipped to +-{bound} (the "
-                "valid count clip(L + shift, 0, kv_len) needs a signed integer dtype that "
-                "holds it)"
-            )
-        final = spec.final_fill(position, op.fill)
-        if not excludes(final):
-            reasons.append(
-                f"kv lengths fill {op.fill} ends as score {final:.6g} after the ops that "
-                "follow it, which does not exclude keys: keys past a row's length would keep "
-                "a non-zero weight; use the 'blockwise' kernel"
-            )
-    return reasons + _util.shared_fill_reasons(
-        spec, "per-row kv lengths (a length of 0, or with the other masks)"
+    return reasons + _util.lengths_reasons(
+        spec, "cuDNN takes one key/value length per batch row (key_value_seq_lengths)"
     )
-
-
-def _valid_lengths(spec: AttentionSpec, extras):
-    """``[b]`` int32 (``b`` 1 or B): each batch row's valid key count, the
-    minimum of ``clip(L + shift, 0, S)`` over the `KvLengths` ops."""
-    n = None
-    for op in spec.ops_of(KvLengths):
-        count = kv_valid_lengths(op, extras[op.index], spec.kv_len)[:, 0, 0, 0]
-        n = count if n is None else jnp.minimum(n, count)
-    return n
 
 
 def _window_empty(spec: AttentionSpec, keep, left: int):
@@ -351,7 +289,7 @@ class CudnnKernel(Kernel):
         k = prepare(k.astype(spec.compute_dtype).astype(kdt), Sp)
         v = prepare(v.astype(kdt), Sp)
 
-        lengths = _valid_lengths(spec, extras) if plan.lengths else None
+        lengths = _util.valid_lengths(spec, extras) if plan.lengths else None
         seq_lengths = None
         if plan.seq_lengths:
             # The padded query row (if any) is cuDNN's padding too: never computed.

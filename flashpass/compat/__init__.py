@@ -65,7 +65,6 @@ from ._kernels import (  # noqa: F401
     ASSUMED_GPU_KIND,
     _abstract_gpu,
     _cudnn_attention_module,
-    _pallas_tpu_trace_context,
     assume_cudnn,
     cudnn_version,
     gpu_attention_module,
@@ -73,6 +72,7 @@ from ._kernels import (  # noqa: F401
     lower_for_gpu,
     lower_for_tpu,
     make_splash_kernel,
+    pallas_tpu_context,
     pallas_tpu_traced,
     parse_stablehlo,
     splash_attention_module,
@@ -81,6 +81,7 @@ from ._kernels import (  # noqa: F401
     tokamax_module,
     tpu_flash_attention_module,
     tpu_interpret_mode,
+    tpu_paged_attention_module,
     traced_with,
 )
 from ._random import (  # noqa: F401

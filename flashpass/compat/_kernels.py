@@ -32,8 +32,18 @@ def tpu_interpret_mode():
 # --- Pallas TPU adapter helpers
 
 
+@functools.cache
+def tpu_paged_attention_module():
+    """``jax.experimental.pallas.ops.tpu.paged_attention`` (the TPU decode kernel)."""
+    from jax.experimental.pallas.ops.tpu import paged_attention
+
+    return paged_attention
+
+
 @contextlib.contextmanager
-def _pallas_tpu_trace_context(interpret: bool):
+def pallas_tpu_context(interpret: bool):
+    """What tracing a Pallas TPU kernel needs: x64 off and, if ``interpret``,
+    TPU interpret mode (see `pallas_tpu_traced`)."""
     with contextlib.ExitStack() as stack:
         # The TPU flash kernel's index maps break under x64 (lax.select of an
         # int32 program id and an int64 literal); its inputs are 32-bit anyway.
@@ -57,16 +67,16 @@ def pallas_tpu_traced(fn, *, interpret: bool = False):
 
     @jax.custom_vjp
     def call(*args):
-        with _pallas_tpu_trace_context(interpret):
+        with pallas_tpu_context(interpret):
             return fn(*args)
 
     def fwd(*args):
-        with _pallas_tpu_trace_context(interpret):
+        with pallas_tpu_context(interpret):
             out, vjp = jax.vjp(fn, *args)
         return out, vjp  # `vjp` is a pytree of residual arrays (a tree_util.Partial).
 
     def bwd(vjp, cotangent):
-        with _pallas_tpu_trace_context(interpret):
+        with pallas_tpu_context(interpret):
             return vjp(cotangent)
 
     call.defvjp(fwd, bwd)

@@ -22,7 +22,10 @@ Pallas adapters run in interpret mode on CPU.  ``cudnn`` runs only on a GPU
 (skipped here); its checks run under `compat.assume_cudnn`, and ``cudnn_xla``
 (the same adapter calling ``jax.nn.dot_product_attention``'s XLA implementation,
 one contract) checks its transforms numerically on any host.  ``tokamax`` is
-skipped unless the package is installed.
+skipped unless the package is installed.  ``paged_tpu``, the TPU decode path,
+takes only decode shapes (a few queries, head dims multiple of 128) that these
+cases do not have; tests/kernels/test_paged_tpu.py covers each of its
+descriptors the same way.
 
 Cost: numerics compile one program per (adapter, case, dtype), 1-5 s each in
 interpret mode.  The default run (`DEFAULT_NUMERICS`) covers every feature of
@@ -57,6 +60,7 @@ from flashpass import compat
 from flashpass.kernels import Causal, CheckContext, Kernel, Scale, Softcap
 from flashpass.kernels.blockwise import BlockwiseKernel
 from flashpass.kernels.cudnn import CudnnKernel
+from flashpass.kernels.paged_tpu import PagedTpuKernel
 from flashpass.kernels.pallas_gpu import PallasGpuKernel
 from flashpass.kernels.pallas_tpu import PallasTpuKernel
 from flashpass.kernels.splash import SplashKernel
@@ -382,7 +386,14 @@ def test_cases_cover_every_descriptor_and_declarations_are_known():
 
 @pytest.mark.parametrize(
     "kernel",
-    [BlockwiseKernel(), PallasTpuKernel(), SplashKernel(), CudnnKernel(), PallasGpuKernel()],
+    [
+        BlockwiseKernel(),
+        PallasTpuKernel(),
+        SplashKernel(),
+        CudnnKernel(),
+        PallasGpuKernel(),
+        PagedTpuKernel(),
+    ],
     ids=lambda k: k.name,
 )
 def test_require_raises_with_the_kernel_name_and_every_reason(kernel):

@@ -68,7 +68,7 @@ def explain(fn, platform, dtype, bias=False, kernel=None):
 
 def test_default_orders():
     assert DEFAULT_ORDER == {
-        "tpu": ("splash", "pallas_tpu", "blockwise"),
+        "tpu": ("paged_tpu", "splash", "pallas_tpu", "blockwise"),
         "gpu": ("cudnn", "pallas_gpu", "blockwise"),
         "cpu": ("blockwise",),
     }
@@ -127,7 +127,7 @@ _BIAS = spec_of(
 @pytest.mark.parametrize(
     "platform,spec,chosen,rejected",
     [
-        ("tpu", _BIAS, "pallas_tpu", {"splash": "takes no bias"}),
+        ("tpu", _BIAS, "pallas_tpu", {"paged_tpu": "queries per row", "splash": "takes no bias"}),
         (
             "gpu",
             spec_of(t=64, ops=[Scale(0.1), Causal(0, -1e9)]),
