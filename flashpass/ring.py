@@ -9,7 +9,8 @@ Instead of letting XLA all-gather K and V to full length on every device
   started on device ``(i - s) mod n``, producing the block's output and its
   row max and sum (statistics, never probabilities);
 * the partial outputs are merged in float32 (an online softmax);
-* K/V move one device along the ring (``ppermute``) between steps;
+* K/V move one device along the ring (``ppermute``) between steps, with
+  the key segment ids of packed documents (sharded like the keys);
 * a step whose K/V block a causal or window mask excludes entirely is
   skipped (``lax.cond``), so a causal ring does about half the work.
 
@@ -22,11 +23,12 @@ dK/dV block is back on its own device.
 Supported score ops (`RING_OPS`, applied in program order on global positions,
 with the program's own fills, so rows a mask empties compute what the
 original does): scales, causal (any offset), window, chunk and prefix masks,
-and kv lengths (padding); logit soft-caps (the backward differentiates the
-elementwise score ops with ``jax.vjp``); attention sinks (the row statistics
-start from the sink logit, as in the blockwise kernel); grouped-query
-attention.  Sites with biases, dense masks or segment ids keep the all-gather
-program (`unsupported` says why).  The per-step work is plain JAX on blocks of
+and kv lengths (padding); segment ids (packed documents: the query ids stay,
+the key ids travel with their K/V block); logit soft-caps (the backward
+differentiates the elementwise score ops with ``jax.vjp``); attention sinks
+(the row statistics start from the sink logit, as in the blockwise kernel);
+grouped-query attention.  Sites with biases or dense masks keep the
+all-gather program (`unsupported` says why).  The per-step work is plain JAX on blocks of
 ``(T/n) x (S/n)`` scores.
 """
 
@@ -41,11 +43,22 @@ from jax import lax
 from flashpass import compat
 from flashpass.kernels.reference import kv_valid_lengths, sink_cotangent, structured_keep
 
-from .spec import AttentionSpec, Causal, Chunk, KvLengths, Prefix, Scale, Sink, Softcap, Window
+from .spec import (
+    AttentionSpec,
+    Causal,
+    Chunk,
+    KvLengths,
+    Prefix,
+    Scale,
+    Segments,
+    Sink,
+    Softcap,
+    Window,
+)
 
 #: Score ops a ring step applies (in program order, with global positions), and
 #: attention sinks (the row statistics start from them).
-RING_OPS = (Scale, Softcap, Causal, Window, Chunk, Prefix, KvLengths, Sink)
+RING_OPS = (Scale, Softcap, Causal, Window, Chunk, Prefix, KvLengths, Segments, Sink)
 
 
 def unsupported(spec: AttentionSpec) -> str | None:
@@ -54,7 +67,7 @@ def unsupported(spec: AttentionSpec) -> str | None:
     if other:
         return (
             "the ring supports scales, soft-caps, causal, window, chunk and prefix masks, "
-            f"kv lengths and attention sinks, not {', '.join(sorted(set(other)))}"
+            f"kv lengths, segment ids and attention sinks, not {', '.join(sorted(set(other)))}"
         )
     return None
 
@@ -64,7 +77,8 @@ def ring_attention(
 ):
     """Attention of local blocks ``q [B,H,T/n,D]``, ``k``/``v [B,Hkv,S/n,D]``
     inside ``shard_map`` over ``axis_name`` (``axis_size`` devices); ``extras``
-    are the spec's extra arrays (kv lengths), whole on every device.
+    are the spec's extra arrays: kv lengths whole (their query axis, if
+    any, local like q), segment ids local like q and like k.
     ``q_global``: the score ops read query rows at their global positions
     (the sequence-sharded site); else at the local ones, as code inside the
     user's ``shard_map`` wrote them (keys are global either way)."""
@@ -88,16 +102,31 @@ def _ring(spec: AttentionSpec, axis_name, n: int, q_global: bool = True):
     # row keeps key 0 (each length >= 1; only causal masks besides, which keep
     # it too) and no row's length reaches the block.
     lengths = spec.ops_of(KvLengths)
-    skippable = not lengths
+    segments = spec.ops_of(Segments)
+    # With segment ids a row may keep no key, unless its own position is kept:
+    # one id array read at both positions (`Segments.same`) and masks that all
+    # keep the diagonal.  Then a step in which no query id meets a key id of
+    # the visiting block is skipped too (checked at run time).
+    diagonal = all(op.same for op in segments) and any(
+        isinstance(op, Causal) and op.offset >= 0 for op in spec.score_ops
+    )
+    diagonal = diagonal and all(
+        op.left >= 0 and (op.right is None or op.right >= 0) for op in spec.ops_of(Window)
+    )
+    skippable = not lengths and (not segments or (diagonal and q_global))
+    moving = tuple(sorted({op.kv_index for op in segments}))  # key ids: rotate with K/V
     by_length = bool(lengths) and all(
         isinstance(op, Scale | Softcap | Causal | KvLengths | Sink) for op in spec.score_ops
     )
 
     def visible(q0, k0, extras):
-        """Whether the K/V block at ``k0`` can hold a key the query block sees."""
+        """Whether the K/V block at ``k0`` (``extras`` with its key ids) can
+        hold a key the query block sees."""
         ok = jnp.bool_(True)
         if not (skippable or by_length):
             return ok
+        for op in segments:  # some query id among the block's key ids
+            ok &= jnp.any(heads5(extras[op.q_index]) == heads5(extras[op.kv_index]))
         q_last, k_last = q0 + spec.q_len - 1, k0 + spec.kv_len - 1
         for op in spec.score_ops:
             if isinstance(op, Causal):
@@ -137,13 +166,25 @@ def _ring(spec: AttentionSpec, axis_name, n: int, q_global: bool = True):
                 keep = cols <= rows + op.offset
             elif isinstance(op, KvLengths):
                 valid = kv_valid_lengths(op, extras[op.index], spec.kv_len * n)
-                b, h, t = valid.shape[:3]  # (t: the local queries' own limits, or 1)
-                heads = (h // g, g) if h > 1 else (1, 1)
-                keep = cols < valid.reshape(b, *heads, t, 1)
+                keep = cols < heads5(valid)  # (T axis: the local queries' own limits, or 1)
+            elif isinstance(op, Segments):
+                keep = heads5(extras[op.q_index]) == heads5(extras[op.kv_index])
             else:
                 keep = structured_keep(op, extras, rows, cols)
             s = jnp.where(keep, s, op.fill)
         return s
+
+    def heads5(x):
+        """A ``[B|1, H|1, T|1, S|1]`` extra as ``[B|1, Hkv|1, G|1, T|1, S|1]``."""
+        b, h, t, s = x.shape
+        return x.reshape(b, *((h // g, g) if h > 1 else (1, 1)), t, s)
+
+    def with_blocks(extras, ids):
+        """``extras`` with the key ids of the visiting K/V block."""
+        out = list(extras)
+        for i, block in zip(moving, ids, strict=True):
+            out[i] = block
+        return tuple(out)
 
     def grouped(x):  # [B, H, T, D] -> [B, Hkv, G, T, D]
         b, _, t, d = x.shape
@@ -170,12 +211,13 @@ def _ring(spec: AttentionSpec, axis_name, n: int, q_global: bool = True):
             total = jnp.where(m == -jnp.inf, 0.0, 1.0)
         # (In the user's shard_map with check_vma: typed like the blocks they meet.)
         acc, m, total = (compat.vary_like(x, qf, k, v) for x in (acc, m, total))
-        kb, vb = k, v
+        kb, vb, ids = k, v, tuple(extras[i] for i in moving)
         for step in range(n):
             q0, k0 = positions(step)
+            here = with_blocks(extras, ids)
 
-            def attend(acc, m, total, kb=kb, vb=vb, q0=q0, k0=k0):
-                s = scores(qf, kb, q0, k0, extras)
+            def attend(acc, m, total, kb=kb, vb=vb, q0=q0, k0=k0, here=here):
+                s = scores(qf, kb, q0, k0, here)
                 m_new = jnp.maximum(m, jnp.max(s, axis=-1))
                 base = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
                 p = jnp.exp(s - base[..., None])
@@ -183,9 +225,9 @@ def _ring(spec: AttentionSpec, axis_name, n: int, q_global: bool = True):
                 o_blk = jnp.einsum("bhgts,bhsd->bhgtd", p, vb.astype(jnp.float32))
                 return acc * old[..., None] + o_blk, m_new, total * old + jnp.sum(p, axis=-1)
 
-            acc, m, total = lax.cond(visible(q0, k0, extras), attend, lambda *a: a, acc, m, total)
+            acc, m, total = lax.cond(visible(q0, k0, here), attend, lambda *a: a, acc, m, total)
             if step < n - 1:
-                kb, vb = lax.ppermute((kb, vb), axis_name, perm)
+                kb, vb, ids = lax.ppermute((kb, vb, ids), axis_name, perm)
         o = acc / jnp.where(total > 0, total, 1.0)[..., None]
         out = o.reshape(b, hk * g, t, spec.v_head_dim).astype(spec.out_dtype)
         return out, (q, k, v, extras, o, m, total)
@@ -198,16 +240,17 @@ def _ring(spec: AttentionSpec, axis_name, n: int, q_global: bool = True):
         do = grouped(dout).astype(jnp.float32)
         delta = jnp.sum(do * o, axis=-1)  # rowsum(dO * O)
         dq = jnp.zeros_like(qf)
-        kb, vb = k, v
+        kb, vb, ids = k, v, tuple(extras[i] for i in moving)
         dkb = jnp.zeros(k.shape, jnp.float32)
         dvb = jnp.zeros(v.shape, jnp.float32)
         dq, dkb, dvb = (compat.vary_like(x, qf, k, v, dout) for x in (dq, dkb, dvb))
         for step in range(n):
             q0, k0 = positions(step)
+            here = with_blocks(extras, ids)
 
-            def grads(dq, dkb, dvb, kb=kb, vb=vb, q0=q0, k0=k0):
+            def grads(dq, dkb, dvb, kb=kb, vb=vb, q0=q0, k0=k0, here=here):
                 raw = jnp.einsum("bhgtd,bhsd->bhgts", qf, kb.astype(jnp.float32))
-                s, score_vjp = jax.vjp(lambda r: score_ops(r, q0, k0, extras), raw)
+                s, score_vjp = jax.vjp(lambda r: score_ops(r, q0, k0, here), raw)
                 p = jnp.exp(s - base) * scale_back  # the forward's probabilities
                 dvb = dvb + jnp.einsum("bhgts,bhgtd->bhsd", p, do)
                 dp = jnp.einsum("bhgtd,bhsd->bhgts", do, vb.astype(jnp.float32))
@@ -217,11 +260,13 @@ def _ring(spec: AttentionSpec, axis_name, n: int, q_global: bool = True):
                 dkb = dkb + jnp.einsum("bhgts,bhgtd->bhsd", ds, qf)
                 return dq, dkb, dvb
 
-            dq, dkb, dvb = lax.cond(visible(q0, k0, extras), grads, lambda *a: a, dq, dkb, dvb)
+            dq, dkb, dvb = lax.cond(visible(q0, k0, here), grads, lambda *a: a, dq, dkb, dvb)
             # dK/dV travel with their K/V block; after n moves they are home.
-            kb, vb, dkb, dvb = lax.ppermute((kb, vb, dkb, dvb), axis_name, perm)
+            if step < n - 1:
+                kb, vb, ids = lax.ppermute((kb, vb, ids), axis_name, perm)
+            dkb, dvb = lax.ppermute((dkb, dvb), axis_name, perm)
         b, hk, _, t, d = qf.shape
-        dextras = [None for _ in extras]  # integer lengths: no cotangent
+        dextras = [None for _ in extras]  # integer lengths and ids: no cotangent
         if spec.sink is not None:  # from the saved statistics, which include the sink
             rows = (b, hk * g, t)
             i = spec.sink.index

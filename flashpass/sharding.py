@@ -46,7 +46,7 @@ import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from flashpass.patterns.regroup import Merged
-from flashpass.spec import Bias, Mask
+from flashpass.spec import Bias, Mask, Segments
 
 from . import compat, errors, ring
 from .graph import Const
@@ -129,6 +129,8 @@ def _body_ring(site: AttentionSite, scope) -> BodyRing | None:
     kernel then runs on the gathered k and v, as written)."""
     if site.backward is not None or ring.unsupported(site.spec) is not None:
         return None  # (a differentiated one: the gathers' transposes are not read yet)
+    if site.spec.ops_of(Segments):
+        return None  # the key ids are gathered too, and not read from before it yet
     gathers = []
     for operand in (site.k, site.v):
         node = scope.producer(operand.atom)

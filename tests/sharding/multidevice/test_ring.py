@@ -212,12 +212,24 @@ def _sinks(q, k, v, sinks):
     return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(c, axis=-1)[..., :-1], v)
 
 
-@pytest.mark.parametrize("case", ["window", "padded", "sinks", "softcap"])
+def _packed(q, k, v, ids, kv_ids):
+    """Packed documents: segment ids compared with ``==``, combined with causal."""
+    t = q.shape[1]
+    i, j = jnp.arange(t)[:, None], jnp.arange(t)[None, :]
+    same = ids[:, None, :, None] == kv_ids[:, None, None, :]
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, k) * 0.25
+    s = jnp.where(same & (j <= i), s, -1e9)
+    return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1), v)
+
+
+@pytest.mark.parametrize("case", ["window", "padded", "sinks", "softcap", "packed"])
 def test_windowed_and_padded_rings(case):
     """Window masks skip the steps outside the window; kv lengths (a padded
     batch, one row fully padded) are applied per step with the program's fill;
     attention sinks start every row's statistics (their gradient included); a
-    soft-cap is differentiated through in the backward ring."""
+    soft-cap is differentiated through in the backward ring; packed documents'
+    key segment ids travel with their K/V block (documents that straddle
+    devices, and one query row whose id no key before it has)."""
     m = mesh((8,), ("seq",))
     args = [put(m, P(None, "seq"), normal(i, (2, 64, 2, 16))) for i in range(3)]
     argnums = (0, 1, 2)
@@ -227,12 +239,22 @@ def test_windowed_and_padded_rings(case):
         attend, extra = _padded, [put(m, P(), np.array([40, 0], np.int32))]
     elif case == "softcap":
         attend, extra = _softcapped, []
+    elif case == "packed":
+        # Documents of 5, 20, 30 and 9 keys in row 0 (crossing device blocks of
+        # 8); row 1: one document, but query 40's id is a key's only after it,
+        # so that row keeps no key and averages every key's fill.
+        ids = np.repeat(np.array([[0, 1, 2, 3], [7, 7, 7, 7]], np.int32), [5, 20, 30, 9], axis=1)
+        kv_ids = ids.copy()
+        ids[1, 40], kv_ids[1, 50] = 9, 9
+        attend, extra = _packed, [put(m, P(None, "seq"), x) for x in (ids, kv_ids)]
     else:
         attend, extra = _sinks, [put(m, P(), np.array([0.5, -1.0], np.float32))]
         argnums = (0, 1, 2, 3)
 
     def fn(q, k, v, *rest):
         k, v = jax.sharding.reshard(k, REPLICATED), jax.sharding.reshard(v, REPLICATED)
+        if case == "packed":  # the key ids, gathered like k and v
+            return attend(q, k, v, rest[0], jax.sharding.reshard(rest[1], P(None, None)))
         return attend(q, k, v, *rest)
 
     opt = flashpass.optimize(fn, kernel="reference")
@@ -375,3 +397,73 @@ def test_kv_length_steps_are_skipped_when_every_row_keeps_a_key():
 
     assert np.all(np.isfinite(run_ring(20)))  # blocks from key 24 on: skipped
     assert np.isnan(run_ring(0)).any()  # a row with no key reads every block
+
+
+@pytest.mark.parametrize("same", [True, False], ids=["one_id_array", "two_id_arrays"])
+def test_segment_steps_are_skipped_when_every_row_keeps_itself(same):
+    """White-box: packed documents of one device block each, causal.  With one
+    id array read at both positions (every row keeps its own key) a step
+    whose key ids meet no query id is not computed (the NaN values of block 5
+    never reach another block's rows); with two id arrays a row could keep no
+    key and average every key's fill, so every step is computed."""
+    from flashpass import ring
+    from flashpass.spec import AttentionSpec, Causal, ExtraSpec, Segments
+
+    m = mesh((8,), ("seq",))
+    b, t, h, d = 1, 64, 2, 16
+    shapes = ((b, 1, t // 8, 1), (b, 1, 1, t // 8))
+    spec = AttentionSpec(
+        b, h, h, t // 8, t // 8, d, d, *(np.float32,) * 6,
+        score_ops=(Causal(0, -1e9), Segments(0, 1, -1e9, same)),
+        extras=tuple(ExtraSpec(s, np.int32) for s in shapes),
+    )  # fmt: skip
+    seq = P(None, None, "seq")
+    q, k = put(m, seq, normal(0, (b, h, t, d))), put(m, seq, normal(1, (b, h, t, d)))
+    v = np.array(normal(2, (b, h, t, d)))
+    v[:, :, 40:48] = np.nan  # the sixth device's block: its own document
+    v = put(m, seq, v)
+    ids = np.repeat(np.arange(8, dtype=np.int32), 8)
+
+    def body(q, k, v, qi, ki):
+        return ring.ring_attention(q, k, v, (qi, ki), spec, "seq", 8)
+
+    fn = jax.shard_map(
+        body,
+        mesh=m,
+        in_specs=(seq,) * 3 + (P(None, None, "seq"), P(None, None, None, "seq")),
+        out_specs=seq,
+        check_vma=False,
+    )
+    qi = put(m, P(None, None, "seq"), ids.reshape(1, 1, t, 1))
+    ki = put(m, P(None, None, None, "seq"), ids.reshape(1, 1, 1, t))
+    with jax.set_mesh(m):
+        out = np.asarray(jax.jit(fn)(q, k, v, qi, ki))
+    others = np.delete(out, np.s_[40:48], axis=2)
+    assert np.all(np.isfinite(others)) == same
+
+
+def test_packed_documents_ring_under_auto_axes():
+    """Packed documents written as MaxText does (one id array compared with
+    itself, causal), q/k/v annotated under Auto axes: a ring whose key ids
+    travel with K/V, outputs and gradients as the unsharded original, no
+    full-length gather of K or V."""
+    m = mesh((8,), ("seq",), explicit=False)
+    seq = jax.sharding.NamedSharding(m, P(None, "seq"))
+
+    def fn(q, k, v, ids):
+        q, k, v = (jax.lax.with_sharding_constraint(x * 1.0, seq) for x in (q, k, v))
+        return _packed(q, k, v, ids, ids)
+
+    shape = (2, 64, 2, 16)
+    args = [put(m, P(None, "seq"), normal(i, shape)) for i in range(3)]
+    ids = np.repeat(np.array([[0, 1, 2, 3], [5, 6, 6, 7]], np.int32), [5, 20, 30, 9], axis=1)
+    args.append(put(m, P(None, "seq"), ids))
+    opt = flashpass.optimize(fn, kernel="blockwise")
+    out = jax.jit(opt)(*args)
+    assert opt.reports[-1].kernels == ["ring"], str(opt.reports[-1])
+    got = run(opt, args, (0, 1, 2))
+    ref = run(fn, unsharded(args), (0, 1, 2))
+    assert_close(out, ref.out)
+    for g, r in zip(got.grads, ref.grads, strict=True):
+        assert_close(g, r)
+    assert _full_length_gathers(got.hlo, shape[0] * shape[1] * shape[2] * shape[3]) == 0
