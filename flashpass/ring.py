@@ -28,8 +28,10 @@ the key ids travel with their K/V block); logit soft-caps (the backward
 differentiates the elementwise score ops with ``jax.vjp``); attention sinks
 (the row statistics start from the sink logit, as in the blockwise kernel);
 grouped-query attention.  Sites with biases or dense masks keep the
-all-gather program (`unsupported` says why).  The per-step work is plain JAX on blocks of
-``(T/n) x (S/n)`` scores.
+all-gather program (`unsupported` says why).  The per-step work is plain JAX
+over chunks of the device's query rows against the visiting block, at most
+`ROW_CHUNK_SCORES` scores at a time, so a step's memory does not grow with
+the blocks.
 """
 
 from __future__ import annotations
@@ -55,6 +57,11 @@ from .spec import (
     Softcap,
     Window,
 )
+
+#: A ring step runs over chunks of its query rows with at most this many
+#: scores each (over batch and heads): a step's memory is bounded however long
+#: the device blocks are (a 4M-score f32 chunk is 16 MiB).
+ROW_CHUNK_SCORES = 1 << 22
 
 #: Score ops a ring step applies (in program order, with global positions), and
 #: attention sinks (the row statistics start from them).
@@ -82,13 +89,24 @@ def ring_attention(
     ``q_global``: the score ops read query rows at their global positions
     (the sequence-sharded site); else at the local ones, as code inside the
     user's ``shard_map`` wrote them (keys are global either way)."""
-    return _ring(spec, axis_name, axis_size, q_global)(q, k, v, tuple(extras))
+    ring = _ring(spec, axis_name, axis_size, q_global, ROW_CHUNK_SCORES)
+    return ring(q, k, v, tuple(extras))
+
+
+def chunk_rows(spec: AttentionSpec, budget: int) -> int:
+    """Query rows per chunk of a step: the largest divisor of the block's
+    rows whose scores (all batch rows and heads) fit ``budget`` (at least 1)."""
+    per_row = spec.batch * spec.heads * spec.kv_len
+    fits = [d for d in range(1, spec.q_len + 1) if spec.q_len % d == 0 and d * per_row <= budget]
+    return max(fits, default=1)
 
 
 @functools.lru_cache(maxsize=64)
-def _ring(spec: AttentionSpec, axis_name, n: int, q_global: bool = True):
+def _ring(spec: AttentionSpec, axis_name, n: int, q_global: bool, budget: int):
     g = spec.groups
     perm = [(i, (i + 1) % n) for i in range(n)]
+    rows = chunk_rows(spec, budget)
+    chunks = spec.q_len // rows
 
     def positions(step):
         """Row and (global) column offsets of this step's query and K/V blocks."""
@@ -151,8 +169,8 @@ def _ring(spec: AttentionSpec, axis_name, n: int, q_global: bool = True):
     def score_ops(s, q0, k0, extras):
         """The spec's score ops on raw scores ``s`` (global positions ``q0``,
         ``k0``): elementwise, so the backward differentiates it (`jax.vjp`)."""
-        rows = q0 + jnp.arange(spec.q_len)[:, None]
-        cols = k0 + jnp.arange(spec.kv_len)[None, :]
+        rows = q0 + jnp.arange(s.shape[-2])[:, None]
+        cols = k0 + jnp.arange(s.shape[-1])[None, :]
         for op in spec.score_ops:
             if isinstance(op, Sink):
                 continue  # joins the row statistics (`sink_rows`), not the scores
@@ -186,6 +204,28 @@ def _ring(spec: AttentionSpec, axis_name, n: int, q_global: bool = True):
             out[i] = block
         return tuple(out)
 
+    def over_rows(body, state):
+        """``body(r0, state)`` for each chunk of query rows starting at ``r0``."""
+        if chunks == 1:
+            return body(0, state)
+        return lax.fori_loop(0, chunks, lambda c, st: body(c * rows, st), state)
+
+    def take(x, r0):
+        """Rows ``[r0, r0 + rows)`` of a grouped array (query axis 3)."""
+        return x if chunks == 1 else lax.dynamic_slice_in_dim(x, r0, rows, axis=3)
+
+    def put(x, y, r0):
+        return y if chunks == 1 else lax.dynamic_update_slice_in_dim(x, y, r0, axis=3)
+
+    def rows_of(extras, r0):
+        """The extras' rows of one chunk (those with a query axis)."""
+        if chunks == 1:
+            return extras
+        return tuple(
+            lax.dynamic_slice_in_dim(x, r0, rows, axis=2) if x.shape[2] == spec.q_len else x
+            for x in extras
+        )
+
     def grouped(x):  # [B, H, T, D] -> [B, Hkv, G, T, D]
         b, _, t, d = x.shape
         return x.reshape(b, spec.kv_heads, g, t, d)
@@ -217,13 +257,20 @@ def _ring(spec: AttentionSpec, axis_name, n: int, q_global: bool = True):
             here = with_blocks(extras, ids)
 
             def attend(acc, m, total, kb=kb, vb=vb, q0=q0, k0=k0, here=here):
-                s = scores(qf, kb, q0, k0, here)
-                m_new = jnp.maximum(m, jnp.max(s, axis=-1))
-                base = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
-                p = jnp.exp(s - base[..., None])
-                old = jnp.where(jnp.isfinite(m), jnp.exp(m - base), 0.0)
-                o_blk = jnp.einsum("bhgts,bhsd->bhgtd", p, vb.astype(jnp.float32))
-                return acc * old[..., None] + o_blk, m_new, total * old + jnp.sum(p, axis=-1)
+                def chunk(r0, state):
+                    acc, m, total = state
+                    a, mc, tc = (take(x, r0) for x in state)
+                    s = scores(take(qf, r0), kb, q0 + r0, k0, rows_of(here, r0))
+                    m_new = jnp.maximum(mc, jnp.max(s, axis=-1))
+                    base = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+                    p = jnp.exp(s - base[..., None])
+                    old = jnp.where(jnp.isfinite(mc), jnp.exp(mc - base), 0.0)
+                    o_blk = jnp.einsum("bhgts,bhsd->bhgtd", p, vb.astype(jnp.float32))
+                    a = a * old[..., None] + o_blk
+                    tc = tc * old + jnp.sum(p, axis=-1)
+                    return put(acc, a, r0), put(m, m_new, r0), put(total, tc, r0)
+
+                return over_rows(chunk, (acc, m, total))
 
             acc, m, total = lax.cond(visible(q0, k0, here), attend, lambda *a: a, acc, m, total)
             if step < n - 1:
@@ -249,16 +296,23 @@ def _ring(spec: AttentionSpec, axis_name, n: int, q_global: bool = True):
             here = with_blocks(extras, ids)
 
             def grads(dq, dkb, dvb, kb=kb, vb=vb, q0=q0, k0=k0, here=here):
-                raw = jnp.einsum("bhgtd,bhsd->bhgts", qf, kb.astype(jnp.float32))
-                s, score_vjp = jax.vjp(lambda r: score_ops(r, q0, k0, here), raw)
-                p = jnp.exp(s - base) * scale_back  # the forward's probabilities
-                dvb = dvb + jnp.einsum("bhgts,bhgtd->bhsd", p, do)
-                dp = jnp.einsum("bhgtd,bhsd->bhgts", do, vb.astype(jnp.float32))
-                # Through the score ops (scales, soft-cap; zero where a mask replaced it).
-                (ds,) = score_vjp(p * (dp - delta[..., None]))
-                dq = dq + jnp.einsum("bhgts,bhsd->bhgtd", ds, kb.astype(jnp.float32))
-                dkb = dkb + jnp.einsum("bhgts,bhgtd->bhsd", ds, qf)
-                return dq, dkb, dvb
+                kf, vf = kb.astype(jnp.float32), vb.astype(jnp.float32)
+
+                def chunk(r0, state):
+                    dq, dkb, dvb = state
+                    qc, doc, ex = take(qf, r0), take(do, r0), rows_of(here, r0)
+                    raw = jnp.einsum("bhgtd,bhsd->bhgts", qc, kf)
+                    s, score_vjp = jax.vjp(lambda r: score_ops(r, q0 + r0, k0, ex), raw)
+                    p = jnp.exp(s - take(base, r0)) * take(scale_back, r0)  # the forward's
+                    dvb = dvb + jnp.einsum("bhgts,bhgtd->bhsd", p, doc)
+                    dp = jnp.einsum("bhgtd,bhsd->bhgts", doc, vf)
+                    # Through the score ops (scales, soft-cap; zero where a mask replaced it).
+                    (ds,) = score_vjp(p * (dp - take(delta, r0)[..., None]))
+                    dqc = take(dq, r0) + jnp.einsum("bhgts,bhsd->bhgtd", ds, kf)
+                    dkb = dkb + jnp.einsum("bhgts,bhgtd->bhsd", ds, qc)
+                    return put(dq, dqc, r0), dkb, dvb
+
+                return over_rows(chunk, (dq, dkb, dvb))
 
             dq, dkb, dvb = lax.cond(visible(q0, k0, here), grads, lambda *a: a, dq, dkb, dvb)
             # dK/dV travel with their K/V block; after n moves they are home.
