@@ -10,7 +10,8 @@ Instead of letting XLA all-gather K and V to full length on every device
   row max and sum (statistics, never probabilities);
 * the partial outputs are merged in float32 (an online softmax);
 * K/V move one device along the ring (``ppermute``) between steps, with
-  the key segment ids of packed documents (sharded like the keys);
+  what is read at key positions only (key segment ids, key padding masks and
+  key biases, sharded like the keys);
 * a step whose K/V block a causal or window mask excludes entirely is
   skipped (``lax.cond``), so a causal ring does about half the work.
 
@@ -24,11 +25,13 @@ Supported score ops (`RING_OPS`, applied in program order on global positions,
 with the program's own fills, so rows a mask empties compute what the
 original does): scales, causal (any offset), window, chunk and prefix masks,
 and kv lengths (padding); segment ids (packed documents: the query ids stay,
-the key ids travel with their K/V block); logit soft-caps (the backward
-differentiates the elementwise score ops with ``jax.vjp``); attention sinks
-(the row statistics start from the sink logit, as in the blockwise kernel);
-grouped-query attention.  Sites with biases or dense masks keep the
-all-gather program (`unsupported` says why).  The per-step work is plain JAX
+the key ids travel with their K/V block); biases and boolean masks (a
+``[.., T, S]`` one sharded along its queries and sliced at the visiting
+block, a key-only one travelling with it; a bias's gradient too); logit
+soft-caps (the backward differentiates the elementwise score ops, biases
+included, with ``jax.vjp``); attention sinks (the row statistics start from
+the sink logit, as in the blockwise kernel); grouped-query attention.
+Dropout keeps the all-gather program (`unsupported` says why).  The per-step work is plain JAX
 over chunks of the device's query rows against the visiting block, at most
 `ROW_CHUNK_SCORES` scores at a time, so a step's memory does not grow with
 the blocks.
@@ -47,9 +50,11 @@ from flashpass.kernels.reference import kv_valid_lengths, sink_cotangent, struct
 
 from .spec import (
     AttentionSpec,
+    Bias,
     Causal,
     Chunk,
     KvLengths,
+    Mask,
     Prefix,
     Scale,
     Segments,
@@ -65,7 +70,7 @@ ROW_CHUNK_SCORES = 1 << 22
 
 #: Score ops a ring step applies (in program order, with global positions), and
 #: attention sinks (the row statistics start from them).
-RING_OPS = (Scale, Softcap, Causal, Window, Chunk, Prefix, KvLengths, Segments, Sink)
+RING_OPS = (Scale, Softcap, Bias, Mask, Causal, Window, Chunk, Prefix, KvLengths, Segments, Sink)
 
 
 def unsupported(spec: AttentionSpec) -> str | None:
@@ -73,8 +78,9 @@ def unsupported(spec: AttentionSpec) -> str | None:
     other = [type(op).__name__ for op in spec.score_ops if not isinstance(op, RING_OPS)]
     if other:
         return (
-            "the ring supports scales, soft-caps, causal, window, chunk and prefix masks, "
-            f"kv lengths, segment ids and attention sinks, not {', '.join(sorted(set(other)))}"
+            "the ring supports scales, soft-caps, biases, boolean, causal, window, chunk and "
+            "prefix masks, kv lengths, segment ids and attention sinks, not "
+            + ", ".join(sorted(set(other)))
         )
     return None
 
@@ -84,8 +90,10 @@ def ring_attention(
 ):
     """Attention of local blocks ``q [B,H,T/n,D]``, ``k``/``v [B,Hkv,S/n,D]``
     inside ``shard_map`` over ``axis_name`` (``axis_size`` devices); ``extras``
-    are the spec's extra arrays: kv lengths whole (their query axis, if
-    any, local like q), segment ids local like q and like k.
+    are the spec's extra arrays, their query axes local like q; along the
+    keys, with ``q_global`` those read at key positions only (key ids and
+    masks) are local like k, the others whole (in the user's ``shard_map``
+    all are whole: its code built them for the gathered keys).
     ``q_global``: the score ops read query rows at their global positions
     (the sequence-sharded site); else at the local ones, as code inside the
     user's ``shard_map`` wrote them (keys are global either way)."""
@@ -132,7 +140,17 @@ def _ring(spec: AttentionSpec, axis_name, n: int, q_global: bool, budget: int):
         op.left >= 0 and (op.right is None or op.right >= 0) for op in spec.ops_of(Window)
     )
     skippable = not lengths and (not segments or (diagonal and q_global))
-    moving = tuple(sorted({op.kv_index for op in segments}))  # key ids: rotate with K/V
+    # A boolean mask may empty a row too: its keys' fills then all count.
+    skippable = skippable and not spec.ops_of(Mask)
+    # Extras that vary along the keys: read at key positions only and, on a
+    # sequence-sharded site, sharded like k (`moving`: they travel with K/V),
+    # or whole along the keys (`sliced` at the visiting block).
+    keyed = {op.kv_index for op in segments}
+    keyed |= {op.index for op in spec.score_ops if isinstance(op, Bias | Mask)}
+    keyed = {i for i in keyed if spec.extras[i].shape[3] > 1}
+    moving = tuple(sorted(i for i in keyed if q_global and spec.extras[i].shape[2] == 1))
+    sliced = tuple(sorted(keyed - set(moving)))
+    biases = tuple(op.index for op in spec.ops_of(Bias))  # (their cotangents)
     by_length = bool(lengths) and all(
         isinstance(op, Scale | Softcap | Causal | KvLengths | Sink) for op in spec.score_ops
     )
@@ -180,7 +198,12 @@ def _ring(spec: AttentionSpec, axis_name, n: int, q_global: bool, budget: int):
             if isinstance(op, Softcap):
                 s = op.cap * jnp.tanh(s / op.cap)
                 continue
-            if isinstance(op, Causal):
+            if isinstance(op, Bias):
+                s = s + heads5(extras[op.index]).astype(jnp.float32)
+                continue
+            if isinstance(op, Mask):
+                keep = heads5(extras[op.index])
+            elif isinstance(op, Causal):
                 keep = cols <= rows + op.offset
             elif isinstance(op, KvLengths):
                 valid = kv_valid_lengths(op, extras[op.index], spec.kv_len * n)
@@ -197,11 +220,13 @@ def _ring(spec: AttentionSpec, axis_name, n: int, q_global: bool, budget: int):
         b, h, t, s = x.shape
         return x.reshape(b, *((h // g, g) if h > 1 else (1, 1)), t, s)
 
-    def with_blocks(extras, ids):
-        """``extras`` with the key ids of the visiting K/V block."""
+    def with_blocks(extras, blocks, k0):
+        """``extras`` as the visiting K/V block at ``k0`` reads them."""
         out = list(extras)
-        for i, block in zip(moving, ids, strict=True):
+        for i, block in zip(moving, blocks, strict=True):
             out[i] = block
+        for i in sliced:
+            out[i] = lax.dynamic_slice_in_dim(extras[i], k0, spec.kv_len, axis=3)
         return tuple(out)
 
     def over_rows(body, state):
@@ -225,6 +250,17 @@ def _ring(spec: AttentionSpec, axis_name, n: int, q_global: bool, budget: int):
             lax.dynamic_slice_in_dim(x, r0, rows, axis=2) if x.shape[2] == spec.q_len else x
             for x in extras
         )
+
+    def replaced(extras, new: dict):
+        return tuple(new.get(i, x) for i, x in enumerate(extras))
+
+    def add_part(total, part, r0, k0):
+        """``total`` (an extra's cotangent) plus ``part`` at rows ``r0`` (when
+        it has a query axis) and keys ``k0``."""
+        r0 = r0 if total.shape[2] > 1 else 0
+        at = (0, 0, r0, k0)
+        old = lax.dynamic_slice(total, at, part.shape)
+        return lax.dynamic_update_slice(total, old + part.astype(total.dtype), at)
 
     def grouped(x):  # [B, H, T, D] -> [B, Hkv, G, T, D]
         b, _, t, d = x.shape
@@ -251,10 +287,10 @@ def _ring(spec: AttentionSpec, axis_name, n: int, q_global: bool, budget: int):
             total = jnp.where(m == -jnp.inf, 0.0, 1.0)
         # (In the user's shard_map with check_vma: typed like the blocks they meet.)
         acc, m, total = (compat.vary_like(x, qf, k, v) for x in (acc, m, total))
-        kb, vb, ids = k, v, tuple(extras[i] for i in moving)
+        kb, vb, blocks = k, v, tuple(extras[i] for i in moving)
         for step in range(n):
             q0, k0 = positions(step)
-            here = with_blocks(extras, ids)
+            here = with_blocks(extras, blocks, k0)
 
             def attend(acc, m, total, kb=kb, vb=vb, q0=q0, k0=k0, here=here):
                 def chunk(r0, state):
@@ -274,7 +310,7 @@ def _ring(spec: AttentionSpec, axis_name, n: int, q_global: bool, budget: int):
 
             acc, m, total = lax.cond(visible(q0, k0, here), attend, lambda *a: a, acc, m, total)
             if step < n - 1:
-                kb, vb, ids = lax.ppermute((kb, vb, ids), axis_name, perm)
+                kb, vb, blocks = lax.ppermute((kb, vb, blocks), axis_name, perm)
         o = acc / jnp.where(total > 0, total, 1.0)[..., None]
         out = o.reshape(b, hk * g, t, spec.v_head_dim).astype(spec.out_dtype)
         return out, (q, k, v, extras, o, m, total)
@@ -286,41 +322,61 @@ def _ring(spec: AttentionSpec, axis_name, n: int, q_global: bool, budget: int):
         qf = grouped(q).astype(jnp.float32)
         do = grouped(dout).astype(jnp.float32)
         delta = jnp.sum(do * o, axis=-1)  # rowsum(dO * O)
-        dq = jnp.zeros_like(qf)
-        kb, vb, ids = k, v, tuple(extras[i] for i in moving)
-        dkb = jnp.zeros(k.shape, jnp.float32)
-        dvb = jnp.zeros(v.shape, jnp.float32)
-        dq, dkb, dvb = (compat.vary_like(x, qf, k, v, dout) for x in (dq, dkb, dvb))
+        kb, vb, blocks = k, v, tuple(extras[i] for i in moving)
+        # Bias cotangents: a moving bias's travels with its block like dK; the
+        # others stay and take each step's (and chunk's) part at its place.
+        zeros = {i: jnp.zeros(extras[i].shape, jnp.float32) for i in biases}
+        dstay = {i: z for i, z in zeros.items() if i not in moving}
+        dmove = {i: z for i, z in zeros.items() if i in moving}
+        grads0 = (jnp.zeros_like(qf), jnp.zeros(k.shape, jnp.float32))
+        grads0 += (jnp.zeros(v.shape, jnp.float32), dstay, dmove)
+        dq, dkb, dvb, dstay, dmove = jax.tree.map(
+            lambda x: compat.vary_like(x, qf, k, v, dout), grads0
+        )
         for step in range(n):
             q0, k0 = positions(step)
-            here = with_blocks(extras, ids)
+            here = with_blocks(extras, blocks, k0)
 
-            def grads(dq, dkb, dvb, kb=kb, vb=vb, q0=q0, k0=k0, here=here):
+            def grads(state, kb=kb, vb=vb, q0=q0, k0=k0, here=here):
                 kf, vf = kb.astype(jnp.float32), vb.astype(jnp.float32)
 
                 def chunk(r0, state):
-                    dq, dkb, dvb = state
+                    dq, dkb, dvb, dstay, dmove = state
                     qc, doc, ex = take(qf, r0), take(do, r0), rows_of(here, r0)
                     raw = jnp.einsum("bhgtd,bhsd->bhgts", qc, kf)
-                    s, score_vjp = jax.vjp(lambda r: score_ops(r, q0 + r0, k0, ex), raw)
+                    bias = {i: ex[i] for i in biases}
+
+                    def ops(r, bias):
+                        return score_ops(r, q0 + r0, k0, replaced(ex, bias))
+
+                    s, score_vjp = jax.vjp(ops, raw, bias)
                     p = jnp.exp(s - take(base, r0)) * take(scale_back, r0)  # the forward's
                     dvb = dvb + jnp.einsum("bhgts,bhgtd->bhsd", p, doc)
                     dp = jnp.einsum("bhgtd,bhsd->bhgts", doc, vf)
-                    # Through the score ops (scales, soft-cap; zero where a mask replaced it).
-                    (ds,) = score_vjp(p * (dp - take(delta, r0)[..., None]))
+                    # Through the score ops (scales, soft-cap, biases; zero where a
+                    # mask replaced it).
+                    ds, dbias = score_vjp(p * (dp - take(delta, r0)[..., None]))
                     dqc = take(dq, r0) + jnp.einsum("bhgts,bhsd->bhgtd", ds, kf)
                     dkb = dkb + jnp.einsum("bhgts,bhgtd->bhsd", ds, qc)
-                    return put(dq, dqc, r0), dkb, dvb
+                    dmove = {i: x + dbias[i] for i, x in dmove.items()}
+                    dstay = {i: add_part(x, dbias[i], r0, k0 if i in sliced else 0)
+                             for i, x in dstay.items()}  # fmt: skip
+                    return put(dq, dqc, r0), dkb, dvb, dstay, dmove
 
-                return over_rows(chunk, (dq, dkb, dvb))
+                return over_rows(chunk, state)
 
-            dq, dkb, dvb = lax.cond(visible(q0, k0, here), grads, lambda *a: a, dq, dkb, dvb)
+            state = (dq, dkb, dvb, dstay, dmove)
+            dq, dkb, dvb, dstay, dmove = lax.cond(
+                visible(q0, k0, here), grads, lambda state: state, state
+            )
             # dK/dV travel with their K/V block; after n moves they are home.
             if step < n - 1:
-                kb, vb, ids = lax.ppermute((kb, vb, ids), axis_name, perm)
-            dkb, dvb = lax.ppermute((dkb, dvb), axis_name, perm)
+                kb, vb, blocks = lax.ppermute((kb, vb, blocks), axis_name, perm)
+            dkb, dvb, dmove = lax.ppermute((dkb, dvb, dmove), axis_name, perm)
         b, hk, _, t, d = qf.shape
-        dextras = [None for _ in extras]  # integer lengths and ids: no cotangent
+        dextras = [None for _ in extras]  # integer lengths, ids and masks: no cotangent
+        for i, x in {**dstay, **dmove}.items():
+            dextras[i] = x.astype(extras[i].dtype)
         if spec.sink is not None:  # from the saved statistics, which include the sink
             rows = (b, hk * g, t)
             i = spec.sink.index

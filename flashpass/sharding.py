@@ -46,7 +46,7 @@ import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from flashpass.patterns.regroup import Merged
-from flashpass.spec import Bias, Mask, Segments
+from flashpass.spec import Bias, Mask
 
 from . import compat, errors, ring
 from .graph import Const
@@ -129,8 +129,6 @@ def _body_ring(site: AttentionSite, scope) -> BodyRing | None:
     kernel then runs on the gathered k and v, as written)."""
     if site.backward is not None or ring.unsupported(site.spec) is not None:
         return None  # (a differentiated one: the gathers' transposes are not read yet)
-    if site.spec.ops_of(Segments):
-        return None  # the key ids are gathered too, and not read from before it yet
     gathers = []
     for operand in (site.k, site.v):
         node = scope.producer(operand.atom)
@@ -298,7 +296,12 @@ def analyze(
 
     atoms, in_specs = [], []
     for atom, roles, ndim in specs:
-        spec = _spec([axes.get(r) for r in _roles_by_axis(roles, ndim)])
+        by_axis = _roles_by_axis(roles, ndim)
+        if ring_axes is not None and "T" in roles:
+            # A [.., T, S] bias or mask: one mesh axis cannot shard both; the
+            # ring reads it by query block, whole along the keys.
+            by_axis = [None if r == "S" else r for r in by_axis]
+        spec = _spec([axes.get(r) for r in by_axis])
         index = _find(atoms, atom)
         if index is None:
             atoms.append(atom)

@@ -242,6 +242,9 @@ class AttentionSite:
             else:
                 out.append(present)
         # Broadcast partially-present groups, then transpose + reshape group by group.
+        # Present axes keep their own length (a ring reads a [.., T, S] extra
+        # whole along S while the site's layout is the device's block).
+        own = {r: x.shape[a] for r, a in axes.items() if a is not None}
         order, shape, target = [], [], []
         for group, state in zip((b, h, ["T"], ["S"]), out, strict=True):
             if state is None:
@@ -252,8 +255,8 @@ class AttentionSite:
                     x = jnp.expand_dims(x, x.ndim)
                     axes[r] = x.ndim - 1
                 order.append(axes[r])
-                shape.append(self.layout.sizes[r])
-            target.append(self.layout.size_of(group))
+                shape.append(own.get(r, self.layout.sizes[r]))
+            target.append(math.prod(shape[len(shape) - len(group) :]))
         x = jnp.transpose(x, order)
         x = jnp.broadcast_to(x, shape)
         return x.reshape(target)

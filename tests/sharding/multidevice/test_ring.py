@@ -9,6 +9,7 @@ original: outputs and gradients, the collectives, and that per-device
 temporary memory falls as devices are added.
 """
 
+import dataclasses
 import functools
 import math
 
@@ -108,31 +109,41 @@ def test_per_device_memory_falls_with_devices():
 
 
 def test_unsupported_ring_is_kept_with_a_reason():
-    """A biased site cannot run as a ring yet: kept, the reason names the bias."""
+    """Dropout is what the ring does not take yet (`ring.unsupported` names
+    it); a sequence-sharded site with dropout is kept as written, the same
+    program as the original, with a reason about the dropout."""
+    from flashpass import ring
+    from flashpass.spec import AttentionSpec, Dropout, ExtraSpec, Scale
+
+    axes = (((1, 0),), ((2, 64 * 64),), ((64, 64),), ((64, 1),))
+    drop = Dropout(0, (1, 1, 1, 2), (1, 2, 64, 64), axes, 32, "float32", 0.9)
+    spec = AttentionSpec(
+        1, 2, 2, 64, 64, 16, 16, *(np.float32,) * 6,
+        score_ops=(Scale(0.25), drop), extras=(ExtraSpec((1, 1, 1, 2), np.uint32),),
+    )  # fmt: skip
+    assert "not Dropout" in ring.unsupported(spec)
+    assert ring.unsupported(dataclasses.replace(spec, score_ops=(Scale(0.25),))) is None
+
     m = mesh((8,), ("seq",))
     args = [put(m, P(None, "seq"), normal(i, (1, 64, 2, 16))) for i in range(3)]
-    bias = put(m, P(), normal(5, (1, 2, 64, 64)))
+    key = jax.random.key(0)
 
-    def biased(q, k, v, b):
-        s = jnp.einsum("bqhd,bkhd->bhqk", q, k) + b
-        return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1), v)
+    def dropped(q, k, v, key):
+        s = jnp.einsum("bqhd,bkhd->bhqk", q, k) * 0.25
+        p = jax.nn.softmax(s, axis=-1)
+        p = jnp.where(jax.random.bernoulli(key, 0.9, p.shape), p / 0.9, 0.0)
+        return jnp.einsum("bhqk,bkhd->bqhd", p, v)
 
-    def fn(q, k, v, b):
-        return biased(
-            q, jax.sharding.reshard(k, REPLICATED), jax.sharding.reshard(v, REPLICATED), b
-        )
+    def fn(q, k, v, key):
+        k, v = jax.sharding.reshard(k, REPLICATED), jax.sharding.reshard(v, REPLICATED)
+        return dropped(q, k, v, key)
 
     opt = flashpass.optimize(fn, kernel="reference")
     with jax.set_mesh(m):
-        report = opt.explain(*args, bias)
-        out = jax.jit(opt)(*args, bias)
-    assert not report.rewrites and "Bias" in report.fallbacks[0].reason, str(report)
-    np.testing.assert_allclose(
-        np.asarray(out),
-        np.asarray(biased(*unsharded(args), np.asarray(bias))),
-        rtol=1e-5,
-        atol=1e-5,
-    )
+        report = opt.explain(*args, key)
+        out, ref = jax.jit(opt)(*args, key), jax.jit(fn)(*args, key)
+    assert not report.rewrites and "dropout" in report.fallbacks[0].reason, str(report)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=1e-6, atol=1e-6)
 
 
 def test_auto_axes_without_annotations_keep_xla_partitioning():
@@ -222,14 +233,35 @@ def _packed(q, k, v, ids, kv_ids):
     return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1), v)
 
 
-@pytest.mark.parametrize("case", ["window", "padded", "sinks", "softcap", "packed"])
+def _biased(q, k, v, bias):
+    """A learned relative-position bias ``[1, H, T, S]`` and a causal mask."""
+    t = q.shape[1]
+    i, j = jnp.arange(t)[:, None], jnp.arange(t)[None, :]
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, k) * 0.25 + bias
+    s = jnp.where(j <= i, s, -1e9)
+    return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1), v)
+
+
+def _key_masked(q, k, v, keep, mask):
+    """A key padding mask ``[B, S]`` and a dense boolean mask ``[T, S]``."""
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, k) * 0.25
+    s = jnp.where(keep[:, None, None, :] & mask, s, -1e9)
+    return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1), v)
+
+
+@pytest.mark.parametrize(
+    "case", ["window", "padded", "sinks", "softcap", "packed", "bias", "masks"]
+)
 def test_windowed_and_padded_rings(case):
     """Window masks skip the steps outside the window; kv lengths (a padded
     batch, one row fully padded) are applied per step with the program's fill;
     attention sinks start every row's statistics (their gradient included); a
     soft-cap is differentiated through in the backward ring; packed documents'
     key segment ids travel with their K/V block (documents that straddle
-    devices, and one query row whose id no key before it has)."""
+    devices, and one query row whose id no key before it has); a ``[1, H, T,
+    S]`` bias is read by query block and sliced at the visiting block (its
+    gradient too); a key padding mask travels with K/V, a dense mask is
+    sliced (a row that both exclude entirely averages every key's fill)."""
     m = mesh((8,), ("seq",))
     args = [put(m, P(None, "seq"), normal(i, (2, 64, 2, 16))) for i in range(3)]
     argnums = (0, 1, 2)
@@ -239,6 +271,16 @@ def test_windowed_and_padded_rings(case):
         attend, extra = _padded, [put(m, P(), np.array([40, 0], np.int32))]
     elif case == "softcap":
         attend, extra = _softcapped, []
+    elif case == "bias":
+        attend, argnums = _biased, (0, 1, 2, 3)
+        extra = [put(m, P(None, None, "seq", None), normal(7, (1, 2, 64, 64)))]
+    elif case == "masks":
+        keep = np.ones((2, 64), bool)
+        keep[0, 50:] = keep[1, 3:9] = False
+        mask = np.random.default_rng(3).random((64, 64)) < 0.7
+        mask[20] = False  # query row 20 keeps no key
+        attend = _key_masked
+        extra = [put(m, P(None, "seq"), keep), put(m, P(None, None), mask)]
     elif case == "packed":
         # Documents of 5, 20, 30 and 9 keys in row 0 (crossing device blocks of
         # 8); row 1: one document, but query 40's id is a key's only after it,
@@ -253,8 +295,11 @@ def test_windowed_and_padded_rings(case):
 
     def fn(q, k, v, *rest):
         k, v = jax.sharding.reshard(k, REPLICATED), jax.sharding.reshard(v, REPLICATED)
+        gathered = lambda x: jax.sharding.reshard(x, P(None, None))  # noqa: E731
         if case == "packed":  # the key ids, gathered like k and v
-            return attend(q, k, v, rest[0], jax.sharding.reshard(rest[1], P(None, None)))
+            return attend(q, k, v, rest[0], gathered(rest[1]))
+        if case == "masks":  # the key padding mask too
+            return attend(q, k, v, gathered(rest[0]), rest[1])
         return attend(q, k, v, *rest)
 
     opt = flashpass.optimize(fn, kernel="reference")
@@ -357,6 +402,36 @@ def test_ring_inside_the_users_shard_map(causal, mesh_shape, names, spec):
     assert _full_length_gathers(orig.hlo, whole) > 0
     assert _full_length_gathers(got.hlo, whole) == 0, dict(collectives(got.hlo))
     assert any(kind == "collective-permute" for kind, _, _ in collectives(got.hlo))
+
+
+def test_packed_ring_inside_the_users_shard_map():
+    """Packed documents in the user's shard_map: the body gathers the key ids
+    with k and v; the ring slices the gathered ids at each visiting block."""
+    m = mesh((8,), ("seq",))
+
+    def body(q, k, v, ids):
+        kk, vv, kv_ids = (jax.lax.all_gather(x, "seq", axis=1, tiled=True) for x in (k, v, ids))
+        i = jax.lax.axis_index("seq") * q.shape[1] + jnp.arange(q.shape[1])
+        keep = (jnp.arange(kk.shape[1])[None, :] <= i[:, None]) & (
+            ids[:, None, :, None] == kv_ids[:, None, None, :]
+        )
+        s = jnp.where(keep, jnp.einsum("bqhd,bkhd->bhqk", q, kk) * 0.25, -1e9)
+        return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1), vv)
+
+    spec = P(None, "seq")
+    args = [put(m, spec, normal(i, (2, 64, 2, 16))) for i in range(3)]
+    ids = np.repeat(np.array([[0, 1, 2, 3], [5, 6, 6, 7]], np.int32), [5, 20, 30, 9], axis=1)
+    args.append(put(m, spec, ids))
+    fn = jax.shard_map(body, mesh=m, in_specs=spec, out_specs=spec)
+    opt = flashpass.optimize(fn, kernel="blockwise")
+    with jax.set_mesh(m):
+        report = opt.explain(*args)
+        got = run(opt, args, (0, 1, 2))
+    assert report.kernels == ["ring"], str(report)
+    ref = run(lambda q, k, v, ids: _packed(q, k, v, ids, ids), unsharded(args), (0, 1, 2))
+    assert_close(got.out, ref.out)
+    for g, r in zip(got.grads, ref.grads, strict=True):
+        assert_close(g, r)
 
 
 def test_kv_length_steps_are_skipped_when_every_row_keeps_a_key():
@@ -483,7 +558,7 @@ def test_steps_run_over_query_chunks(monkeypatch):
         opt = flashpass.optimize(gathering(True), kernel="reference")
         with jax.set_mesh(m):
             results.append(run(opt, args))
-            loss = lambda *a: opt(*a).sum()  # noqa: E731
+            loss = lambda *a, opt=opt: opt(*a).sum()  # noqa: E731
             compiled = jax.jit(jax.grad(loss, (0, 1, 2))).lower(*args).compile()
         temps.append(compiled.memory_analysis().temp_size_in_bytes)
     whole, chunked = results
