@@ -22,6 +22,11 @@ instead: k and v gathered there with ``lax.all_gather``, the causal mask on
 
     python benchmarks/ring.py [--devices 8] [--sizes 2048 4096 8192] [--reps 3]
     python benchmarks/ring.py --shard-map
+    python benchmarks/ring.py --sizes 16384 --no-gather --chunk-scores 4194304 1073741824
+
+``--chunk-scores`` runs the ring once per budget of `flashpass.ring.ROW_CHUNK_SCORES`
+(the most scores a step computes at a time): its memory falls with the chunks.
+``--no-gather`` leaves out the all-gather program (it needs O(T·S/n) memory per device).
 """
 
 from __future__ import annotations
@@ -42,6 +47,8 @@ def main(argv=None):
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--shard-map", action="store_true", help="the user's shard_map body")
+    parser.add_argument("--no-gather", action="store_true", help="time the ring only")
+    parser.add_argument("--chunk-scores", type=int, nargs="+", default=None)
     args = parser.parse_args(argv)
     os.environ["XLA_FLAGS"] = (
         os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={args.devices}"
@@ -56,6 +63,7 @@ def main(argv=None):
 
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
     import flashpass
+    from flashpass import ring
 
     def attention(q, k, v):
         s = jnp.einsum("bqhd,bkhd->bhqk", q, k) / jnp.sqrt(q.shape[-1]).astype(q.dtype)
@@ -94,9 +102,14 @@ def main(argv=None):
             spec = P(None, "seq")
             constrained = jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec)
 
-        opt = flashpass.optimize(constrained, kernel="blockwise")
+        programs = [] if args.no_gather else [("gather", constrained, None)]
+        for budget in args.chunk_scores or [ring.ROW_CHUNK_SCORES]:
+            name = "ring" if args.chunk_scores is None else f"ring/{budget}"
+            programs.append((name, flashpass.optimize(constrained, kernel="blockwise"), budget))
         rows = {}
-        for name, fn in (("gather", constrained), ("ring", opt)):
+        for name, fn, budget in programs:
+            if budget is not None:
+                ring.ROW_CHUNK_SCORES = budget
             step = jax.jit(jax.grad(lambda *a, f=fn: jnp.sum(f(*a)), argnums=(0, 1, 2)))
             compiled = step.lower(*qkv).compile()
             hlo = compiled.as_text()
@@ -114,8 +127,9 @@ def main(argv=None):
             )
             temp, gathers, permutes, ms = rows[name]
             print(f"{n:>6} {name:>7} {temp:>16.1f} {gathers:>11} {permutes:>8} {ms:>10.1f}")
-        g, r = rows["gather"], rows["ring"]
-        print(f"{n:>6}   ratio  memory ring/gather {r[0] / g[0]:.3f}, time {r[3] / g[3]:.2f}")
+        if "gather" in rows and "ring" in rows:
+            g, r = rows["gather"], rows["ring"]
+            print(f"{n:>6}   ratio  memory ring/gather {r[0] / g[0]:.3f}, time {r[3] / g[3]:.2f}")
 
 
 if __name__ == "__main__":
