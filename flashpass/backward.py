@@ -192,10 +192,24 @@ def _trace_template(scope: Scope, forward: list[Node], inputs: list, diff: tuple
         return (out, *vjp(ct))
 
     # Traced with no varying manual axes, as outside the body's shard_map the
-    # primitives give none (`_signature` keeps them in the cache key).
+    # primitives give none (`_signature` keeps them in the cache key); the
+    # manual axes the forward's collectives name (a ring's gathers) are bound.
     avals = [compat.without_varying(scope.aval(a)) for a in [*inputs, out_key]]
-    closed = jax.make_jaxpr(joint)(*avals)
+    with compat.axis_env(_collective_axes(forward)):
+        closed = jax.make_jaxpr(joint)(*avals)
     return Scope(compat.dce_closed_jaxpr(closed), prefix=("template",))
+
+
+def _collective_axes(forward: list[Node]) -> dict:
+    """``{axis name: size}`` of the single-axis collectives in ``forward``."""
+    sizes = {}
+    for n in forward:
+        name, size = n.params.get("axis_name"), n.params.get("axis_size")
+        if isinstance(name, tuple | list) and len(name) == 1:
+            name = name[0]
+        if isinstance(name, str) and isinstance(size, int):
+            sizes[name] = size
+    return sizes
 
 
 def _unify(t: Scope, j: Scope, inputs: list, diff: tuple, site) -> Backward | str:
@@ -231,7 +245,7 @@ def _unify(t: Scope, j: Scope, inputs: list, diff: tuple, site) -> Backward | st
                             matched.add(user)
                             grown = True
     for node in matched:
-        if node.eqn.effects:
+        if node.eqn.effects and not compat.only_axis_effects(node.eqn.effects):
             return f"has an effect (`{node.prim}`)"
         for o in node.outs:
             if o is None or o in exits:

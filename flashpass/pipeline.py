@@ -165,7 +165,9 @@ def run_pass(
             shard = shards.get(p.site.root.path)
             if p.site.backward is not None and shard is not None and shard.ring is not None:
                 ring_site = _ring_backward(p.site, shard, by_prefix[p.site.scope_prefix])
-                if ring_site is None:
+                if ring_site is None and isinstance(shard, sharding.BodyRing):
+                    del shards[p.site.root.path]  # the kernel on the gathered k/v, as before
+                elif ring_site is None:
                     kept[p.site.root.path] = RING_IN_TRAINING
                 else:
                     p.site = ring_site
@@ -216,7 +218,8 @@ def run_pass(
 
 def _ring_backward(site, shard, scope):
     """A differentiated site that runs as a ring reads k and v from before the
-    program's gather (`sharding._before_gather`): prove its backward again with
+    program's gather (`sharding._before_gather`, or the all-gathers in the
+    user's ``shard_map``, `sharding.BodyRing`): prove its backward again with
     those reads, the gathers joining the forward (and their transposes the
     backward).  The site as the ring runs it, or None."""
     if shard.site is None or shard.site is site:

@@ -124,11 +124,12 @@ def plan_sites(planned, scopes: dict) -> tuple[dict, dict]:
 
 
 def _body_ring(site: AttentionSite, scope) -> BodyRing | None:
-    """The `BodyRing` of a forward site whose k and v are both all-gathered,
-    tiled along their key axis, over the same manual axes; else None (the
-    kernel then runs on the gathered k and v, as written)."""
-    if site.backward is not None or ring.unsupported(site.spec) is not None:
-        return None  # (a differentiated one: the gathers' transposes are not read yet)
+    """The `BodyRing` of a site whose k and v are both all-gathered, tiled
+    along their key axis, over the same manual axes; else None (the kernel
+    then runs on the gathered k and v, as written).  A differentiated site's
+    backward is proven again from the local k and v (`pipeline`)."""
+    if ring.unsupported(site.spec) is not None:
+        return None
     gathers = []
     for operand in (site.k, site.v):
         node = scope.producer(operand.atom)
@@ -146,6 +147,8 @@ def _body_ring(site: AttentionSite, scope) -> BodyRing | None:
     sizes = {node.params["axis_size"] for node in gathers}
     if len(names) != 1 or len(sizes) != 1:
         return None
+    if site.backward is not None and len(next(iter(names))) != 1:
+        return None  # its backward template binds one manual axis (`backward`)
     q_node = scope.producer(site.q.atom)
     if q_node is not None and q_node.prim == "all_gather":
         return None  # queries gathered too: every device computes every row

@@ -95,11 +95,13 @@ from ._random import (  # noqa: F401
 from ._sharding import (  # noqa: F401
     VALUE_IDENTITY_PRIMITIVES,
     aval_key,
+    axis_env,
     axis_kinds,
     context_mesh,
     equation_context,
     is_shard_map,
     named_sharding_of,
+    only_axis_effects,
     outside_mesh,
     reshard,
     shard_map,

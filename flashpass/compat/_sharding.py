@@ -103,6 +103,27 @@ def vary_like(x, *refs):
     return jax.lax.pcast(x, tuple(sorted(axes)), to="varying")
 
 
+@contextlib.contextmanager
+def axis_env(sizes: dict):
+    """Context: manual mesh axis names bound to their sizes (``{name: size}``),
+    as inside a ``shard_map`` body, so that collectives over them trace
+    outside one (a backward template whose forward all-gathers)."""
+    from jax._src import core
+
+    with core.extend_axis_env_nd(list(sizes.items())):
+        yield
+
+
+def only_axis_effects(effects) -> bool:
+    """Whether ``effects`` are all named-axis effects: what a collective over a
+    manual axis carries inside a ``shard_map`` body (``reduce_scatter`` in the
+    backward of an all-gather), which replacing it by other collectives over
+    the same axes keeps."""
+    from jax._src import core
+
+    return all(isinstance(e, core.NamedAxisEffect) for e in effects)
+
+
 def without_varying(aval):
     """``aval`` typed with no varying manual axes (shape, dtype and sharding
     kept): a backward template is traced outside the ``shard_map`` whose body

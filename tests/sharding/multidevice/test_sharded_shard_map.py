@@ -10,7 +10,16 @@ import functools
 import jax
 import jax.numpy as jnp
 import pytest
-from sharded_testing import P, assert_like_original, mesh, normal, put, run, unsharded
+from sharded_testing import (
+    P,
+    assert_like_original,
+    collectives,
+    mesh,
+    normal,
+    put,
+    run,
+    unsharded,
+)
 from test_ring import _in_body
 from test_sharded_jit import mha
 
@@ -98,8 +107,9 @@ def test_optimized_function_called_inside_shard_map(kernel, mesh_shape, qshape, 
 def test_train_step_in_shard_map_with_gathered_kv():
     """A train step inside the user's shard_map (check_vma) whose k and v are
     all-gathered over the sequence axis and masked causally on axis_index
-    positions: rewritten forward and backward (the kernel on the gathered k/v;
-    the ring takes forward sites only), gradients equal the original's."""
+    positions: rewritten forward and backward as a ring (the gathers' backward,
+    reduce-scatters, is proven from the local k and v and replaced), no
+    all-gather or reduce-scatter left, gradients equal the original's."""
     m = mesh((4,), ("seq",))
     spec = P(None, "seq")
     args = [put(m, spec, normal(i, (2, 32, 2, 16))) for i in range(3)]
@@ -115,7 +125,11 @@ def test_train_step_in_shard_map_with_gathered_kv():
     with jax.set_mesh(m):
         report = opt.explain(*args)
         got, want = jax.jit(opt)(*args), jax.jit(step)(*args)
+        hlo = jax.jit(opt).lower(*args).compile().as_text()
     assert [r.passes for r in report.rewrites] == ["forward+backward"], str(report)
+    assert report.kernels == ["ring"], str(report)
+    kinds = {kind for kind, _, _ in collectives(hlo)}
+    assert "collective-permute" in kinds and not kinds & {"all-gather", "reduce-scatter"}, kinds
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         scale = max(1.0, float(jnp.abs(w).max()))
         assert float(jnp.abs(g - w).max()) <= 2e-5 * scale
