@@ -6,11 +6,11 @@ pages below each sequence's length: a ragged batch skips its empty blocks.
 It is built for decode steps; this module maps a decode-shaped
 `AttentionSpec` onto it exactly:
 
-* The contiguous cache ``[B, Hkv, S, D]`` is viewed, by a reshape (no copy
-  when ``S`` is a multiple of the page size and the head dim needs no
-  padding), as pages ``[1, B*Hkv*S/P, P, D]``: every (batch row, kv head) is
-  one of the kernel's sequences, with its own row of the page table
-  (consecutive pages) and one kv head.  Its query heads are the group's ``G``
+* The contiguous cache ``[B, Hkv, S, D]`` is viewed, by a reshape, as pages
+  ``[1, B*Hkv*S/P, P, D]`` (no copy for a cache stored in that order; one
+  stored ``[B, S, Hkv, D]`` is transposed first, as for every kernel):
+  every (batch row, kv head) is one of the kernel's sequences, with its own
+  row of the page table (consecutive pages) and one kv head.  Its query heads are the group's ``G``
   heads times the ``T`` queries, ``q [B*Hkv, G*T, D]``: GQA and a few queries
   at once cost nothing.
 * Scale ops: the product is folded into ``q`` in float32 (the kernel reads
@@ -179,7 +179,7 @@ class PagedTpuKernel(_util.TpuKernel):
         B, Hkv, G, T = spec.batch, spec.kv_heads, spec.groups, spec.q_len
         D = spec.head_dim
         pages = spec.kv_len // plan.page
-        # Static page table: sequence b*Hkv + h owns pages [n*pages, (n+1)*pages).
+        # Static page table: sequence i = b*Hkv + h owns pages [i*pages, (i+1)*pages).
         table = np.arange(B * Hkv * pages, dtype=np.int32).reshape(B * Hkv, pages)
         kdt = _util.BF16
 
