@@ -30,8 +30,10 @@ the key ids travel with their K/V block); biases and boolean masks (a
 block, a key-only one travelling with it; a bias's gradient too); logit
 soft-caps (the backward differentiates the elementwise score ops, biases
 included, with ``jax.vjp``); attention sinks (the row statistics start from
-the sink logit, as in the blockwise kernel); grouped-query attention.
-Dropout keeps the all-gather program (`unsupported` says why).  The per-step work is plain JAX
+the sink logit, as in the blockwise kernel); grouped-query attention;
+dropout (the program's keep-mask regenerated from its key at global
+positions, on sequence-sharded sites whose batch and heads are whole).
+`unsupported` names any other op.  The per-step work is plain JAX
 over chunks of the device's query rows against the visiting block, at most
 `ROW_CHUNK_SCORES` scores at a time, so a step's memory does not grow with
 the blocks.
@@ -46,6 +48,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from flashpass import compat
+from flashpass.kernels.dropout import apply_dropout, keep_mask
 from flashpass.kernels.reference import kv_valid_lengths, sink_cotangent, structured_keep
 
 from .spec import (
@@ -53,6 +56,7 @@ from .spec import (
     Bias,
     Causal,
     Chunk,
+    Dropout,
     KvLengths,
     Mask,
     Prefix,
@@ -70,7 +74,10 @@ ROW_CHUNK_SCORES = 1 << 22
 
 #: Score ops a ring step applies (in program order, with global positions), and
 #: attention sinks (the row statistics start from them).
-RING_OPS = (Scale, Softcap, Bias, Mask, Causal, Window, Chunk, Prefix, KvLengths, Segments, Sink)
+RING_OPS = (
+    *(Scale, Softcap, Bias, Mask, Causal, Window, Chunk, Prefix, KvLengths, Segments, Sink),
+    Dropout,
+)
 
 
 def unsupported(spec: AttentionSpec) -> str | None:
@@ -79,7 +86,7 @@ def unsupported(spec: AttentionSpec) -> str | None:
     if other:
         return (
             "the ring supports scales, soft-caps, biases, boolean, causal, window, chunk and "
-            "prefix masks, kv lengths, segment ids and attention sinks, not "
+            "prefix masks, kv lengths, segment ids, attention sinks and dropout, not "
             + ", ".join(sorted(set(other)))
         )
     return None
@@ -190,8 +197,8 @@ def _ring(spec: AttentionSpec, axis_name, n: int, q_global: bool, budget: int):
         rows = q0 + jnp.arange(s.shape[-2])[:, None]
         cols = k0 + jnp.arange(s.shape[-1])[None, :]
         for op in spec.score_ops:
-            if isinstance(op, Sink):
-                continue  # joins the row statistics (`sink_rows`), not the scores
+            if isinstance(op, Sink | Dropout):
+                continue  # the row statistics (`sink_rows`) or the weights (`dropped`)
             if isinstance(op, Scale):
                 s = s * op.value
                 continue
@@ -251,6 +258,19 @@ def _ring(spec: AttentionSpec, axis_name, n: int, q_global: bool, budget: int):
             for x in extras
         )
 
+    def dropped(w, q0, k0, extras):
+        """Weights ``w [B, Hkv, G, t, s]`` (rows at ``q0``, keys at ``k0``) times
+        the program's keep-mask, regenerated at global positions (batch and
+        heads are whole: `sharding` keeps a dropout ring to the sequence)."""
+        op = spec.dropout
+        if op is None:
+            return w
+        b = jnp.arange(spec.batch)[:, None, None, None, None]
+        h = (jnp.arange(spec.kv_heads)[:, None] * g + jnp.arange(g))[None, :, :, None, None]
+        t = q0 + jnp.arange(w.shape[-2])[:, None]
+        s = k0 + jnp.arange(w.shape[-1])[None, :]
+        return apply_dropout(op, w, keep_mask(op, extras[op.index], b, h, t, s))
+
     def replaced(extras, new: dict):
         return tuple(new.get(i, x) for i, x in enumerate(extras))
 
@@ -301,7 +321,8 @@ def _ring(spec: AttentionSpec, axis_name, n: int, q_global: bool, budget: int):
                     base = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
                     p = jnp.exp(s - base[..., None])
                     old = jnp.where(jnp.isfinite(mc), jnp.exp(mc - base), 0.0)
-                    o_blk = jnp.einsum("bhgts,bhsd->bhgtd", p, vb.astype(jnp.float32))
+                    pd = dropped(p, q0 + r0, k0, here)  # (the sums keep every weight)
+                    o_blk = jnp.einsum("bhgts,bhsd->bhgtd", pd, vb.astype(jnp.float32))
                     a = a * old[..., None] + o_blk
                     tc = tc * old + jnp.sum(p, axis=-1)
                     return put(acc, a, r0), put(m, m_new, r0), put(total, tc, r0)
@@ -351,8 +372,10 @@ def _ring(spec: AttentionSpec, axis_name, n: int, q_global: bool, budget: int):
 
                     s, score_vjp = jax.vjp(ops, raw, bias)
                     p = jnp.exp(s - take(base, r0)) * take(scale_back, r0)  # the forward's
-                    dvb = dvb + jnp.einsum("bhgts,bhgtd->bhsd", p, doc)
-                    dp = jnp.einsum("bhgtd,bhsd->bhgts", doc, vf)
+                    pd = dropped(p, q0 + r0, k0, here)
+                    dvb = dvb + jnp.einsum("bhgts,bhgtd->bhsd", pd, doc)
+                    # Dropped weights P' = D * P: dP = D * dP'.
+                    dp = dropped(jnp.einsum("bhgtd,bhsd->bhgts", doc, vf), q0 + r0, k0, here)
                     # Through the score ops (scales, soft-cap, biases; zero where a
                     # mask replaced it).
                     ds, dbias = score_vjp(p * (dp - take(delta, r0)[..., None]))

@@ -128,8 +128,8 @@ def _body_ring(site: AttentionSite, scope) -> BodyRing | None:
     along their key axis, over the same manual axes; else None (the kernel
     then runs on the gathered k and v, as written).  A differentiated site's
     backward is proven again from the local k and v (`pipeline`)."""
-    if ring.unsupported(site.spec) is not None:
-        return None
+    if ring.unsupported(site.spec) is not None or site.spec.dropout is not None:
+        return None  # (dropout: the body's keep-mask is drawn at its local positions)
     gathers = []
     for operand in (site.k, site.v):
         node = scope.producer(operand.atom)
@@ -343,6 +343,12 @@ def _ring_axes(site: AttentionSite, axes: dict) -> tuple | str:
     problem = ring.unsupported(site.spec)
     if problem is not None:
         return f"sequence-sharded over mesh axis {'x'.join(t)}: {problem}; kept as written"
+    if site.spec.dropout is not None and set(axes) - {"T", "S"}:
+        return (
+            f"sequence-sharded over mesh axis {'x'.join(t)} with dropout while batch or heads "
+            "are sharded too: the ring regenerates the keep-mask at global positions from "
+            "whole batch and heads only; kept as written"
+        )
     return t
 
 

@@ -92,6 +92,9 @@ def match_dropout(scope: Scope, node, pos: int, roles: list) -> FoundDropout | M
             polarity = not polarity
             atom = scope.resolve(producer.ins[0])
             continue
+        if producer.prim == "reshard":  # a mesh-replicated mask laid out like the weights
+            atom = scope.resolve(producer.ins[0])
+            continue
         break
     if scope.dtype(atom) != np.bool_ or producer.prim != "lt":
         return _miss("random values that are not a bernoulli keep-mask", node)
