@@ -258,18 +258,22 @@ def _ring(spec: AttentionSpec, axis_name, n: int, q_global: bool, budget: int):
             for x in extras
         )
 
-    def dropped(w, q0, k0, extras):
-        """Weights ``w [B, Hkv, G, t, s]`` (rows at ``q0``, keys at ``k0``) times
-        the program's keep-mask, regenerated at global positions (batch and
-        heads are whole: `sharding` keeps a dropout ring to the sequence)."""
+    def keep_of(w, q0, k0, extras):
+        """The program's keep-mask of weights ``w [B, Hkv, G, t, s]`` (rows at
+        ``q0``, keys at ``k0``), regenerated at global positions (batch and
+        heads are whole: `sharding` keeps a dropout ring to the sequence), or
+        None without dropout."""
         op = spec.dropout
         if op is None:
-            return w
+            return None
         b = jnp.arange(spec.batch)[:, None, None, None, None]
         h = (jnp.arange(spec.kv_heads)[:, None] * g + jnp.arange(g))[None, :, :, None, None]
         t = q0 + jnp.arange(w.shape[-2])[:, None]
         s = k0 + jnp.arange(w.shape[-1])[None, :]
-        return apply_dropout(op, w, keep_mask(op, extras[op.index], b, h, t, s))
+        return keep_mask(op, extras[op.index], b, h, t, s)
+
+    def dropped(w, keep):
+        return w if keep is None else apply_dropout(spec.dropout, w, keep)
 
     def replaced(extras, new: dict):
         return tuple(new.get(i, x) for i, x in enumerate(extras))
@@ -321,7 +325,7 @@ def _ring(spec: AttentionSpec, axis_name, n: int, q_global: bool, budget: int):
                     base = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
                     p = jnp.exp(s - base[..., None])
                     old = jnp.where(jnp.isfinite(mc), jnp.exp(mc - base), 0.0)
-                    pd = dropped(p, q0 + r0, k0, here)  # (the sums keep every weight)
+                    pd = dropped(p, keep_of(p, q0 + r0, k0, here))  # (sums keep them all)
                     o_blk = jnp.einsum("bhgts,bhsd->bhgtd", pd, vb.astype(jnp.float32))
                     a = a * old[..., None] + o_blk
                     tc = tc * old + jnp.sum(p, axis=-1)
@@ -372,10 +376,10 @@ def _ring(spec: AttentionSpec, axis_name, n: int, q_global: bool, budget: int):
 
                     s, score_vjp = jax.vjp(ops, raw, bias)
                     p = jnp.exp(s - take(base, r0)) * take(scale_back, r0)  # the forward's
-                    pd = dropped(p, q0 + r0, k0, here)
-                    dvb = dvb + jnp.einsum("bhgts,bhgtd->bhsd", pd, doc)
+                    keep = keep_of(p, q0 + r0, k0, here)  # (one mask for dV and dP)
+                    dvb = dvb + jnp.einsum("bhgts,bhgtd->bhsd", dropped(p, keep), doc)
                     # Dropped weights P' = D * P: dP = D * dP'.
-                    dp = dropped(jnp.einsum("bhgtd,bhsd->bhgts", doc, vf), q0 + r0, k0, here)
+                    dp = dropped(jnp.einsum("bhgtd,bhsd->bhgts", doc, vf), keep)
                     # Through the score ops (scales, soft-cap, biases; zero where a
                     # mask replaced it).
                     ds, dbias = score_vjp(p * (dp - take(delta, r0)[..., None]))
