@@ -27,6 +27,9 @@ instead: k and v gathered there with ``lax.all_gather``, the causal mask on
 ``--chunk-scores`` runs the ring once per budget of `flashpass.ring.ROW_CHUNK_SCORES`
 (the most scores a step computes at a time): its memory falls with the chunks.
 ``--no-gather`` leaves out the all-gather program (it needs O(T·S/n) memory per device).
+``--plain-steps`` adds ``ring/plain``: the ring with every step in its own plain JAX
+(``kernel="reference"``, which declares no ring steps) beside ``ring``, whose steps
+run the blockwise kernel (`Kernel.ring_step`).
 """
 
 from __future__ import annotations
@@ -49,6 +52,7 @@ def main(argv=None):
     parser.add_argument("--shard-map", action="store_true", help="the user's shard_map body")
     parser.add_argument("--no-gather", action="store_true", help="time the ring only")
     parser.add_argument("--chunk-scores", type=int, nargs="+", default=None)
+    parser.add_argument("--plain-steps", action="store_true", help="also the plain-JAX steps")
     args = parser.parse_args(argv)
     os.environ["XLA_FLAGS"] = (
         os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={args.devices}"
@@ -78,7 +82,7 @@ def main(argv=None):
         f"{args.devices} simulated CPU devices ({where}); JAX {jax.__version__}"
     )
     print(
-        f"{'S':>6} {'program':>7} {'temp MiB/device':>16} {'all-gathers':>11} "
+        f"{'S':>6} {'program':>10} {'temp MiB/device':>16} {'all-gathers':>11} "
         f"{'permutes':>8} {'fwd+bwd ms':>10}"
     )
     for n in args.sizes:
@@ -106,6 +110,10 @@ def main(argv=None):
         for budget in args.chunk_scores or [ring.ROW_CHUNK_SCORES]:
             name = "ring" if args.chunk_scores is None else f"ring/{budget}"
             programs.append((name, flashpass.optimize(constrained, kernel="blockwise"), budget))
+        if args.plain_steps:
+            programs.append(
+                ("ring/plain", flashpass.optimize(constrained, kernel="reference"), None)
+            )
         rows = {}
         for name, fn, budget in programs:
             if budget is not None:
@@ -126,10 +134,16 @@ def main(argv=None):
                 statistics.median(times) * 1e3,
             )
             temp, gathers, permutes, ms = rows[name]
-            print(f"{n:>6} {name:>7} {temp:>16.1f} {gathers:>11} {permutes:>8} {ms:>10.1f}")
+            print(f"{n:>6} {name:>10} {temp:>16.1f} {gathers:>11} {permutes:>8} {ms:>10.1f}")
         if "gather" in rows and "ring" in rows:
             g, r = rows["gather"], rows["ring"]
             print(f"{n:>6}   ratio  memory ring/gather {r[0] / g[0]:.3f}, time {r[3] / g[3]:.2f}")
+        if "ring/plain" in rows and "ring" in rows:
+            p, r = rows["ring/plain"], rows["ring"]
+            print(
+                f"{n:>6}   ratio  kernel steps/plain steps: memory {r[0] / p[0]:.3f}, "
+                f"time {r[3] / p[3]:.2f}"
+            )
 
 
 if __name__ == "__main__":

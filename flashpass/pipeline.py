@@ -29,6 +29,7 @@ from flashpass.kernels import CheckContext
 from flashpass.patterns.common import Miss
 
 from . import compat, errors, sharding
+from . import ring_steps as ring_plan
 from .backward import match_backward
 from .graph import build_scopes
 from .match import find_sites
@@ -172,6 +173,10 @@ def run_pass(
                 else:
                     p.site = ring_site
                     shards[p.site.root.path] = dataclasses.replace(shard, site=ring_site)
+        for p in planned:  # which kernel runs each step of a ring
+            shard = shards.get(p.site.root.path)
+            if isinstance(shard, sharding.ShardPlan) and shard.ring is not None:
+                shards[p.site.root.path] = shard.with_steps(p.site, kernels, ctx)
     except Exception as err:
         if errors.strict():
             raise
@@ -211,8 +216,7 @@ def run_pass(
                 )
             )
             continue
-        shard = shards.get(p.site.root.path)
-        report.rewrites.append(_rewrite_entry(p, scope_name, ring=bool(shard and shard.ring)))
+        report.rewrites.append(_rewrite_entry(p, scope_name, shards.get(p.site.root.path)))
     return rewritten, _logged(report)
 
 
@@ -282,7 +286,7 @@ def _failure_for(plan: Plan, prefix: tuple) -> str | None:
     return None
 
 
-def _rewrite_entry(p: PlannedSite, scope_name: str, ring: bool = False) -> Rewrite:
+def _rewrite_entry(p: PlannedSite, scope_name: str, shard=None) -> Rewrite:
     from flashpass.spec import (
         Bias,
         Causal,
@@ -296,6 +300,11 @@ def _rewrite_entry(p: PlannedSite, scope_name: str, ring: bool = False) -> Rewri
     )
 
     spec = p.site.spec
+    ring = shard is not None and shard.ring is not None
+    ring_steps = ""
+    if ring:  # a ring inside the user's shard_map runs plain JAX steps (local queries)
+        steps = getattr(shard, "steps", None)
+        ring_steps = ring_plan.describe(steps) if steps is not None else ring_plan.PLAIN
     # Name each structured descriptor (e.g. "causal+window"), so a site the
     # kernel runs as an O(T) descriptor is told apart from a dense mask.
     words = {Causal: "causal", Window: "window", Chunk: "chunk", Prefix: "prefix"}
@@ -306,6 +315,7 @@ def _rewrite_entry(p: PlannedSite, scope_name: str, ring: bool = False) -> Rewri
     return Rewrite(
         pattern=p.site.pattern,
         kernel="ring" if ring else p.kernel.name,  # a sequence-sharded site (ring.py)
+        ring_steps=ring_steps,
         location=p.site.location,
         q_shape=p.site.q.shape,
         k_shape=p.site.k.shape,

@@ -28,6 +28,9 @@ class Rewrite:
     #: True when the site's backward (in a differentiated program: a training
     #: step) was replaced too: the report's "forward+backward".
     backward: bool = False
+    #: A ring (``kernel == "ring"``): the kernels its steps run, e.g.
+    #: ``"blockwise"``, ``"splash, plain JAX"`` (`flashpass.ring_steps`).
+    ring_steps: str = ""
 
     @property
     def passes(self) -> str:
@@ -117,7 +120,7 @@ class Report:
                 rows.append(
                     (
                         str(i),
-                        r.kernel,
+                        r.kernel + (f" ({r.ring_steps})" if r.ring_steps else ""),
                         _short(r.location),
                         f"{_dims(r.q_shape)} / {_dims(r.k_shape)} / {_dims(r.v_shape)}",
                         r.dtype,

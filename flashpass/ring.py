@@ -33,10 +33,16 @@ included, with ``jax.vjp``); attention sinks (the row statistics start from
 the sink logit, as in the blockwise kernel); grouped-query attention;
 dropout (the program's keep-mask regenerated from its key at global
 positions, on sequence-sharded sites whose batch and heads are whole).
-`unsupported` names any other op.  The per-step work is plain JAX
-over chunks of the device's query rows against the visiting block, at most
-`ROW_CHUNK_SCORES` scores at a time, so a step's memory does not grow with
-the blocks.
+`unsupported` names any other op.
+
+Each step runs a kernel that declares `Kernel.ring_step` where the step's
+masks translate into a static spec (`ring_steps`: causal, window, full
+attention and the position-free ops on evenly sharded self-attention), with
+the step's row max and sum for the merge; the backward gives it the global
+statistics and output, so its dQ, dK, dV are the block's exact share.  Other
+steps run the ring's own plain JAX over chunks of the device's query rows
+against the visiting block, at most `ROW_CHUNK_SCORES` scores at a time, so a
+step's memory does not grow with the blocks.
 """
 
 from __future__ import annotations
@@ -51,6 +57,7 @@ from flashpass import compat
 from flashpass.kernels.dropout import apply_dropout, keep_mask
 from flashpass.kernels.reference import kv_valid_lengths, sink_cotangent, structured_keep
 
+from . import ring_steps
 from .spec import (
     AttentionSpec,
     Bias,
@@ -92,8 +99,41 @@ def unsupported(spec: AttentionSpec) -> str | None:
     return None
 
 
+def plan(spec: AttentionSpec, n: int, q_global: bool, kernels, ctx):
+    """Per step of the ring over ``n`` devices, how each case runs it
+    (`ring_steps.plan_steps`; ``kernels`` in the order to try)."""
+    return ring_steps.plan_steps(spec, n, q_global, can_skip(spec, q_global), kernels, ctx)
+
+
+def can_skip(spec: AttentionSpec, q_global: bool) -> bool:
+    """Whether a step whose K/V block the position masks exclude entirely may
+    be skipped.  With kv lengths a row may keep no key at all, and the original
+    then averages over every key's fill (those rings skip by length at run
+    time only, `visible`); with segment ids too, unless its own position is
+    kept: one id array read at both positions (`Segments.same`) and masks
+    that all keep the diagonal.  A boolean mask may empty a row too."""
+    segments = spec.ops_of(Segments)
+    diagonal = all(op.same for op in segments) and any(
+        isinstance(op, Causal) and op.offset >= 0 for op in spec.score_ops
+    )
+    diagonal = diagonal and all(
+        op.left >= 0 and (op.right is None or op.right >= 0) for op in spec.ops_of(Window)
+    )
+    skippable = not spec.ops_of(KvLengths) and (not segments or (diagonal and q_global))
+    return skippable and not spec.ops_of(Mask)
+
+
 def ring_attention(
-    q, k, v, extras, spec: AttentionSpec, axis_name, axis_size: int, q_global: bool = True
+    q,
+    k,
+    v,
+    extras,
+    spec: AttentionSpec,
+    axis_name,
+    axis_size: int,
+    q_global: bool = True,
+    steps=None,
+    interpret: bool = False,
 ):
     """Attention of local blocks ``q [B,H,T/n,D]``, ``k``/``v [B,Hkv,S/n,D]``
     inside ``shard_map`` over ``axis_name`` (``axis_size`` devices); ``extras``
@@ -103,8 +143,12 @@ def ring_attention(
     all are whole: its code built them for the gathered keys).
     ``q_global``: the score ops read query rows at their global positions
     (the sequence-sharded site); else at the local ones, as code inside the
-    user's ``shard_map`` wrote them (keys are global either way)."""
-    ring = _ring(spec, axis_name, axis_size, q_global, ROW_CHUNK_SCORES)
+    user's ``shard_map`` wrote them (keys are global either way).
+    ``steps``: `plan`'s answer (None: every step in plain JAX); ``interpret``
+    runs Pallas step kernels in interpret mode."""
+    if steps is None:
+        steps = plan(spec, axis_size, q_global, [], None)
+    ring = _ring(spec, axis_name, axis_size, q_global, ROW_CHUNK_SCORES, steps, interpret)
     return ring(q, k, v, tuple(extras))
 
 
@@ -117,7 +161,7 @@ def chunk_rows(spec: AttentionSpec, budget: int) -> int:
 
 
 @functools.lru_cache(maxsize=64)
-def _ring(spec: AttentionSpec, axis_name, n: int, q_global: bool, budget: int):
+def _ring(spec: AttentionSpec, axis_name, n: int, q_global: bool, budget: int, steps, interpret):
     g = spec.groups
     perm = [(i, (i + 1) % n) for i in range(n)]
     rows = chunk_rows(spec, budget)
@@ -129,26 +173,14 @@ def _ring(spec: AttentionSpec, axis_name, n: int, q_global: bool, budget: int):
         src = (me - step) % n
         return (me * spec.q_len if q_global else 0), src * spec.kv_len
 
-    # Steps whose K/V block every position mask excludes are skipped.  With kv
-    # lengths a row may keep no key at all, and the original then averages
-    # over every key's fill: a step is skipped only when, at run time, every
-    # row keeps key 0 (each length >= 1; only causal masks besides, which keep
-    # it too) and no row's length reaches the block.
+    # Steps whose K/V block every position mask excludes are skipped (where
+    # `can_skip`); with kv lengths a step is skipped only when, at run time,
+    # every row keeps key 0 (each length >= 1; only causal masks besides,
+    # which keep it too) and no row's length reaches the block; with segment
+    # ids (`can_skip`) when no query id meets a key id of the visiting block.
     lengths = spec.ops_of(KvLengths)
     segments = spec.ops_of(Segments)
-    # With segment ids a row may keep no key, unless its own position is kept:
-    # one id array read at both positions (`Segments.same`) and masks that all
-    # keep the diagonal.  Then a step in which no query id meets a key id of
-    # the visiting block is skipped too (checked at run time).
-    diagonal = all(op.same for op in segments) and any(
-        isinstance(op, Causal) and op.offset >= 0 for op in spec.score_ops
-    )
-    diagonal = diagonal and all(
-        op.left >= 0 and (op.right is None or op.right >= 0) for op in spec.ops_of(Window)
-    )
-    skippable = not lengths and (not segments or (diagonal and q_global))
-    # A boolean mask may empty a row too: its keys' fills then all count.
-    skippable = skippable and not spec.ops_of(Mask)
+    skippable = can_skip(spec, q_global)
     # Extras that vary along the keys: read at key positions only and, on a
     # sequence-sharded site, sharded like k (`moving`: they travel with K/V),
     # or whole along the keys (`sliced` at the visiting block).
@@ -296,6 +328,26 @@ def _ring(spec: AttentionSpec, axis_name, n: int, q_global: bool, budget: int):
         full = (spec.batch, spec.heads, spec.q_len)
         return jnp.broadcast_to(sink, full).reshape(spec.batch, spec.kv_heads, g, spec.q_len)
 
+    def by_case(step, run, *state):
+        """``run(case, *state)`` for this device's case of ``step`` (its own
+        block, or a wrapped one on devices ``i < step``)."""
+        cases = steps[step]
+        if len(cases) == 1 or cases[0] == cases[1]:
+            return run(cases[0], *state)
+        own = lax.axis_index(axis_name) >= step
+        return lax.cond(own, lambda *st: run(cases[0], *st), lambda *st: run(cases[1], *st), *state)
+
+    def step_extras(case, here, k0):
+        """The extras as the case's kernel reads them: kv lengths shifted to
+        the visiting block (the bias, mask and id arrays are already its)."""
+        out = list(here)
+        for i in {op.index for op in case.spec.ops_of(KvLengths)}:
+            out[i] = here[i] - k0.astype(here[i].dtype)
+        return tuple(out)
+
+    def stats5(x):  # [B, H, T] -> [B, Hkv, G, T]
+        return x.reshape(spec.batch, spec.kv_heads, g, -1)
+
     def forward(q, k, v, extras):
         qf = grouped(q).astype(jnp.float32)
         b, hk, _, t, _ = qf.shape
@@ -316,7 +368,26 @@ def _ring(spec: AttentionSpec, axis_name, n: int, q_global: bool, budget: int):
             q0, k0 = positions(step)
             here = with_blocks(extras, blocks, k0)
 
-            def attend(acc, m, total, kb=kb, vb=vb, q0=q0, k0=k0, here=here):
+            def attend(acc, m, total, step=step):
+                return by_case(step, run, acc, m, total)
+
+            def run(case, acc, m, total, kb=kb, vb=vb, q0=q0, k0=k0, here=here):
+                if case.skip:
+                    return acc, m, total
+                if case.kernel is not None:  # the kernel's block, merged by its statistics
+                    o_b, m_b, den_b = case.kernel.step_forward(
+                        case.spec, q, kb, vb, step_extras(case, here, k0), interpret=interpret
+                    )
+                    m_b, den_b = (stats5(x).astype(jnp.float32) for x in (m_b, den_b))
+                    m_new = jnp.maximum(m, m_b)
+                    base = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+                    old = jnp.where(jnp.isfinite(m), jnp.exp(m - base), 0.0)
+                    w = jnp.where(jnp.isfinite(m_b), jnp.exp(m_b - base), 0.0) * den_b
+                    w = w[..., None]
+                    o_b = jnp.where(w > 0, grouped(o_b).astype(jnp.float32) * w, 0.0)
+                    acc = acc * old[..., None] + o_b
+                    return acc, m_new, total * old + w[..., 0]
+
                 def chunk(r0, state):
                     acc, m, total = state
                     a, mc, tc = (take(x, r0) for x in state)
@@ -347,6 +418,12 @@ def _ring(spec: AttentionSpec, axis_name, n: int, q_global: bool, budget: int):
         qf = grouped(q).astype(jnp.float32)
         do = grouped(dout).astype(jnp.float32)
         delta = jnp.sum(do * o, axis=-1)  # rowsum(dO * O)
+        # What a kernel step's backward reads: the global output and statistics
+        # (a row every key of which -inf excluded: m 0, sum 1, so its weights are 0).
+        rows = (spec.batch, spec.heads, spec.q_len)
+        o_out = o.reshape(*rows, spec.v_head_dim)
+        m_out = base[..., 0].reshape(rows)
+        den_out = jnp.where(total > 0, total, 1.0).reshape(rows)
         kb, vb, blocks = k, v, tuple(extras[i] for i in moving)
         # Bias cotangents: a moving bias's travels with its block like dK; the
         # others stay and take each step's (and chunk's) part at its place.
@@ -362,7 +439,25 @@ def _ring(spec: AttentionSpec, axis_name, n: int, q_global: bool, budget: int):
             q0, k0 = positions(step)
             here = with_blocks(extras, blocks, k0)
 
-            def grads(state, kb=kb, vb=vb, q0=q0, k0=k0, here=here):
+            def grads(state, step=step):
+                return by_case(step, step_grads, state)
+
+            def step_grads(case, state, kb=kb, vb=vb, q0=q0, k0=k0, here=here):
+                if case.skip:
+                    return state
+                if case.kernel is not None:  # the block's share, from the global statistics
+                    dq, dkb, dvb, dstay, dmove = state
+                    wanted = tuple(i in biases for i in range(len(extras)))
+                    dq_b, dk_b, dv_b, dex = case.kernel.step_backward(
+                        case.spec, q, kb, vb, step_extras(case, here, k0), o_out, m_out,
+                        den_out, dout, wanted, interpret=interpret,
+                    )  # fmt: skip
+                    dq = dq + grouped(dq_b).astype(jnp.float32)
+                    dkb, dvb = dkb + dk_b.astype(jnp.float32), dvb + dv_b.astype(jnp.float32)
+                    dmove = {i: x + dex[i].astype(jnp.float32) for i, x in dmove.items()}
+                    dstay = {i: add_part(x, dex[i].astype(jnp.float32), 0, k0 if i in sliced else 0)
+                             for i, x in dstay.items()}  # fmt: skip
+                    return dq, dkb, dvb, dstay, dmove
                 kf, vf = kb.astype(jnp.float32), vb.astype(jnp.float32)
 
                 def chunk(r0, state):

@@ -72,6 +72,18 @@ class ShardPlan:
     root_spec: PartitionSpec | None  # the original output's spec, when it differs
     ring: tuple | None = None  # mesh axes of a sharded sequence: run as a ring (ring.py)
     site: AttentionSite | None = None  # the site as planned (k/v read before a gather)
+    steps: tuple | None = None  # how the ring runs each step (`ring.plan`)
+
+    def ring_size(self) -> int:
+        """Devices along the ring's mesh axes."""
+        return math.prod(self.mesh.shape[a] for a in self.ring)
+
+    def with_steps(self, site: AttentionSite, kernels, ctx) -> ShardPlan:
+        """This ring with its steps planned (`ring.plan`), ``site`` as planned."""
+        local = localize(self.site or site, self.counts())
+        return dataclasses.replace(
+            self, steps=ring.plan(local.spec, self.ring_size(), True, kernels, ctx)
+        )
 
     @property
     def axis_names(self) -> frozenset:
@@ -436,10 +448,10 @@ def run_site(shard: ShardPlan | None, planned, read, compute):
         for atom, spec in zip(shard.atoms, shard.in_specs, strict=True)
     ]
     if shard.ring is not None:
-        n = math.prod(shard.mesh.shape[a] for a in shard.ring)
+        n = shard.ring_size()
 
         def compute(site, kernel, interpret, read):  # noqa: F811 - the ring replaces the kernel
-            return _ring_output(site, read, shard.ring, n)
+            return _ring_output(site, read, shard.ring, n, steps=shard.steps, interpret=interpret)
 
     out = compat.shard_map(
         lambda *v: compute(local, kernel, interpret, _reader(shard.atoms, v)),
@@ -455,13 +467,24 @@ def run_site(shard: ShardPlan | None, planned, read, compute):
     return out
 
 
-def _ring_output(site: AttentionSite, read, axes: tuple, n: int, q_global: bool = True):
+def _ring_output(
+    site: AttentionSite,
+    read,
+    axes: tuple,
+    n: int,
+    q_global: bool = True,
+    steps=None,
+    interpret: bool = False,
+):
     """The site's output from `ring.ring_attention` over the mesh ``axes``
-    (``n`` devices in all), inside a ``shard_map`` over them."""
+    (``n`` devices in all), inside a ``shard_map`` over them, its steps run
+    as ``steps`` says (`ring.plan`; None: plain JAX)."""
     q, k, v, extras = site.to_kernel(read)
     name = axes[0] if len(axes) == 1 else axes
     with jax.named_scope("flashpass_ring"):
-        out = ring.ring_attention(q, k, v, extras, site.spec, name, n, q_global)
+        out = ring.ring_attention(
+            q, k, v, extras, site.spec, name, n, q_global, steps=steps, interpret=interpret
+        )
     return site.from_kernel(out, read, extras)
 
 

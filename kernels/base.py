@@ -68,8 +68,11 @@ class Kernel:
     #: keep-mask, regenerated from its key (`flashpass.spec.Dropout`).  Selection
     #: skips a kernel without it for a site with dropout, with the reason.
     dropout: ClassVar[bool] = False
-    #: Whether it can run as one step of a ring (context-parallel) attention,
-    #: returning its logsumexp for the merge (no kernel does yet).
+    #: Whether it runs one step of a ring (context-parallel) attention: a
+    #: query block against a visiting K/V block, returning the row statistics
+    #: the ring merges by (`step_forward`), and the block's share of the
+    #: gradients from the global statistics (`step_backward`).  The ring asks
+    #: `check` about each step's own spec (`flashpass.ring_steps`).
     ring_step: ClassVar[bool] = False
 
     def __init_subclass__(cls, **kwargs):
@@ -102,6 +105,42 @@ class Kernel:
     ):
         """Compute the attention output ``[B, H, T, Dv]`` in ``spec.out_dtype``."""
         raise NotImplementedError
+
+    def step_reasons(self, spec: AttentionSpec) -> list[str]:
+        """Why the kernel cannot run ``spec`` as a ring step, beyond `check`
+        (which the ring also asks): limits of its step path alone."""
+        return [] if self.ring_step else [f"{self.name} does not run ring steps"]
+
+    def step_forward(self, spec: AttentionSpec, q, k, v, extras=(), *, interpret: bool = False):
+        """One ring step (kernels declaring `ring_step`): ``(out, m, den)``,
+        the block's normalised output ``[B, H, T, Dv]`` (``spec.out_dtype``,
+        float32 in a ring) and its row max ``m`` and row sum ``den`` of
+        ``exp(s - m)``, each ``[B, H, T]`` float32.  A row every key of which a
+        fill replaced has ``m`` = that fill (the ring then averages them as the
+        original does); one whose keys are all ``-inf`` has ``den`` 0."""
+        raise NotImplementedError(f"{self.name} does not run ring steps")
+
+    def step_backward(
+        self,
+        spec: AttentionSpec,
+        q,
+        k,
+        v,
+        extras,
+        out,
+        m,
+        den,
+        dout,
+        wanted,
+        *,
+        interpret: bool = False,
+    ):
+        """The block's share of the gradients: ``(dq, dk, dv, dextras)`` with
+        the weights ``exp(s - m) / den`` of the *global* statistics ``m`` and
+        ``den`` (``[B, H, T]``, every row's ``den > 0``) and the global output
+        ``out`` (``delta = rowsum(dout * out)``).  ``wanted[i]``: whether
+        ``extras[i]`` (a bias) needs its cotangent (else None)."""
+        raise NotImplementedError(f"{self.name} does not run ring steps")
 
     def platform_reasons(self, ctx: CheckContext) -> list[str]:
         """Shared helper: reject platforms the kernel cannot run on."""

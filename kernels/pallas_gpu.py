@@ -216,6 +216,7 @@ class PallasGpuKernel(Kernel):
     grad = True
     partitionable = False  # a Pallas custom call: XLA runs it replicated
     plain_jax = False
+    ring_step = True  # forward: the kernel's logsumexp; backward: its fused kernels
 
     def __init__(self, *, block_q: int = 128, block_k: int = 128, block_bwd: int = 32):
         """Block sizes (powers of two >= 16): forward query/key blocks and the
@@ -241,13 +242,73 @@ class PallasGpuKernel(Kernel):
         return reasons
 
     def apply(self, spec: AttentionSpec, q, k, v, extras=(), *, interpret: bool = False):
-        reasons = _reasons(spec)
-        self.require(reasons)
+        self.require(_reasons(spec))
+        plan, args, empty = self._inputs(spec, q, k, v, extras)
+        kernel = _kernel(plan, interpret)
+        out = compat.traced_with(kernel, _trace_context(plan.kernel_dtype))(*args)
+        out = _rows(plan, out, spec.q_len)[..., : spec.v_head_dim].astype(spec.out_dtype)
+        return _util.fill_empty_rows(spec, out, v, empty)
+
+    def step_reasons(self, spec: AttentionSpec) -> list[str]:
+        """Ring steps without masks or segment ids: a step whose masks leave a
+        row no key would need the original's fill statistics."""
+        form = _util.linear_form(spec, frozenset({Segments}))
+        if form.masks or form.structured:
+            return ["pallas_gpu runs ring steps without boolean masks or segment ids"]
+        return []
+
+    def step_forward(self, spec: AttentionSpec, q, k, v, extras=(), *, interpret: bool = False):
+        """One ring step: the kernel's output and logsumexp (``m = lse``,
+        ``den = 1``; `Kernel.step_forward`)."""
+        self.require(_reasons(spec) + self.step_reasons(spec))
+        plan, args, _ = self._inputs(spec, q, k, v, extras)
+        kernel = _kernel(plan, interpret, residuals=True)
+        with _trace_context(plan.kernel_dtype)():
+            out, lse = kernel(*args)
+        out = _rows(plan, out, spec.q_len)[..., : spec.v_head_dim].astype(spec.out_dtype)
+        lse = lse[:, :, plan.front : plan.front + spec.q_len]
+        return out, lse, jnp.ones_like(lse)
+
+    def step_backward(
+        self, spec, q, k, v, extras, out, m, den, dout, wanted, *, interpret: bool = False
+    ):
+        """The kernel's fused backward from the global output and logsumexp
+        ``m + log(den)`` (`Kernel.step_backward`)."""
+        self.require(_reasons(spec) + self.step_reasons(spec))
+        plan, args, _ = self._inputs(spec, q, k, v, extras)
+        T, L, kdt = spec.q_len, plan.length, plan.kernel_dtype
+
+        def rows_in(x, value=0.0):  # [B, H, T, ...] -> the kernel's padded rows
+            return _util.pad_axis(x, 2, L, front=plan.front, value=value)
+
+        width = plan.head_dim
+        out_k = rows_in(_util.pad_axis(out.astype(kdt), 3, width))
+        do_k = rows_in(_util.pad_axis(dout.astype(kdt), 3, width))
+        # Padded query rows: lse +inf, so their weights are exactly 0.
+        lse = rows_in(m.astype(jnp.float32) + jnp.log(den.astype(jnp.float32)), jnp.inf)
+        q_k, k_k, v_k, *ids = args
+        res = (*(_btnh(x) for x in (q_k, k_k, v_k)), ids[0] if ids else None)
+        res += (_btnh(out_k), lse)
+        with _trace_context(kdt)():
+            dq, dk, dv, _ = compat.gpu_attention_backward(
+                res, _btnh(do_k), **_call_options(plan, interpret)
+            )
+        dq = _rows(plan, _btnh(dq), T)[..., : spec.head_dim]
+        dk, dv = (_btnh(x)[:, :, : spec.kv_len] for x in (dk, dv))
+        dk, dv = dk[..., : spec.head_dim], dv[..., : spec.v_head_dim]
+        if spec.groups > 1:  # K/V were repeated per query head: sum each group
+            dk, dv = (_group_sum(spec, x) for x in (dk, dv))
+        dtypes = (spec.q_dtype, spec.k_dtype, spec.v_dtype)
+        grads = tuple(x.astype(dt) for x, dt in zip((dq, dk, dv), dtypes, strict=True))
+        return (*grads, tuple(None for _ in extras))
+
+    def _inputs(self, spec: AttentionSpec, q, k, v, extras):
+        """The plan and the kernel's arguments ``[B, H, L, D']`` (and segment
+        ids), and the rows the masks leave no key."""
         plan = self._plan(spec)
         form = plan.form
         kdt = plan.kernel_dtype
-        T, S, L = spec.q_len, spec.kv_len, plan.length
-        v_in = v
+        S, L = spec.kv_len, plan.length
 
         q = q.astype(spec.compute_dtype).astype(kdt)
         k = k.astype(spec.compute_dtype).astype(kdt)
@@ -282,35 +343,51 @@ class PallasGpuKernel(Kernel):
         elif plan.segments:
             ids = (np.arange(L) >= S).astype(np.int32)
             args.append(jnp.asarray(np.broadcast_to(ids, (spec.batch, L))))
+        return plan, args, empty
 
-        ga = compat.gpu_attention_module()
-        block_sizes = ga.BlockSizes(
-            block_q=plan.block_q,
-            block_k=plan.block_k,
-            block_q_dkv=plan.block_bwd,
-            block_kv_dkv=plan.block_bwd,
-            block_q_dq=plan.block_bwd,
-            block_kv_dq=plan.block_bwd,
-        )
-        causal = form.causal_offset is not None
-        scale = form.scale
 
-        def kernel(q, k, v, segment_ids=None):
-            def btnh(x):
-                return jnp.swapaxes(x, 1, 2)
+def _btnh(x):
+    """``[B, H, T, D]`` <-> the kernel's ``[B, T, H, D]``."""
+    return jnp.swapaxes(x, 1, 2)
 
-            out = compat.gpu_attention_module().mha(
-                btnh(q),
-                btnh(k),
-                btnh(v),
-                segment_ids,
-                sm_scale=scale,
-                causal=causal,
-                block_sizes=block_sizes,
-                interpret=interpret,
-            )
-            return btnh(out)
 
-        out = compat.traced_with(kernel, _trace_context(kdt))(*args)
-        out = out[:, :, plan.front : plan.front + T, : spec.v_head_dim].astype(spec.out_dtype)
-        return _util.fill_empty_rows(spec, out, v_in, empty)
+def _rows(plan: _Plan, out, q_len: int):
+    """The real query rows of a kernel output ``[B, H, L, D']``."""
+    return out[:, :, plan.front : plan.front + q_len]
+
+
+def _group_sum(spec: AttentionSpec, x):
+    b, _, s, d = x.shape
+    return x.reshape(b, spec.kv_heads, spec.groups, s, d).sum(axis=2)
+
+
+def _call_options(plan: _Plan, interpret: bool) -> dict:
+    ga = compat.gpu_attention_module()
+    block_sizes = ga.BlockSizes(
+        block_q=plan.block_q,
+        block_k=plan.block_k,
+        block_q_dkv=plan.block_bwd,
+        block_kv_dkv=plan.block_bwd,
+        block_q_dq=plan.block_bwd,
+        block_kv_dq=plan.block_bwd,
+    )
+    causal = plan.form.causal_offset is not None
+    return dict(
+        sm_scale=plan.form.scale, causal=causal, block_sizes=block_sizes, interpret=interpret
+    )
+
+
+def _kernel(plan: _Plan, interpret: bool, residuals: bool = False):
+    """``fn(q, k, v[, segment_ids])`` in the adapter's ``[B, H, L, D']``
+    layout: the kernel's output (and, with ``residuals``, its logsumexp
+    ``[B, H, L]``)."""
+    options = _call_options(plan, interpret)
+
+    def kernel(q, k, v, segment_ids=None):
+        q, k, v = (_btnh(x) for x in (q, k, v))
+        if residuals:
+            out, lse = compat.gpu_attention_with_lse(q, k, v, segment_ids, **options)
+            return _btnh(out), lse
+        return _btnh(compat.gpu_attention_module().mha(q, k, v, segment_ids, **options))
+
+    return kernel

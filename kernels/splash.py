@@ -186,6 +186,21 @@ def _plan(spec: AttentionSpec, max_block: int) -> _Plan:
     )
 
 
+def _static_mask(plan: _Plan):
+    """The plan's static splash mask (window, chunk, causal or full)."""
+    sa = compat.splash_attention_module()
+    shape = (plan.q_len, plan.kv_len)
+    if plan.window is not None:  # the causal mask is folded into its right side
+        static = sa.LocalMask(shape, window_size=plan.window, offset=0)
+    elif plan.chunk is not None:
+        static = compat.splash_chunked_causal_mask(shape, plan.chunk)
+    elif plan.form.causal_offset is None:
+        static = sa.FullMask(shape)
+    else:
+        static = sa.CausalMask(shape, offset=plan.form.causal_offset)
+    return sa.MultiHeadMask([static])
+
+
 def _block_sizes(plan: _Plan):
     sa = compat.splash_attention_module()
     bq, bkv = plan.block_q, plan.block_kv
@@ -216,6 +231,63 @@ class SplashKernel(_util.TpuKernel):
         {"causal", "mask", "key_mask", "softcap", "gqa", "window", "chunk", "segments", "sinks"}
     )
     spec_reasons = staticmethod(_reasons)
+    ring_step = True  # forward: the kernel's logsumexp; backward: its dQ and dK/dV kernels
+
+    def step_reasons(self, spec: AttentionSpec) -> list[str]:
+        """Ring steps with static masks only (causal, window, chunk, full):
+        no boolean mask, segment ids or sinks, which may leave a row no key."""
+        form = _util.linear_form(spec, _STRUCTURED)
+        if form.masks or spec.ops_of(Segments) or spec.sink is not None:
+            return ["splash runs ring steps without boolean masks, segment ids or sinks"]
+        return []
+
+    def step_forward(self, spec: AttentionSpec, q, k, v, extras=(), *, interpret: bool = False):
+        """One ring step: the kernel's output and logsumexp (``m = lse``,
+        ``den = 1``; `Kernel.step_forward`)."""
+        self.require(_reasons(spec) + self.step_reasons(spec))
+        plan = _plan(spec, self.max_block)
+        args, ids = _step_inputs(spec, plan, q, k, v)
+
+        def one(q, k, v):
+            out, (lse,) = _step_kernel(plan, interpret, residuals=True)(q, k, v, ids)
+            return out, lse
+
+        with compat.pallas_tpu_context(False):
+            out, lse = jax.vmap(one)(*args)
+        out = out[:, :, : spec.q_len, : spec.v_head_dim].astype(spec.out_dtype)
+        lse = lse[:, :, : spec.q_len].astype(jnp.float32)
+        return out, lse, jnp.ones_like(lse)
+
+    def step_backward(
+        self, spec, q, k, v, extras, out, m, den, dout, wanted, *, interpret: bool = False
+    ):
+        """The kernel's dQ and dK/dV kernels from the global output and
+        logsumexp ``m + log(den)`` (`Kernel.step_backward`)."""
+        self.require(_reasons(spec) + self.step_reasons(spec))
+        plan = _plan(spec, self.max_block)
+        (q_k, k_k, v_k), ids = _step_inputs(spec, plan, q, k, v)
+        kdt = plan.kernel_dtype
+
+        def rows(x, value=0.0):
+            return _util.pad_axis(x, 2, plan.q_len, value=value)
+
+        out_k = rows(_util.pad_axis(out.astype(kdt), 3, plan.v_head_dim))
+        do_k = rows(_util.pad_axis(dout.astype(kdt), 3, plan.v_head_dim))
+        # Padded query rows: logsumexp +inf, so their weights are exactly 0.
+        lse = rows(m.astype(jnp.float32) + jnp.log(den.astype(jnp.float32)), jnp.inf)
+
+        def one(q, k, v, o, lse, do):
+            kernel = _step_kernel(plan, interpret, residuals=False)
+            return compat.splash_backward(kernel, (q, k, v, ids, o, lse), do)
+
+        with compat.pallas_tpu_context(False):
+            dq, dk, dv = jax.vmap(one)(q_k, k_k, v_k, out_k, lse, do_k)
+        # q entered the kernel scaled by the form's scale.
+        dq = dq[:, :, : spec.q_len, : spec.head_dim].astype(jnp.float32) * plan.form.scale
+        dk = dk[:, :, : spec.kv_len, : spec.head_dim]
+        dv = dv[:, :, : spec.kv_len, : spec.v_head_dim]
+        grads = (dq.astype(spec.q_dtype), dk.astype(spec.k_dtype), dv.astype(spec.v_dtype))
+        return (*grads, tuple(None for _ in extras))
 
     def apply(self, spec: AttentionSpec, q, k, v, extras=(), *, interpret: bool = False):
         self.require(_reasons(spec))
@@ -273,12 +345,10 @@ class SplashKernel(_util.TpuKernel):
             dynamic = _util.pad_axis(keep, 3, plan.kv_len, value=False)
 
         block_sizes = _block_sizes(plan)
-        q_len, kv_len = plan.q_len, plan.kv_len
-        offset = form.causal_offset
+        q_len = plan.q_len
         cap = form.softcap
         has_ids, has_dynamic = kv_ids is not None, dynamic is not None
         has_q_ids = q_ids is not None
-        window, chunk = plan.window, plan.chunk
 
         # Sink logits, one per query head (float32, as the kernel keeps them).
         sinks = None
@@ -290,16 +360,7 @@ class SplashKernel(_util.TpuKernel):
             """Splash attention of one example: [H, T, D] x [Hkv, S, D]."""
             sa = compat.splash_attention_module()
             if mask is None:
-                shape = (q_len, kv_len)
-                if window is not None:  # the causal mask is folded into its right side
-                    static = sa.LocalMask(shape, window_size=window, offset=0)
-                elif chunk is not None:
-                    static = compat.splash_chunked_causal_mask(shape, chunk)
-                elif offset is None:
-                    static = sa.FullMask(shape)
-                else:
-                    static = sa.CausalMask(shape, offset=offset)
-                mask = sa.MultiHeadMask([static])
+                mask = _static_mask(plan)
             segment_ids = None
             if ids is not None:
                 if qids is None:
@@ -338,3 +399,34 @@ class SplashKernel(_util.TpuKernel):
         if sinks is not None:
             return out  # a row with no key weighs the sink only: 0, as the kernel gives
         return _util.fill_empty_rows(spec, out, v_in, empty)
+
+
+def _step_inputs(spec: AttentionSpec, plan: _Plan, q, k, v):
+    """A ring step's kernel inputs ``[B, H, T', D']`` (static masks only) and
+    the segment ids that exclude padded keys (None without padding)."""
+    kdt = plan.kernel_dtype
+    q = q.astype(spec.compute_dtype).astype(jnp.float32) * jnp.float32(plan.form.scale)
+    q = _util.pad_axis(_util.pad_axis(q.astype(kdt), 3, plan.head_dim), 2, plan.q_len)
+    k = k.astype(spec.compute_dtype).astype(kdt)
+    k = _util.pad_axis(_util.pad_axis(k, 3, plan.head_dim), 2, plan.kv_len)
+    v = _util.pad_axis(_util.pad_axis(v.astype(kdt), 3, plan.v_head_dim), 2, plan.kv_len)
+    ids = None
+    if plan.kv_len > spec.kv_len:
+        sa = compat.splash_attention_module()
+        kv = jnp.asarray((np.arange(plan.kv_len) >= spec.kv_len).astype(np.int32))
+        ids = sa.SegmentIds(q=jnp.zeros((plan.q_len,), jnp.int32), kv=kv)
+    return (q, k, v), ids
+
+
+def _step_kernel(plan: _Plan, interpret: bool, residuals: bool):
+    """The splash kernel of a ring step (its static mask; with ``residuals``
+    it also returns its logsumexp)."""
+    return compat.make_splash_kernel(
+        _static_mask(plan),
+        block_sizes=_block_sizes(plan),
+        head_shards=1,
+        q_seq_shards=1,
+        attn_logits_soft_cap=plan.form.softcap,
+        interpret=interpret,
+        save_residuals=residuals,
+    )

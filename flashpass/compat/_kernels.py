@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 
 import jax
 
@@ -176,12 +177,57 @@ def make_splash_kernel(mask, **kwargs):
     return kernel
 
 
+def splash_backward(kernel, res, do):
+    """Splash attention's backward from given residuals ``res = (q, k, v,
+    segment_ids, out, logsumexp)`` of one example (``[H, T, D]``, the natural
+    logsumexp ``[H, T]``) for ``kernel`` (a `make_splash_kernel` result): a
+    ring step passes the global output and logsumexp, so the gradients are the
+    block's share.  JAX's private ``_splash_attention_bwd`` (one signature and
+    residual layout from JAX 0.9 to 0.12): ``(dq, dk, dv)``."""
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
+
+    q, k, v, segment_ids, out, lse = res
+    kw = kernel.kwargs
+    residuals = (q, k, v, segment_ids, None, out, lse, kernel.dq_mask_info, kernel.dkv_mask_info)
+    options = [kw[name] for name in ("mask_value", "is_mqa", "block_sizes")]
+    options += [kw.get(name) for name in ("residual_checkpoint_name", "mask_function")]
+    options += [kw.get("attn_logits_soft_cap"), kw.get("interpret", False)]
+    grads = sk._splash_attention_bwd(False, *options, residuals, do)
+    return grads[3:6]  # (after the three mask infos' None)
+
+
 @functools.cache
 def gpu_attention_module():
     """``jax.experimental.pallas.ops.gpu.attention`` (the Triton flash attention)."""
     from jax.experimental.pallas.ops.gpu import attention
 
     return attention
+
+
+#: The Triton flash attention keeps its logsumexp in base 2 (``m + log2(l)`` of
+#: scores times ``log2(e)``; JAX 0.9 to 0.12): this converts it to natural units.
+_LOG2_E = math.log2(math.e)
+
+
+def gpu_attention_with_lse(q, k, v, segment_ids, **options):
+    """The Triton flash attention's output and its natural logsumexp
+    ``[B, H, T]`` (``mha(..., return_residuals=True)``; layout ``[B, T, H, D]``)."""
+    out, lse = gpu_attention_module().mha(q, k, v, segment_ids, return_residuals=True, **options)
+    return out, lse / _LOG2_E
+
+
+def gpu_attention_backward(res, do, *, sm_scale, causal, block_sizes, interpret):
+    """The Triton flash attention's backward from given residuals ``res =
+    (q, k, v, segment_ids, out, lse)`` (kernel layout ``[B, T, H, D]``, the
+    natural logsumexp ``[B, H, T]``): a ring step passes the global output and
+    logsumexp, so the gradients are the block's share.  JAX's private
+    ``_mha_backward`` (one signature from JAX 0.9 to 0.12): ``(dq, dk, dv, None)``."""
+    backward = gpu_attention_module()._mha_backward
+    *arrays, lse = res
+    # (sm_scale, causal, block_sizes, backward_pass_impl, num_warps, num_stages,
+    #  grid, interpret, debug, return_residuals, res, do)
+    args = (sm_scale, causal, block_sizes, "triton", None, 2, None, interpret, False, False)
+    return backward(*args, (*arrays, lse * _LOG2_E), do)
 
 
 def traced_with(fn, make_context):

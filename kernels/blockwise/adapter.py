@@ -8,7 +8,7 @@ from flashpass.spec import AttentionSpec
 
 from .. import _util
 from ..base import CheckContext, PlainJaxKernel
-from . import decode
+from . import decode, flash
 from .cost import DECODE_BLOCK_K, faster_as_written
 from .decode import decode_reasons, make_decode_plan
 from .flash import attention
@@ -37,11 +37,13 @@ class BlockwiseKernel(PlainJaxKernel):
     default) does so on a single CPU device where `head_loop_pays`.  None of
     these changes results beyond rounding.  Capabilities: every spec, as a
     `PlainJaxKernel`, and exact dropout: each tile's keep-mask is regenerated
-    from the program's key (`flashpass.kernels.dropout`), forward and backward.
+    from the program's key (`flashpass.kernels.dropout`), forward and backward;
+    ring steps (its forward's row statistics, its backward from given ones).
     """
 
     name = "blockwise"
     dropout = True
+    ring_step = True
 
     def __init__(
         self,
@@ -124,9 +126,25 @@ class BlockwiseKernel(PlainJaxKernel):
             block_k = self.block_sizes.block_k or DECODE_BLOCK_K
             plan = make_decode_plan(spec, block_k, bwd_blocks)
             return decode.attention(plan, q, k, v, extras)
+        return attention(self._plans(spec), q, k, v, extras)
+
+    def _plans(self, spec: AttentionSpec) -> Plans:
         fwd = self.plan(spec)
         bwd = make_plan(fwd.spec, *self.blocks(spec, backward=True))
-        return attention(Plans(fwd, bwd if bwd != fwd else fwd, spec), q, k, v, extras)
+        return Plans(fwd, bwd if bwd != fwd else fwd, spec)
+
+    def step_forward(self, spec: AttentionSpec, q, k, v, extras=(), *, interpret: bool = False):
+        """One ring step over the kernel's tiles (`Kernel.step_forward`)."""
+        extras = tuple(extras)
+        _util.check_arrays(self.name, spec, q, k, v, extras)
+        return flash.step_forward(self._plans(spec), q, k, v, extras)
+
+    def step_backward(
+        self, spec, q, k, v, extras, out, m, den, dout, wanted, *, interpret: bool = False
+    ):
+        """A ring step's gradients (`Kernel.step_backward`)."""
+        args = (q, k, v, tuple(extras), out, m, den, dout, wanted)
+        return flash.step_backward(self._plans(spec), *args)
 
     def __repr__(self) -> str:
         bq, bk = (b if b is not None else "auto" for b in (self.block_q, self.block_k))

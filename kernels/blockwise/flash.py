@@ -412,6 +412,27 @@ def _attention_impl(plans: Plans, q, k, v, extras):
     return out, (m[..., : spec.q_len], den[..., : spec.q_len])
 
 
+def step_forward(plans: Plans, q, k, v, extras):
+    """One ring step (`Kernel.step_forward`): the output and the row max and
+    sum, ``[B, H, T]``."""
+    spec = plans.spec
+    out, (m, den) = _attention_impl(plans, q, k, v, extras)
+    rows = (spec.batch, spec.heads, spec.q_len)
+    return out, m.reshape(rows), den.reshape(rows)
+
+
+def step_backward(plans: Plans, q, k, v, extras, out, m, den, dout, wanted):
+    """A ring step's gradients from the global statistics and output
+    (`Kernel.step_backward`): the backward's own recurrence, which recomputes
+    ``p = exp(s - m) / den`` from exactly these."""
+    spec = plans.spec
+    rows = gshape(spec, spec.q_len)
+    args = (q, k, v, extras, out, m.reshape(rows), den.reshape(rows), dout, tuple(wanted))
+    if plans.head_loop:
+        return heads.backward_heads(backward, plans.bwd, spec, *args)
+    return backward(plans.bwd, *args)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def attention(plans, q, k, v, extras):
     return _attention_impl(plans, q, k, v, extras)[0]

@@ -56,22 +56,27 @@ def _full_length_gathers(hlo: str, elements: int) -> int:
     )
 
 
+@pytest.mark.parametrize("kernel", ["reference", "blockwise"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize(
     "mesh_shape, names, spec",
     [((8,), ("seq",), P(None, "seq")), ((2, 4), ("data", "seq"), P("data", "seq"))],
     ids=["seq8", "data2xseq4"],
 )
-def test_sequence_sharded_site_runs_as_a_ring(causal, mesh_shape, names, spec):
+def test_sequence_sharded_site_runs_as_a_ring(causal, mesh_shape, names, spec, kernel):
+    """Every step in the ring's plain JAX (``reference`` declares no ring
+    steps), or every step the blockwise kernel's (``Kernel.ring_step``)."""
     m = mesh(mesh_shape, names)
     shape = (2, 64, 4, 16)
     args = [put(m, spec, normal(i, shape)) for i in range(3)]
     fn = gathering(causal, spec[0])  # (newer JAX: the batch sharding must match q's)
-    opt = flashpass.optimize(fn, kernel="reference")
+    opt = flashpass.optimize(fn, kernel=kernel)
     with jax.set_mesh(m):
         report = opt.explain(*args)
         got, orig = run(opt, args), run(fn, args)
     assert report.kernels == ["ring"] and not report.fallbacks, str(report)
+    steps = {"reference": "plain JAX", "blockwise": "blockwise"}[kernel]
+    assert report.rewrites[0].ring_steps == steps, str(report)
     ref = run(lambda q, k, v: attention(q, k, v, causal), unsharded(args))
     assert_close(got.out, ref.out)
     for g, r in zip(got.grads, ref.grads, strict=True):
@@ -277,10 +282,24 @@ def _key_masked(q, k, v, keep, mask):
     return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1), v)
 
 
+#: The kernels a blockwise ring's steps run per case (`flashpass.ring_steps`):
+#: a window of 12 over blocks of 8 has steps whose lower edge lies above the
+#: diagonal (plain JAX); packed documents with two id arrays may leave a row no
+#: key, so the later blocks a causal mask excludes still run (plain JAX); the
+#: others translate every step.
+BLOCKWISE_STEPS = {
+    "window": "blockwise, plain JAX",
+    "softcap": "blockwise, plain JAX",
+    "sinks": "blockwise, plain JAX",
+    "packed": "blockwise, plain JAX",
+}
+
+
+@pytest.mark.parametrize("kernel", ["reference", "blockwise"])
 @pytest.mark.parametrize(
     "case", ["window", "padded", "sinks", "softcap", "packed", "bias", "masks"]
 )
-def test_windowed_and_padded_rings(case):
+def test_windowed_and_padded_rings(case, kernel):
     """Window masks skip the steps outside the window; kv lengths (a padded
     batch, one row fully padded) are applied per step with the program's fill;
     attention sinks start every row's statistics (their gradient included); a
@@ -330,11 +349,13 @@ def test_windowed_and_padded_rings(case):
             return attend(q, k, v, gathered(rest[0]), rest[1])
         return attend(q, k, v, *rest)
 
-    opt = flashpass.optimize(fn, kernel="reference")
+    opt = flashpass.optimize(fn, kernel=kernel)
     with jax.set_mesh(m):
         report = opt.explain(*args, *extra)
         got = run(opt, [*args, *extra], argnums)
     assert report.kernels == ["ring"], str(report)
+    steps = "plain JAX" if kernel == "reference" else BLOCKWISE_STEPS.get(case, "blockwise")
+    assert report.rewrites[0].ring_steps == steps, str(report)
     ref = run(attend, unsharded([*args, *extra]), argnums)
     assert_close(got.out, ref.out)
     for g, r in zip(got.grads, ref.grads, strict=True):
@@ -594,3 +615,28 @@ def test_steps_run_over_query_chunks(monkeypatch):
     for g, r in zip(chunked.grads, whole.grads, strict=True):
         assert_close(g, r)
     assert temps[1] < temps[0] * 0.75, temps
+
+
+@pytest.mark.parametrize(
+    "platform, kernel", [("tpu", "splash"), ("gpu", "pallas_gpu")], ids=["splash", "pallas_gpu"]
+)
+def test_ring_steps_run_the_platform_kernel(platform, kernel):
+    """Selecting for TPU or GPU, a causal ring's steps run that platform's
+    kernel (here in interpret mode): its logsumexp merges the blocks, its own
+    backward kernels take the global statistics; outputs and gradients match
+    the unsharded original, with collective-permutes and no full-length
+    gather."""
+    m = mesh((4,), ("seq",))
+    shape = (1, 64, 2, 16)
+    args = [put(m, P(None, "seq"), normal(i, shape)) for i in range(3)]
+    opt = flashpass.optimize(gathering(True), kernel=kernel, platform=platform, interpret=True)
+    with jax.set_mesh(m):
+        report = opt.explain(*args)
+        got = run(opt, args)
+    assert report.kernels == ["ring"] and report.rewrites[0].ring_steps == kernel, str(report)
+    ref = run(lambda q, k, v: attention(q, k, v, True), unsharded(args))
+    assert_close(got.out, ref.out)
+    for g, r in zip(got.grads, ref.grads, strict=True):
+        assert_close(g, r)
+    assert _full_length_gathers(got.hlo, math.prod(shape)) == 0
+    assert any(kind == "collective-permute" for kind, _, _ in collectives(got.hlo))

@@ -1,0 +1,183 @@
+"""Which kernel runs each step of a ring (`ring.py`), and with what spec.
+
+On device ``i`` ring step ``s`` attends the local query block to the K/V
+block that started on device ``(i - s) mod n``.  With blocks of equal length
+``L`` (self-attention sharded evenly) the query block then starts
+``d = s * L`` positions after the keys on devices ``i >= s`` (the block's own
+case) and ``d = (s - n) * L`` on devices ``i < s`` (the wrapped case): within
+one case ``d`` is the same on every device, so the position masks translate
+into a static spec of the step in local positions, which a kernel declaring
+`Kernel.ring_step` runs (`Kernel.step_forward`, `Kernel.step_backward`).  A
+causal mask at ``d`` keeps keys ``c <= r + d + offset``: the diagonal block
+is causal, the earlier blocks are whole, the wrapped ones excluded (skipped).
+
+A case whose masks depend on the device beyond ``d`` (chunk and prefix
+masks), or translate into a band no kernel spec states (a window's lower
+edge above the diagonal, a causal edge below it), dropout (its keep-mask is
+drawn at global positions), and every case of a ring whose blocks differ in
+length or whose queries are local (inside the user's ``shard_map``) run the
+ring's own plain-JAX step, which takes every op.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from flashpass.kernels.base import CheckContext, Kernel
+
+from .spec import (
+    AttentionSpec,
+    Bias,
+    Causal,
+    Dropout,
+    ExtraSpec,
+    KvLengths,
+    Mask,
+    Scale,
+    Segments,
+    Sink,
+    Softcap,
+    Window,
+)
+
+#: Score ops a kernel step takes as they are (bias and mask arrays sliced to
+#: the visiting block, kv lengths shifted to it).
+_AS_THEY_ARE = (Scale, Softcap, Bias, Mask, KvLengths, Segments)
+
+#: What the step runs when no kernel takes it: the ring's own plain-JAX step.
+PLAIN = "plain JAX"
+
+
+@dataclasses.dataclass(frozen=True)
+class StepCase:
+    """How the devices of one case of a ring step run it.
+
+    ``skip``: the position masks exclude every key of the visiting block (and
+    the ring may skip such blocks); else ``kernel`` runs ``spec`` (the step in
+    local positions), or, when ``kernel`` is None, the ring's plain-JAX step
+    does (``why``: the reason)."""
+
+    skip: bool = False
+    kernel: Kernel | None = None
+    spec: AttentionSpec | None = None
+    why: str = ""
+
+
+def local_ops(spec: AttentionSpec, d: int):
+    """The score ops of a step whose query block starts ``d`` positions after
+    its key block, in local positions: a tuple, ``"excluded"`` when they
+    exclude every key, or a string saying why no static spec states them."""
+    t, s = spec.q_len, spec.kv_len
+    ops = []
+    for op in spec.score_ops:
+        if isinstance(op, Sink):
+            continue  # the ring's statistics start from the sink logit, once
+        if isinstance(op, Segments):
+            ops.append(dataclasses.replace(op, same=op.same and d == 0))
+        elif isinstance(op, Bias | Mask):
+            ops.append(dataclasses.replace(op, shape=_step_shape(op.shape, t, s)))
+        elif isinstance(op, _AS_THEY_ARE):
+            ops.append(op)
+        elif isinstance(op, Causal):
+            edge = d + op.offset  # keys c <= r + edge
+            if edge < -(t - 1):
+                return "excluded"
+            if edge < s - 1:
+                if edge < 0:
+                    return "a causal edge below the diagonal"
+                ops.append(Causal(edge, op.fill))
+        elif isinstance(op, Window):
+            upper = None if op.right is None else d + op.right
+            lower = d - op.left  # keys c >= r + lower
+            if (upper is not None and upper < -(t - 1)) or lower > s - 1:
+                return "excluded"
+            if upper is not None and upper >= s - 1:
+                upper = None
+            if lower > 0 or (upper is not None and upper < 0):
+                return "a window edge off the diagonal's side"
+            if lower > -(t - 1) or upper is not None:
+                ops.append(Window(-lower, upper, op.fill))
+        elif isinstance(op, Dropout):
+            return "dropout (its keep-mask is drawn at global positions)"
+        else:
+            return f"{type(op).__name__} masks depend on the device's position"
+    return tuple(ops)
+
+
+def _step_shape(shape, t: int, s: int) -> tuple:
+    b, h, rows, cols = shape
+    return (b, h, t if rows > 1 else 1, s if cols > 1 else 1)
+
+
+def step_spec(spec: AttentionSpec, ops: tuple) -> AttentionSpec:
+    """``spec``'s step with score ops ``ops``: extras sized to the blocks, the
+    output in float32 (the ring merges partial outputs in float32)."""
+    extras = tuple(
+        ExtraSpec(_step_shape(e.shape, spec.q_len, spec.kv_len), e.dtype)
+        if len(e.shape) == 4
+        else e
+        for e in spec.extras
+    )
+    return dataclasses.replace(spec, score_ops=ops, extras=extras, out_dtype="float32")
+
+
+def plan_steps(
+    spec: AttentionSpec,
+    n: int,
+    q_global: bool,
+    skippable: bool,
+    kernels: list[Kernel],
+    ctx: CheckContext | None,
+) -> tuple[tuple[StepCase, ...], ...]:
+    """Per ring step, its cases ``(own, wrapped)`` (step 0: ``(own,)``).
+
+    ``skippable``: the ring may skip a block the masks exclude (no kv lengths
+    or boolean masks that would leave a row with no key at all).  ``kernels``
+    are tried in order for each case (those declaring `Kernel.ring_step`,
+    accepted by their ``check``)."""
+    steppers = [k for k in kernels if k.ring_step]
+    steps = []
+    for step in range(n):
+        cases = []
+        for d in (step * spec.kv_len,) + (((step - n) * spec.kv_len,) if step else ()):
+            cases.append(_case(spec, d, q_global, skippable, steppers, ctx))
+        steps.append(tuple(cases))
+    return tuple(steps)
+
+
+def _case(spec, d, q_global, skippable, steppers, ctx) -> StepCase:
+    if not q_global:
+        return StepCase(why="the queries are local (inside the user's shard_map)")
+    if spec.q_len != spec.kv_len:
+        return StepCase(why="query and key blocks differ in length")
+    ops = local_ops(spec, d)
+    if ops == "excluded":
+        if skippable:
+            return StepCase(skip=True)
+        return StepCase(why="a block the masks exclude that a row may still need")
+    if isinstance(ops, str):
+        return StepCase(why=ops)
+    if not steppers or ctx is None:
+        return StepCase(why="no kernel declares ring steps here")
+    local = step_spec(spec, ops)
+    why = []
+    for kernel in steppers:
+        reasons = list(kernel.check(local, ctx)) + list(kernel.step_reasons(local))
+        if not reasons:
+            return StepCase(kernel=kernel, spec=local)
+        why.append(f"{kernel.name}: {'; '.join(reasons)}")
+    return StepCase(why=" | ".join(why))
+
+
+def describe(steps) -> str:
+    """The kernels the ring's steps run, e.g. ``"blockwise"`` or
+    ``"blockwise, plain JAX"`` (skipped blocks not counted)."""
+    names = []
+    for cases in steps:
+        for case in cases:
+            if case.skip:
+                continue
+            name = case.kernel.name if case.kernel is not None else PLAIN
+            if name not in names:
+                names.append(name)
+    return ", ".join(names) or "none (every block skipped)"
