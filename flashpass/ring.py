@@ -32,7 +32,7 @@ soft-caps (the backward differentiates the elementwise score ops, biases
 included, with ``jax.vjp``); attention sinks (the row statistics start from
 the sink logit, as in the blockwise kernel); grouped-query attention;
 dropout (the program's keep-mask regenerated from its key at global
-positions, on sequence-sharded sites whose batch and heads are whole).
+positions: batch and head indices too, `ShardedIndex`).
 `unsupported` names any other op.
 
 Each step runs a kernel that declares `Kernel.ring_step` where the step's
@@ -47,7 +47,9 @@ step's memory does not grow with the blocks.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -134,6 +136,7 @@ def ring_attention(
     q_global: bool = True,
     steps=None,
     interpret: bool = False,
+    sharded_index=None,
 ):
     """Attention of local blocks ``q [B,H,T/n,D]``, ``k``/``v [B,Hkv,S/n,D]``
     inside ``shard_map`` over ``axis_name`` (``axis_size`` devices); ``extras``
@@ -145,10 +148,14 @@ def ring_attention(
     (the sequence-sharded site); else at the local ones, as code inside the
     user's ``shard_map`` wrote them (keys are global either way).
     ``steps``: `plan`'s answer (None: every step in plain JAX); ``interpret``
-    runs Pallas step kernels in interpret mode."""
+    runs Pallas step kernels in interpret mode.  ``sharded_index``: how the
+    local batch and head indices map to the global ones where the site is
+    sharded along them too (`ShardedIndex`; dropout draws its keep-mask at
+    global positions)."""
     if steps is None:
         steps = plan(spec, axis_size, q_global, [], None)
-    ring = _ring(spec, axis_name, axis_size, q_global, ROW_CHUNK_SCORES, steps, interpret)
+    args = (ROW_CHUNK_SCORES, steps, interpret, sharded_index)
+    ring = _ring(spec, axis_name, axis_size, q_global, *args)
     return ring(q, k, v, tuple(extras))
 
 
@@ -160,8 +167,41 @@ def chunk_rows(spec: AttentionSpec, budget: int) -> int:
     return max(fits, default=1)
 
 
+@dataclasses.dataclass(frozen=True)
+class ShardedIndex:
+    """The global canonical batch and head indices of a device's local ones.
+
+    ``batch`` and ``heads`` list the digits of each canonical axis, most
+    significant first: ``(local size, mesh axes, shards)`` of each role it
+    is made of (``mesh axes`` empty where the role is whole)."""
+
+    batch: tuple
+    heads: tuple
+
+    def of(self, digits, local):
+        """Global indices of the local index array ``local``."""
+        out = jnp.zeros_like(local)
+        stride = math.prod(size for size, _, _ in digits)
+        for size, axes, shards in digits:
+            stride //= size
+            d = (local // stride) % size
+            if axes:
+                d = d + lax.axis_index(axes[0] if len(axes) == 1 else axes) * size
+            out = out * (size * shards) + d
+        return out
+
+
 @functools.lru_cache(maxsize=64)
-def _ring(spec: AttentionSpec, axis_name, n: int, q_global: bool, budget: int, steps, interpret):
+def _ring(
+    spec: AttentionSpec,
+    axis_name,
+    n: int,
+    q_global: bool,
+    budget: int,
+    steps,
+    interpret,
+    sharded_index,
+):
     g = spec.groups
     perm = [(i, (i + 1) % n) for i in range(n)]
     rows = chunk_rows(spec, budget)
@@ -293,13 +333,16 @@ def _ring(spec: AttentionSpec, axis_name, n: int, q_global: bool, budget: int, s
     def keep_of(w, q0, k0, extras):
         """The program's keep-mask of weights ``w [B, Hkv, G, t, s]`` (rows at
         ``q0``, keys at ``k0``), regenerated at global positions (batch and
-        heads are whole: `sharding` keeps a dropout ring to the sequence), or
-        None without dropout."""
+        heads too, `ShardedIndex`), or None without dropout."""
         op = spec.dropout
         if op is None:
             return None
-        b = jnp.arange(spec.batch)[:, None, None, None, None]
-        h = (jnp.arange(spec.kv_heads)[:, None] * g + jnp.arange(g))[None, :, :, None, None]
+        b = jnp.arange(spec.batch)
+        h = jnp.arange(spec.kv_heads)[:, None] * g + jnp.arange(g)
+        if sharded_index is not None:  # the global indices of the local ones
+            b = sharded_index.of(sharded_index.batch, b)
+            h = sharded_index.of(sharded_index.heads, h)
+        b, h = b[:, None, None, None, None], h[None, :, :, None, None]
         t = q0 + jnp.arange(w.shape[-2])[:, None]
         s = k0 + jnp.arange(w.shape[-1])[None, :]
         return keep_mask(op, extras[op.index], b, h, t, s)

@@ -78,6 +78,22 @@ class ShardPlan:
         """Devices along the ring's mesh axes."""
         return math.prod(self.mesh.shape[a] for a in self.ring)
 
+    def sharded_index(self, local: AttentionSite):
+        """How a ring's local batch and head indices map to global ones
+        (`ring.ShardedIndex`), or None when batch and heads are whole."""
+        b, h, _ = local.layout.groups
+        counts = self.counts()
+        if not any(r in self.axes for r in (*b, *h)):
+            return None
+
+        def digits(roles):
+            return tuple(
+                (local.layout.sizes[r], tuple(self.axes.get(r, ())), counts.get(r, 1))
+                for r in roles
+            )
+
+        return ring.ShardedIndex(digits(b), digits(h))
+
     def with_steps(self, site: AttentionSite, kernels, ctx) -> ShardPlan:
         """This ring with its steps planned (`ring.plan`), ``site`` as planned."""
         local = localize(self.site or site, self.counts())
@@ -355,12 +371,6 @@ def _ring_axes(site: AttentionSite, axes: dict) -> tuple | str:
     problem = ring.unsupported(site.spec)
     if problem is not None:
         return f"sequence-sharded over mesh axis {'x'.join(t)}: {problem}; kept as written"
-    if site.spec.dropout is not None and set(axes) - {"T", "S"}:
-        return (
-            f"sequence-sharded over mesh axis {'x'.join(t)} with dropout while batch or heads "
-            "are sharded too: the ring regenerates the keep-mask at global positions from "
-            "whole batch and heads only; kept as written"
-        )
     return t
 
 
@@ -450,8 +460,11 @@ def run_site(shard: ShardPlan | None, planned, read, compute):
     if shard.ring is not None:
         n = shard.ring_size()
 
+        index = shard.sharded_index(local)
+
         def compute(site, kernel, interpret, read):  # noqa: F811 - the ring replaces the kernel
-            return _ring_output(site, read, shard.ring, n, steps=shard.steps, interpret=interpret)
+            options = dict(steps=shard.steps, interpret=interpret, sharded_index=index)
+            return _ring_output(site, read, shard.ring, n, **options)
 
     out = compat.shard_map(
         lambda *v: compute(local, kernel, interpret, _reader(shard.atoms, v)),
@@ -475,16 +488,16 @@ def _ring_output(
     q_global: bool = True,
     steps=None,
     interpret: bool = False,
+    sharded_index=None,
 ):
     """The site's output from `ring.ring_attention` over the mesh ``axes``
     (``n`` devices in all), inside a ``shard_map`` over them, its steps run
     as ``steps`` says (`ring.plan`; None: plain JAX)."""
     q, k, v, extras = site.to_kernel(read)
     name = axes[0] if len(axes) == 1 else axes
+    options = dict(steps=steps, interpret=interpret, sharded_index=sharded_index)
     with jax.named_scope("flashpass_ring"):
-        out = ring.ring_attention(
-            q, k, v, extras, site.spec, name, n, q_global, steps=steps, interpret=interpret
-        )
+        out = ring.ring_attention(q, k, v, extras, site.spec, name, n, q_global, **options)
     return site.from_kernel(out, read, extras)
 
 
