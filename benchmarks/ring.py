@@ -29,7 +29,11 @@ instead: k and v gathered there with ``lax.all_gather``, the causal mask on
 ``--no-gather`` leaves out the all-gather program (it needs O(T·S/n) memory per device).
 ``--plain-steps`` adds ``ring/plain``: the ring with every step in its own plain JAX
 (``kernel="reference"``, which declares no ring steps) beside ``ring``, whose steps
-run the blockwise kernel (`Kernel.ring_step`).
+run the blockwise kernel (`Kernel.ring_step`).  ``--contiguous`` adds ``ring/contig``:
+the causal ring in the user's contiguous order (`flashpass.zigzag.ENABLED` off) beside
+``ring``, load-balanced in zig-zag order; on simulated devices both do the same total
+work, and the slowest device's work per ring, which bounds a real ring's time, is
+printed as computed from the schedule (`zigzag.critical_path`).
 """
 
 from __future__ import annotations
@@ -53,6 +57,7 @@ def main(argv=None):
     parser.add_argument("--no-gather", action="store_true", help="time the ring only")
     parser.add_argument("--chunk-scores", type=int, nargs="+", default=None)
     parser.add_argument("--plain-steps", action="store_true", help="also the plain-JAX steps")
+    parser.add_argument("--contiguous", action="store_true", help="also the unbalanced ring")
     args = parser.parse_args(argv)
     os.environ["XLA_FLAGS"] = (
         os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={args.devices}"
@@ -67,7 +72,7 @@ def main(argv=None):
 
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
     import flashpass
-    from flashpass import ring
+    from flashpass import ring, zigzag
 
     def attention(q, k, v):
         s = jnp.einsum("bqhd,bkhd->bhqk", q, k) / jnp.sqrt(q.shape[-1]).astype(q.dtype)
@@ -106,18 +111,22 @@ def main(argv=None):
             spec = P(None, "seq")
             constrained = jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec)
 
-        programs = [] if args.no_gather else [("gather", constrained, None)]
+        programs = [] if args.no_gather else [("gather", constrained, None, True)]
         for budget in args.chunk_scores or [ring.ROW_CHUNK_SCORES]:
             name = "ring" if args.chunk_scores is None else f"ring/{budget}"
-            programs.append((name, flashpass.optimize(constrained, kernel="blockwise"), budget))
+            opt = flashpass.optimize(constrained, kernel="blockwise")
+            programs.append((name, opt, budget, True))
         if args.plain_steps:
-            programs.append(
-                ("ring/plain", flashpass.optimize(constrained, kernel="reference"), None)
-            )
+            opt = flashpass.optimize(constrained, kernel="reference")
+            programs.append(("ring/plain", opt, None, True))
+        if args.contiguous:
+            opt = flashpass.optimize(constrained, kernel="blockwise")
+            programs.append(("ring/contig", opt, None, False))
         rows = {}
-        for name, fn, budget in programs:
+        for name, fn, budget, balanced in programs:
             if budget is not None:
                 ring.ROW_CHUNK_SCORES = budget
+            zigzag.ENABLED = balanced
             step = jax.jit(jax.grad(lambda *a, f=fn: jnp.sum(f(*a)), argnums=(0, 1, 2)))
             compiled = step.lower(*qkv).compile()
             hlo = compiled.as_text()
@@ -138,6 +147,14 @@ def main(argv=None):
         if "gather" in rows and "ring" in rows:
             g, r = rows["gather"], rows["ring"]
             print(f"{n:>6}   ratio  memory ring/gather {r[0] / g[0]:.3f}, time {r[3] / g[3]:.2f}")
+        if "ring/contig" in rows and "ring" in rows:
+            c, r = rows["ring/contig"], rows["ring"]
+            print(
+                f"{n:>6}   ratio  zig-zag/contiguous: memory {r[0] / c[0]:.3f}, time "
+                f"{r[3] / c[3]:.2f}; slowest device's score blocks (computed): "
+                f"{zigzag.critical_path(args.devices, True):g} vs "
+                f"{zigzag.critical_path(args.devices, False):g}"
+            )
         if "ring/plain" in rows and "ring" in rows:
             p, r = rows["ring/plain"], rows["ring"]
             print(

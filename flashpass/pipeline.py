@@ -305,6 +305,9 @@ def _rewrite_entry(p: PlannedSite, scope_name: str, shard=None) -> Rewrite:
     if ring:  # a ring inside the user's shard_map runs plain JAX steps (local queries)
         steps = getattr(shard, "steps", None)
         ring_steps = ring_plan.describe(steps) if steps is not None else ring_plan.PLAIN
+        balanced = getattr(shard, "zigzag", None)
+        if balanced is not None:  # load-balanced: every block the zig-zag kernel's
+            ring_steps = f"{balanced.kernel.name}, zig-zag"
     # Name each structured descriptor (e.g. "causal+window"), so a site the
     # kernel runs as an O(T) descriptor is told apart from a dense mask.
     words = {Causal: "causal", Window: "window", Chunk: "chunk", Prefix: "prefix"}

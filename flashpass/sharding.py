@@ -48,7 +48,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from flashpass.patterns.regroup import Merged
 from flashpass.spec import Bias, Mask
 
-from . import compat, errors, ring
+from . import compat, errors, ring, zigzag
 from .graph import Const
 from .site import AttentionSite, Layout
 
@@ -73,6 +73,7 @@ class ShardPlan:
     ring: tuple | None = None  # mesh axes of a sharded sequence: run as a ring (ring.py)
     site: AttentionSite | None = None  # the site as planned (k/v read before a gather)
     steps: tuple | None = None  # how the ring runs each step (`ring.plan`)
+    zigzag: Any = None  # a load-balanced causal ring's plan (`zigzag.plan`), else None
 
     def ring_size(self) -> int:
         """Devices along the ring's mesh axes."""
@@ -95,11 +96,13 @@ class ShardPlan:
         return ring.ShardedIndex(digits(b), digits(h))
 
     def with_steps(self, site: AttentionSite, kernels, ctx) -> ShardPlan:
-        """This ring with its steps planned (`ring.plan`), ``site`` as planned."""
+        """This ring with its steps planned (`ring.plan`) and, for a causal
+        ring that can be, its load balancing (`zigzag.plan`); ``site`` as planned."""
         local = localize(self.site or site, self.counts())
-        return dataclasses.replace(
-            self, steps=ring.plan(local.spec, self.ring_size(), True, kernels, ctx)
-        )
+        n = self.ring_size()
+        steps = ring.plan(local.spec, n, True, kernels, ctx)
+        balanced = zigzag.plan(local.spec, n, True, kernels, ctx)
+        return dataclasses.replace(self, steps=steps, zigzag=balanced)
 
     @property
     def axis_names(self) -> frozenset:
@@ -464,7 +467,7 @@ def run_site(shard: ShardPlan | None, planned, read, compute):
 
         def compute(site, kernel, interpret, read):  # noqa: F811 - the ring replaces the kernel
             options = dict(steps=shard.steps, interpret=interpret, sharded_index=index)
-            return _ring_output(site, read, shard.ring, n, **options)
+            return _ring_output(site, read, shard.ring, n, zz=shard.zigzag, **options)
 
     out = compat.shard_map(
         lambda *v: compute(local, kernel, interpret, _reader(shard.atoms, v)),
@@ -489,15 +492,20 @@ def _ring_output(
     steps=None,
     interpret: bool = False,
     sharded_index=None,
+    zz=None,
 ):
     """The site's output from `ring.ring_attention` over the mesh ``axes``
     (``n`` devices in all), inside a ``shard_map`` over them, its steps run
-    as ``steps`` says (`ring.plan`; None: plain JAX)."""
+    as ``steps`` says (`ring.plan`; None: plain JAX), or from
+    `zigzag.zigzag_attention` with a `zigzag.Zigzag` plan ``zz``."""
     q, k, v, extras = site.to_kernel(read)
     name = axes[0] if len(axes) == 1 else axes
     options = dict(steps=steps, interpret=interpret, sharded_index=sharded_index)
     with jax.named_scope("flashpass_ring"):
-        out = ring.ring_attention(q, k, v, extras, site.spec, name, n, q_global, **options)
+        if zz is not None:
+            out = zigzag.zigzag_attention(q, k, v, site.spec, name, n, zz, interpret)
+        else:
+            out = ring.ring_attention(q, k, v, extras, site.spec, name, n, q_global, **options)
     return site.from_kernel(out, read, extras)
 
 

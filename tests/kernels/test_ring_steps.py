@@ -210,3 +210,37 @@ def test_plan_steps_per_case():
     # An excluded block that a row may still need (kv lengths) is not skipped.
     kept = ring_steps.plan_steps(spec, 2, True, False, [blockwise], ctx)
     assert not kept[1][1].skip and kept[1][1].kernel is None
+
+
+def test_zigzag_plan_and_its_reasons():
+    """A causal ring is balanced (`flashpass.zigzag`) with four static block
+    specs one kernel takes; other rings keep the contiguous order, saying why."""
+    from flashpass import zigzag
+
+    blockwise = BlockwiseKernel()
+    ctx = CheckContext("cpu", explicit=True)
+    spec = spec_of(t=L, ops=[Scale(0.25), Softcap(5.0), Causal(0, -1e9)])
+    zz = zigzag.plan(spec, 4, True, [blockwise], ctx)
+    c = L // 2
+    assert zz is not None and zz.kernel is blockwise
+    shapes = [(s.q_len, s.kv_len, s.causal) for s in (zz.diag, zz.diag_hi, zz.own, zz.wrapped)]
+    assert shapes == [
+        (c, c, Causal(0, -1e9)),
+        (c, 2 * c, Causal(c, -1e9)),
+        (2 * c, c, None),
+        (c, 2 * c, None),
+    ]
+    assert zz.own.score_ops == (Scale(0.25), Softcap(5.0))  # the other ops, in order
+    assert zigzag.plan(spec, 4, True, [], ctx) is None  # no kernel with ring steps
+    assert zigzag.plan(spec, 4, False, [blockwise], ctx) is None
+    cases = {
+        "local": (spec, False),
+        "one length": (spec_of(t=L, s=2 * L, ops=[Causal(0, -1e9)]), True),
+        "odd": (spec_of(t=L + 1, ops=[Causal(0, -1e9)]), True),
+        "only a causal": (spec_of(t=L, ops=[Window(8, 0, -1e9)]), True),
+        "offset": (spec_of(t=L, ops=[Causal(2, -1e9)]), True),
+        "full": (spec_of(t=L, ops=[Scale(0.25)]), True),
+    }
+    for name, (s, q_global) in cases.items():
+        assert zigzag.reason(s, 4, q_global) is not None, name
+    assert zigzag.reason(spec, 4, True) is None

@@ -65,7 +65,8 @@ def _full_length_gathers(hlo: str, elements: int) -> int:
 )
 def test_sequence_sharded_site_runs_as_a_ring(causal, mesh_shape, names, spec, kernel):
     """Every step in the ring's plain JAX (``reference`` declares no ring
-    steps), or every step the blockwise kernel's (``Kernel.ring_step``)."""
+    steps), or every step the blockwise kernel's (``Kernel.ring_step``); a
+    causal ring with kernel steps is load-balanced (`flashpass.zigzag`)."""
     m = mesh(mesh_shape, names)
     shape = (2, 64, 4, 16)
     args = [put(m, spec, normal(i, shape)) for i in range(3)]
@@ -76,6 +77,7 @@ def test_sequence_sharded_site_runs_as_a_ring(causal, mesh_shape, names, spec, k
         got, orig = run(opt, args), run(fn, args)
     assert report.kernels == ["ring"] and not report.fallbacks, str(report)
     steps = {"reference": "plain JAX", "blockwise": "blockwise"}[kernel]
+    steps += ", zig-zag" if causal and kernel == "blockwise" else ""
     assert report.rewrites[0].ring_steps == steps, str(report)
     ref = run(lambda q, k, v: attention(q, k, v, causal), unsharded(args))
     assert_close(got.out, ref.out)
@@ -358,12 +360,17 @@ def test_windowed_and_padded_rings(case, kernel):
     assert any(kind == "collective-permute" for kind, _, _ in collectives(got.hlo))
 
 
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_ring_training_step(causal):
+@pytest.mark.parametrize(
+    "causal, kernel",
+    [(False, "reference"), (True, "reference"), (True, "blockwise")],
+    ids=["full", "causal", "causal-zigzag"],
+)
+def test_ring_training_step(causal, kernel):
     """A train step over a sequence-sharded site: the ring reads k/v before the
     program's gather, so the backward is proven again with those reads (the gathers
     join the forward, their transposes the backward) and the whole step runs as a
-    ring: same loss and gradients, no full-length all-gather left."""
+    ring (with blockwise steps: the load-balanced zig-zag ring): same loss and
+    gradients, no full-length all-gather left."""
     m = mesh((8,), ("seq",))
     shape = (1, 64, 2, 16)
     args = [put(m, P(None, "seq"), normal(i, shape)) for i in range(3)]
@@ -372,7 +379,7 @@ def test_ring_training_step(causal):
     def step(q, k, v):
         return jax.value_and_grad(lambda *a: jnp.sum(fn(*a) ** 2), argnums=(0, 1, 2))(q, k, v)
 
-    opt = flashpass.optimize(step, kernel="reference")
+    opt = flashpass.optimize(step, kernel=kernel)
     with jax.set_mesh(m):
         report = opt.explain(*args)
         got, want = jax.jit(opt)(*args), jax.jit(step)(*args)
@@ -612,15 +619,21 @@ def test_steps_run_over_query_chunks(monkeypatch):
     assert temps[1] < temps[0] * 0.75, temps
 
 
+@pytest.mark.parametrize("balanced", [True, False], ids=["zigzag", "contiguous"])
 @pytest.mark.parametrize(
     "platform, kernel", [("tpu", "splash"), ("gpu", "pallas_gpu")], ids=["splash", "pallas_gpu"]
 )
-def test_ring_steps_run_the_platform_kernel(platform, kernel):
-    """Selecting for TPU or GPU, a causal ring's steps run that platform's
-    kernel (here in interpret mode): its logsumexp merges the blocks, its own
-    backward kernels take the global statistics; outputs and gradients match
-    the unsharded original, with collective-permutes and no full-length
-    gather."""
+def test_ring_steps_run_the_platform_kernel(platform, kernel, balanced, monkeypatch):
+    """Selecting for TPU or GPU, a causal ring's blocks run that platform's
+    kernel (here in interpret mode), load-balanced (zig-zag) or, with the
+    balancing switched off here, in the contiguous order: its logsumexp merges
+    the blocks, its own backward kernels take the global statistics; outputs
+    and gradients match the unsharded original, with collective-permutes and
+    no full-length gather."""
+    from flashpass import zigzag
+
+    if not balanced:
+        monkeypatch.setattr(zigzag, "ENABLED", False)
     m = mesh((4,), ("seq",))
     shape = (1, 64, 2, 16)
     args = [put(m, P(None, "seq"), normal(i, shape)) for i in range(3)]
@@ -628,7 +641,8 @@ def test_ring_steps_run_the_platform_kernel(platform, kernel):
     with jax.set_mesh(m):
         report = opt.explain(*args)
         got = run(opt, args)
-    assert report.kernels == ["ring"] and report.rewrites[0].ring_steps == kernel, str(report)
+    steps = kernel + (", zig-zag" if balanced else "")
+    assert report.kernels == ["ring"] and report.rewrites[0].ring_steps == steps, str(report)
     ref = run(lambda q, k, v: attention(q, k, v, True), unsharded(args))
     assert_close(got.out, ref.out)
     for g, r in zip(got.grads, ref.grads, strict=True):
