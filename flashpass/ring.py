@@ -385,8 +385,10 @@ def _ring(
         the visiting block (the bias, mask and id arrays are already its)."""
         out = list(here)
         for i in {op.index for op in case.spec.ops_of(KvLengths)}:
-            out[i] = here[i] - k0.astype(here[i].dtype)
+            out[i] = ring_steps.shifted_lengths(here[i], k0, length_bound)
         return tuple(out)
+
+    length_bound = spec.kv_len * n + max((abs(op.shift) for op in lengths), default=0) + 1
 
     def stats5(x):  # [B, H, T] -> [B, Hkv, G, T]
         return x.reshape(spec.batch, spec.kv_heads, g, -1)

@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax.numpy as jnp
+
 from flashpass.kernels.base import CheckContext, Kernel
 
 from .spec import (
@@ -68,7 +70,7 @@ def local_ops(spec: AttentionSpec, d: int):
     its key block, in local positions: a tuple, ``"excluded"`` when they
     exclude every key, or a string saying why no static spec states them."""
     t, s = spec.q_len, spec.kv_len
-    ops = []
+    ops, why = [], None  # (an op that excludes the block wins over one not stated)
     for op in spec.score_ops:
         if isinstance(op, Sink):
             continue  # the ring's statistics start from the sink logit, once
@@ -84,7 +86,7 @@ def local_ops(spec: AttentionSpec, d: int):
                 return "excluded"
             if edge < s - 1:
                 if edge < 0:
-                    return "a causal edge below the diagonal"
+                    why = why or "a causal edge below the diagonal"
                 ops.append(Causal(edge, op.fill))
         elif isinstance(op, Window):
             upper = None if op.right is None else d + op.right
@@ -94,14 +96,14 @@ def local_ops(spec: AttentionSpec, d: int):
             if upper is not None and upper >= s - 1:
                 upper = None
             if lower > 0 or (upper is not None and upper < 0):
-                return "a window edge off the diagonal's side"
-            if lower > -(t - 1) or upper is not None:
+                why = why or "a window edge off the diagonal's side"
+            elif lower > -(t - 1) or upper is not None:
                 ops.append(Window(-lower, upper, op.fill))
         elif isinstance(op, Dropout):
-            return "dropout (its keep-mask is drawn at global positions)"
+            why = why or "dropout (its keep-mask is drawn at global positions)"
         else:
-            return f"{type(op).__name__} masks depend on the device's position"
-    return tuple(ops)
+            why = why or f"{type(op).__name__} masks depend on the device's position"
+    return why or tuple(ops)
 
 
 def _step_shape(shape, t: int, s: int) -> tuple:
@@ -110,13 +112,18 @@ def _step_shape(shape, t: int, s: int) -> tuple:
 
 
 def step_spec(spec: AttentionSpec, ops: tuple) -> AttentionSpec:
-    """``spec``'s step with score ops ``ops``: extras sized to the blocks, the
+    """``spec``'s step with score ops ``ops``: extras sized to the blocks, kv
+    lengths int32 (the ring shifts them to the block, `shifted_lengths`), the
     output in float32 (the ring merges partial outputs in float32)."""
+    lengths = {op.index for op in ops if isinstance(op, KvLengths)}
     extras = tuple(
-        ExtraSpec(_step_shape(e.shape, spec.q_len, spec.kv_len), e.dtype)
+        ExtraSpec(
+            _step_shape(e.shape, spec.q_len, spec.kv_len),
+            "int32" if i in lengths else e.dtype,
+        )
         if len(e.shape) == 4
         else e
-        for e in spec.extras
+        for i, e in enumerate(spec.extras)
     )
     return dataclasses.replace(spec, score_ops=ops, extras=extras, out_dtype="float32")
 
@@ -135,7 +142,7 @@ def plan_steps(
     or boolean masks that would leave a row with no key at all).  ``kernels``
     are tried in order for each case (those declaring `Kernel.ring_step`,
     accepted by their ``check``)."""
-    steppers = [k for k in kernels if k.ring_step]
+    steppers = [k for k in kernels if k.ring_step and k.grad]
     steps = []
     for step in range(n):
         cases = []
@@ -167,6 +174,15 @@ def _case(spec, d, q_global, skippable, steppers, ctx) -> StepCase:
             return StepCase(kernel=kernel, spec=local)
         why.append(f"{kernel.name}: {'; '.join(reasons)}")
     return StepCase(why=" | ".join(why))
+
+
+def shifted_lengths(lengths, k0, bound: int):
+    """A kv-lengths array as a block whose keys start at ``k0`` reads it
+    (int32): clipped to ``[-bound, bound]`` first, so a sentinel length cannot
+    wrap round when shifted.  ``bound`` (the global key count plus the largest
+    ``|KvLengths.shift|`` plus one) keeps every ``clip(L + shift, 0, S)``."""
+    wide = jnp.clip(lengths, -bound, bound).astype(jnp.int32)
+    return wide - jnp.asarray(k0, jnp.int32)
 
 
 def describe(steps) -> str:

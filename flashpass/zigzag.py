@@ -99,8 +99,10 @@ def plan(spec: AttentionSpec, n: int, q_global: bool, kernels, ctx: CheckContext
 
     specs = (block(c, c, 0), block(c, 2 * c, c), block(2 * c, c, None), block(c, 2 * c, None))
     for kernel in kernels:
-        if kernel.ring_step and not any(
-            list(kernel.check(s, ctx)) + list(kernel.step_reasons(s)) for s in specs
+        if (
+            kernel.ring_step
+            and kernel.grad
+            and not any(list(kernel.check(s, ctx)) + list(kernel.step_reasons(s)) for s in specs)
         ):
             return Zigzag(kernel, *specs)
     return None

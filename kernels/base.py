@@ -135,7 +135,8 @@ class Kernel:
         *,
         interpret: bool = False,
     ):
-        """The block's share of the gradients: ``(dq, dk, dv, dextras)`` with
+        """The block's share of the gradients: ``(dq, dk, dv, dextras)``, the
+        arrays in float32 (the ring sums the shares before casting), with
         the weights ``exp(s - m) / den`` of the *global* statistics ``m`` and
         ``den`` (``[B, H, T]``, every row's ``den > 0``) and the global output
         ``out`` (``delta = rowsum(dout * out)``).  ``wanted[i]``: whether

@@ -298,8 +298,7 @@ class PallasGpuKernel(Kernel):
         dk, dv = dk[..., : spec.head_dim], dv[..., : spec.v_head_dim]
         if spec.groups > 1:  # K/V were repeated per query head: sum each group
             dk, dv = (_group_sum(spec, x) for x in (dk, dv))
-        dtypes = (spec.q_dtype, spec.k_dtype, spec.v_dtype)
-        grads = tuple(x.astype(dt) for x, dt in zip((dq, dk, dv), dtypes, strict=True))
+        grads = tuple(x.astype(jnp.float32) for x in (dq, dk, dv))  # (the ring sums them)
         return (*grads, tuple(None for _ in extras))
 
     def _inputs(self, spec: AttentionSpec, q, k, v, extras):

@@ -234,11 +234,12 @@ class SplashKernel(_util.TpuKernel):
     ring_step = True  # forward: the kernel's logsumexp; backward: its dQ and dK/dV kernels
 
     def step_reasons(self, spec: AttentionSpec) -> list[str]:
-        """Ring steps with static masks only (causal, window, chunk, full):
-        no boolean mask, segment ids or sinks, which may leave a row no key."""
+        """Ring steps with static masks only (causal, window, chunk, full): no
+        boolean mask or segment ids, which may leave a row of a block no key.
+        (A step spec has no sink: the ring's statistics start from it.)"""
         form = _util.linear_form(spec, _STRUCTURED)
-        if form.masks or spec.ops_of(Segments) or spec.sink is not None:
-            return ["splash runs ring steps without boolean masks, segment ids or sinks"]
+        if form.masks or spec.ops_of(Segments):
+            return ["splash runs ring steps without boolean masks or segment ids"]
         return []
 
     def step_forward(self, spec: AttentionSpec, q, k, v, extras=(), *, interpret: bool = False):
@@ -284,10 +285,9 @@ class SplashKernel(_util.TpuKernel):
             dq, dk, dv = jax.vmap(one)(q_k, k_k, v_k, out_k, lse, do_k)
         # q entered the kernel scaled by the form's scale.
         dq = dq[:, :, : spec.q_len, : spec.head_dim].astype(jnp.float32) * plan.form.scale
-        dk = dk[:, :, : spec.kv_len, : spec.head_dim]
-        dv = dv[:, :, : spec.kv_len, : spec.v_head_dim]
-        grads = (dq.astype(spec.q_dtype), dk.astype(spec.k_dtype), dv.astype(spec.v_dtype))
-        return (*grads, tuple(None for _ in extras))
+        dk = dk[:, :, : spec.kv_len, : spec.head_dim].astype(jnp.float32)
+        dv = dv[:, :, : spec.kv_len, : spec.v_head_dim].astype(jnp.float32)
+        return dq, dk, dv, tuple(None for _ in extras)  # (float32: the ring sums them)
 
     def apply(self, spec: AttentionSpec, q, k, v, extras=(), *, interpret: bool = False):
         self.require(_reasons(spec))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 
 from flashpass.spec import AttentionSpec
 
@@ -142,8 +143,11 @@ class BlockwiseKernel(PlainJaxKernel):
     def step_backward(
         self, spec, q, k, v, extras, out, m, den, dout, wanted, *, interpret: bool = False
     ):
-        """A ring step's gradients (`Kernel.step_backward`)."""
-        args = (q, k, v, tuple(extras), out, m, den, dout, wanted)
+        """A ring step's gradients (`Kernel.step_backward`), in float32: the
+        inputs widened first (exactly), so the shares the ring sums are not
+        rounded to a narrow input dtype."""
+        wide = [_wide(x) for x in (q, k, v)]
+        args = (*wide, tuple(_wide(x) for x in extras), out, m, den, dout, wanted)
         return flash.step_backward(self._plans(spec), *args)
 
     def __repr__(self) -> str:
@@ -154,6 +158,13 @@ class BlockwiseKernel(PlainJaxKernel):
         if (sizes.block_q_bwd, sizes.block_k_bwd) != (None, None):
             bwd = " bwd={}x{}".format(*sizes.pick(("auto", "auto"), backward=True))
         return f"<flashpass kernel 'blockwise' block_q={bq} block_k={bk}{bwd} head_loop={loop}>"
+
+
+def _wide(x):
+    """A floating array narrower than float32 widened to it (exact)."""
+    if jnp.issubdtype(x.dtype, jnp.floating) and jnp.finfo(x.dtype).bits < 32:
+        return x.astype(jnp.float32)
+    return x
 
 
 #: With dropout, a tile also holds its Threefry counters and words (several

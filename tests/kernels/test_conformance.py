@@ -386,6 +386,7 @@ def test_cases_cover_every_descriptor_and_declarations_are_known():
         assert kernel.dropout <= kernel.plain_jax  # exact dropout: the plain-JAX kernels
         # Ring steps: tests/kernels/test_ring_steps.py runs each declaring kernel.
         assert not kernel.ring_step or kernel.name in RING_STEP_TESTED, kernel.name
+        assert kernel.grad or not kernel.ring_step  # the ring's backward runs its steps'
 
 
 @pytest.mark.parametrize(

@@ -165,6 +165,17 @@ def test_window_steps():
     assert ring_steps.local_ops(_local(Window(40, 0, -1e9)), -L) == "excluded"
 
 
+def test_an_excluded_block_wins_over_an_op_not_stated():
+    """Whatever the order of the ops, a block one of them excludes is excluded
+    (skipped), even when another could not be stated in local positions."""
+    for ops in (
+        (Window(4, 2, -1e9), Causal(0, -1e9)),
+        (Causal(0, -1e9), Window(4, 2, -1e9)),
+        (Chunk(8, -1e9), Causal(0, -1e9)),
+    ):
+        assert ring_steps.local_ops(_local(*ops), -L) == "excluded", ops
+
+
 def test_device_dependent_ops_take_the_plain_step():
     assert "Chunk" in ring_steps.local_ops(_local(Chunk(8, -1e9), Causal(0, -1e9)), L)
     assert "Prefix" in ring_steps.local_ops(_local(Prefix(4, -1e9)), L)

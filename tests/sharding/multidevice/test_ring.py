@@ -224,6 +224,14 @@ def _windowed(q, k, v):
     return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1), v)
 
 
+def _bidirectional(q, k, v):
+    t = q.shape[1]
+    i, j = jnp.arange(t)[:, None], jnp.arange(t)[None, :]
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, k) * 0.25
+    s = jnp.where((j > i - 12) & (j < i + 12), s, -jnp.inf)  # 11 keys on each side
+    return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1), v)
+
+
 def _padded(q, k, v, lengths):
     keep = jnp.arange(k.shape[1])[None, :] < lengths[:, None]
     s = jnp.einsum("bqhd,bkhd->bhqk", q, k) * 0.25
@@ -286,6 +294,7 @@ def _key_masked(q, k, v, keep, mask):
 #: others translate every step.
 BLOCKWISE_STEPS = {
     "window": "blockwise, plain JAX",
+    "bidirectional": "blockwise, plain JAX",
     "softcap": "blockwise, plain JAX",
     "sinks": "blockwise, plain JAX",
     "packed": "blockwise, plain JAX",
@@ -294,7 +303,7 @@ BLOCKWISE_STEPS = {
 
 @pytest.mark.parametrize("kernel", ["reference", "blockwise"])
 @pytest.mark.parametrize(
-    "case", ["window", "padded", "sinks", "softcap", "packed", "bias", "masks"]
+    "case", ["window", "bidirectional", "padded", "sinks", "softcap", "packed", "bias", "masks"]
 )
 def test_windowed_and_padded_rings(case, kernel):
     """Window masks skip the steps outside the window; kv lengths (a padded
@@ -311,6 +320,8 @@ def test_windowed_and_padded_rings(case, kernel):
     argnums = (0, 1, 2)
     if case == "window":
         attend, extra = _windowed, []
+    elif case == "bidirectional":  # wrapped blocks the window reaches: kernel steps too
+        attend, extra = _bidirectional, []
     elif case == "padded":
         attend, extra = _padded, [put(m, P(), np.array([40, 0], np.int32))]
     elif case == "softcap":
@@ -649,3 +660,29 @@ def test_ring_steps_run_the_platform_kernel(platform, kernel, balanced, monkeypa
         assert_close(g, r)
     assert _full_length_gathers(got.hlo, math.prod(shape)) == 0
     assert any(kind == "collective-permute" for kind, _, _ in collectives(got.hlo))
+
+
+def test_a_step_the_platform_kernel_declines_runs_the_next():
+    """Selecting for GPU, a key-padding-masked ring: pallas_gpu takes the site
+    but runs no ring step with a boolean mask (`step_reasons`), so the steps
+    run the next kernel that declares them (blockwise); outputs and gradients
+    still match."""
+    m = mesh((4,), ("seq",))
+    args = [put(m, P(None, "seq"), normal(i, (2, 32, 2, 16))) for i in range(3)]
+    keep = np.ones((2, 32), bool)
+    keep[0, 20:] = False
+    extra = [put(m, P(None, "seq"), keep)]
+
+    def fn(q, k, v, keep):
+        k, v = jax.sharding.reshard(k, REPLICATED), jax.sharding.reshard(v, REPLICATED)
+        return _key_masked(q, k, v, jax.sharding.reshard(keep, P(None, None)), True)
+
+    opt = flashpass.optimize(fn, kernel=["pallas_gpu", "blockwise"], platform="gpu", interpret=True)
+    with jax.set_mesh(m):
+        report = opt.explain(*args, *extra)
+        got = run(opt, [*args, *extra])
+    assert report.kernels == ["ring"] and report.rewrites[0].ring_steps == "blockwise", str(report)
+    ref = run(lambda q, k, v, keep: _key_masked(q, k, v, keep, True), unsharded([*args, *extra]))
+    assert_close(got.out, ref.out)
+    for g, r in zip(got.grads, ref.grads, strict=True):
+        assert_close(g, r)

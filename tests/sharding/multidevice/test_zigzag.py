@@ -15,7 +15,7 @@ from flashpass import zigzag
 pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 devices (see conftest)")
 
 
-@pytest.mark.parametrize("n", [2, 4, 8])
+@pytest.mark.parametrize("n", [2, 3, 4, 8])
 def test_moves_give_each_device_its_zigzag_chunks_and_back(n):
     m = mesh((n,), ("seq",))
     c = 3  # rows per chunk: 2n chunks in all
