@@ -12,7 +12,10 @@
 # core tests, the golden jaxprs, the compat self-test, the kernel conformance
 # tests (Pallas in interpret mode), the model-free integration tests
 # (kernels end to end, lowering, jax.nn.dot_product_attention), training steps
-# and the 8-device sharding tests (rings): about five minutes.
+# and the 8-device sharding tests (rings): about five minutes.  Of the ring-step
+# numerics (tests/kernels/test_ring_steps.py) it runs each kernel's causal float32
+# case, which exercises the private backward entry points compat wraps; the other
+# cases run on the pinned versions (interpret mode is slower on the newest JAX).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 venv=.ci-venv-newest
@@ -42,4 +45,4 @@ FLASHPASS_HYPOTHESIS_PROFILE=quick "$venv/bin/python" -m pytest -q -p no:cachepr
     tests/test_golden.py tests/test_compat.py \
     tests/kernels tests/test_kernel_integration.py tests/test_lowering.py \
     tests/models/test_jax_nn.py tests/test_training.py tests/sharding/test_session.py \
-    -k "not every_spelling"
+    -k "not every_spelling and not (merge_to_the_reference and not causal-float32)"
