@@ -423,15 +423,8 @@ def _ring(
                     o_b, m_b, den_b = case.kernel.step_forward(
                         case.spec, q, kb, vb, step_extras(case, here, k0), interpret=interpret
                     )
-                    m_b, den_b = (stats5(x).astype(jnp.float32) for x in (m_b, den_b))
-                    m_new = jnp.maximum(m, m_b)
-                    base = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
-                    old = jnp.where(jnp.isfinite(m), jnp.exp(m - base), 0.0)
-                    w = jnp.where(jnp.isfinite(m_b), jnp.exp(m_b - base), 0.0) * den_b
-                    w = w[..., None]
-                    o_b = jnp.where(w > 0, grouped(o_b).astype(jnp.float32) * w, 0.0)
-                    acc = acc * old[..., None] + o_b
-                    return acc, m_new, total * old + w[..., 0]
+                    block = (grouped(o_b), stats5(m_b), stats5(den_b))
+                    return ring_steps.merge_block(acc, m, total, *block)
 
                 def chunk(r0, state):
                     acc, m, total = state
@@ -463,12 +456,8 @@ def _ring(
         qf = grouped(q).astype(jnp.float32)
         do = grouped(dout).astype(jnp.float32)
         delta = jnp.sum(do * o, axis=-1)  # rowsum(dO * O)
-        # What a kernel step's backward reads: the global output and statistics
-        # (a row every key of which -inf excluded: m 0, sum 1, so its weights are 0).
         rows = (spec.batch, spec.heads, spec.q_len)
-        o_out = o.reshape(*rows, spec.v_head_dim)
-        m_out = base[..., 0].reshape(rows)
-        den_out = jnp.where(total > 0, total, 1.0).reshape(rows)
+        o_out, m_out, den_out = ring_steps.global_stats(o, m, total, rows)  # (kernel steps)
         kb, vb, blocks = k, v, tuple(extras[i] for i in moving)
         # Bias cotangents: a moving bias's travels with its block like dK; the
         # others stay and take each step's (and chunk's) part at its place.

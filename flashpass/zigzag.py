@@ -38,6 +38,7 @@ from jax import lax
 
 from flashpass.kernels.base import CheckContext, Kernel
 
+from . import ring_steps
 from .spec import AttentionSpec, Causal, Scale, Softcap
 
 #: Whether causal rings are balanced where they can be; False keeps every ring
@@ -189,16 +190,12 @@ def _ring(spec: AttentionSpec, axis_name, n: int, zz: Zigzag, interpret):
                     o_b, m_b, den_b = kernel.step_forward(
                         sub, rows_of(q, rows), kb[:, :, keys], vb[:, :, keys], interpret=interpret
                     )
-                    m_b, den_b = (grouped(x).astype(jnp.float32) for x in (m_b, den_b))
-                    m_r = m[..., rows]
-                    m_new = jnp.maximum(m_r, m_b)
-                    base = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
-                    old = jnp.where(jnp.isfinite(m_r), jnp.exp(m_r - base), 0.0)
-                    w = jnp.where(jnp.isfinite(m_b), jnp.exp(m_b - base), 0.0) * den_b
-                    o_b = jnp.where(w[..., None] > 0, grouped(o_b) * w[..., None], 0.0)
-                    acc = acc.at[..., rows, :].set(acc[..., rows, :] * old[..., None] + o_b)
-                    total = total.at[..., rows].set(total[..., rows] * old + w)
-                    m = m.at[..., rows].set(m_new)
+                    a_r, m_r, t_r = ring_steps.merge_block(
+                        acc[..., rows, :], m[..., rows], total[..., rows],
+                        *(grouped(x) for x in (o_b, m_b, den_b)),
+                    )  # fmt: skip
+                    acc = acc.at[..., rows, :].set(a_r)
+                    m, total = m.at[..., rows].set(m_r), total.at[..., rows].set(t_r)
                 return acc, m, total
 
             acc, m, total = by_case(step, run, (acc, m, total))
@@ -211,9 +208,7 @@ def _ring(spec: AttentionSpec, axis_name, n: int, zz: Zigzag, interpret):
     def backward(res, dout):
         q, k, v, o, m, total = res
         rows4 = (spec.batch, spec.heads, 2 * c)
-        o_out = o.reshape(*rows4, spec.v_head_dim)
-        m_out = jnp.where(jnp.isfinite(m), m, 0.0).reshape(rows4)
-        den_out = jnp.where(total > 0, total, 1.0).reshape(rows4)
+        o_out, m_out, den_out = ring_steps.global_stats(o, m, total, rows4)
         dq = jnp.zeros(q.shape, jnp.float32)
         dkb, dvb = jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32)
         kb, vb = k, v

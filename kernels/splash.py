@@ -293,19 +293,10 @@ class SplashKernel(_util.TpuKernel):
         self.require(_reasons(spec))
         plan = _plan(spec, self.max_block)
         form = plan.form
-        kdt = plan.kernel_dtype
         T, S = spec.q_len, spec.kv_len
 
-        # The spec rounds q/k to compute_dtype before the product; the scale is
-        # folded into q in float32 (the kernel has no scale).
         v_in = v
-        q = q.astype(spec.compute_dtype).astype(jnp.float32) * jnp.float32(form.scale)
-        q = q.astype(kdt)
-        k = k.astype(spec.compute_dtype).astype(kdt)
-        v = v.astype(kdt)
-        q = _util.pad_axis(_util.pad_axis(q, 3, plan.head_dim), 2, plan.q_len)
-        k = _util.pad_axis(_util.pad_axis(k, 3, plan.head_dim), 2, plan.kv_len)
-        v = _util.pad_axis(_util.pad_axis(v, 3, plan.v_head_dim), 2, plan.kv_len)
+        q, k, v = _kernel_arrays(spec, plan, q, k, v)
 
         # Key segment ids [b, S'] (b in {1, B}): 1 excludes a key.  Rows left with
         # no key are finite (every score is the mask value) and replaced below.
@@ -344,9 +335,7 @@ class SplashKernel(_util.TpuKernel):
             keep = _util.pad_axis(keep, 2, plan.q_len, value=True)
             dynamic = _util.pad_axis(keep, 3, plan.kv_len, value=False)
 
-        block_sizes = _block_sizes(plan)
         q_len = plan.q_len
-        cap = form.softcap
         has_ids, has_dynamic = kv_ids is not None, dynamic is not None
         has_q_ids = q_ids is not None
 
@@ -366,14 +355,7 @@ class SplashKernel(_util.TpuKernel):
                 if qids is None:
                     qids = jnp.zeros((q_len,), jnp.int32)
                 segment_ids = sa.SegmentIds(q=qids, kv=ids)
-            splash = compat.make_splash_kernel(
-                mask,
-                block_sizes=block_sizes,
-                head_shards=1,
-                q_seq_shards=1,
-                attn_logits_soft_cap=cap,
-                interpret=interpret,
-            )
+            splash = _splash_kernel(plan, mask, interpret)
             if sinks is None:
                 return splash(q, k, v, segment_ids)
             return splash(q, k, v, segment_ids, sinks)
@@ -401,28 +383,35 @@ class SplashKernel(_util.TpuKernel):
         return _util.fill_empty_rows(spec, out, v_in, empty)
 
 
-def _step_inputs(spec: AttentionSpec, plan: _Plan, q, k, v):
-    """A ring step's kernel inputs ``[B, H, T', D']`` (static masks only) and
-    the segment ids that exclude padded keys (None without padding)."""
+def _kernel_arrays(spec: AttentionSpec, plan: _Plan, q, k, v):
+    """q, k and v as the kernel takes them, ``[B, H, T', D']``: the spec
+    rounds q/k to compute_dtype before the product; the scale is folded into
+    q in float32 (the kernel has no scale); lengths and head dims padded."""
     kdt = plan.kernel_dtype
     q = q.astype(spec.compute_dtype).astype(jnp.float32) * jnp.float32(plan.form.scale)
     q = _util.pad_axis(_util.pad_axis(q.astype(kdt), 3, plan.head_dim), 2, plan.q_len)
     k = k.astype(spec.compute_dtype).astype(kdt)
     k = _util.pad_axis(_util.pad_axis(k, 3, plan.head_dim), 2, plan.kv_len)
     v = _util.pad_axis(_util.pad_axis(v.astype(kdt), 3, plan.v_head_dim), 2, plan.kv_len)
+    return q, k, v
+
+
+def _step_inputs(spec: AttentionSpec, plan: _Plan, q, k, v):
+    """A ring step's kernel inputs (`_kernel_arrays`; static masks only) and
+    the segment ids that exclude padded keys (None without padding)."""
     ids = None
     if plan.kv_len > spec.kv_len:
         sa = compat.splash_attention_module()
         kv = jnp.asarray((np.arange(plan.kv_len) >= spec.kv_len).astype(np.int32))
         ids = sa.SegmentIds(q=jnp.zeros((plan.q_len,), jnp.int32), kv=kv)
-    return (q, k, v), ids
+    return _kernel_arrays(spec, plan, q, k, v), ids
 
 
-def _step_kernel(plan: _Plan, interpret: bool, residuals: bool):
-    """The splash kernel of a ring step (its static mask; with ``residuals``
-    it also returns its logsumexp)."""
+def _splash_kernel(plan: _Plan, mask, interpret: bool, residuals: bool = False):
+    """The splash kernel of ``plan`` with ``mask`` (a static `MultiHeadMask`
+    or a dynamic array); with ``residuals`` it also returns its logsumexp."""
     return compat.make_splash_kernel(
-        _static_mask(plan),
+        mask,
         block_sizes=_block_sizes(plan),
         head_shards=1,
         q_seq_shards=1,
@@ -430,3 +419,8 @@ def _step_kernel(plan: _Plan, interpret: bool, residuals: bool):
         interpret=interpret,
         save_residuals=residuals,
     )
+
+
+def _step_kernel(plan: _Plan, interpret: bool, residuals: bool):
+    """The splash kernel of a ring step: its static mask."""
+    return _splash_kernel(plan, _static_mask(plan), interpret, residuals)
