@@ -293,8 +293,19 @@ def test_pallas_tpu_flash_attention_module():
 
 
 def test_pallas_tpu_interpret_mode():
+    """Inside the context a Pallas TPU kernel runs on this host (interpreted)."""
+    from jax.experimental import pallas as pl
+
+    def add_one(x_ref, o_ref):
+        o_ref[...] = x_ref[...] + 1.0
+
+    x = jnp.arange(8 * 128, dtype=jnp.float32).reshape(8, 128)
     with uses("jax.experimental.pallas.tpu.force_tpu_interpret_mode"), compat.tpu_interpret_mode():
-        pass
+        out = pl.pallas_call(add_one, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype))(x)
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(x) + 1.0)
+    if jax.default_backend() == "cpu":  # outside it, a CPU host cannot run the kernel
+        with pytest.raises(Exception):  # noqa: B017 (the error's type varies by version)
+            pl.pallas_call(add_one, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype))(x)
 
 
 def test_splash_attention_module():
