@@ -130,6 +130,11 @@ def rel_err(actual, expected) -> float:
 #: measured against its neighbours' size.  Gradient rows cancel more (dS = P *
 #: (dP - delta) of a row that keeps one key is exactly 0), hence their floor.
 ROW_FLOOR, GRAD_ROW_FLOOR = 1e-2, 1e-1
+#: A gradient holds to ``tol`` over the whole tensor (`rel_err`) and each of its
+#: rows to this many times ``tol`` (`row_err`): in bfloat16 a gradient row's
+#: cancellation measures up to about 2x the whole tensor's error (0.06 against
+#: 0.03), while a wrong row is off by its own size.
+GRAD_ROW_SLACK = 4
 #: A bfloat16 output rounds at 2**-9 relative; per row, the kernels measure
 #: about 5e-3.  `run_and_compare` holds bfloat16 outputs to this however loose
 #: the caller's (gradient) tolerance: one key too many or too few in a row of
@@ -165,8 +170,10 @@ def run_and_compare(
     the float64 oracle: `oracle` (`reference_attention`), or ``reference(q, k,
     v, *extras)`` given float64 arrays (a kernel whose own backward is
     `reference_attention` needs an independent one).  Returns ``{name:
-    error}``, each `row_err` (the worst row's relative error), all below
-    ``tol`` (a bfloat16 output's below `BF16_OUT_TOL` too)."""
+    error}``: the output's `row_err` (the worst row's relative error) below
+    ``tol`` (a bfloat16 output's below `BF16_OUT_TOL` too); each gradient's
+    `rel_err` below ``tol`` and its `row_err` (``"dq rows"``) below
+    `GRAD_ROW_SLACK` times ``tol``."""
     arrays = (*qkv(spec, seed), *extras)
     expect = reference or functools.partial(oracle, spec)
 
@@ -192,8 +199,11 @@ def run_and_compare(
         names = ["q", "k", "v"] + [f"extra{i}" for i, e in enumerate(extras) if _real(e)]
         for name, g, ref in zip(names, grads, ref_grads, strict=True):
             assert g.shape == ref.shape, name
-            errors[f"d{name}"] = row_err(g, ref, GRAD_ROW_FLOOR)
+            errors[f"d{name}"] = rel_err(g, ref)
+            errors[f"d{name} rows"] = row_err(g, ref, GRAD_ROW_FLOOR)
     out_tol = min(tol, BF16_OUT_TOL) if spec.out_dtype == BF16 else tol
-    bad = {name: e for name, e in errors.items() if not e < (out_tol if name == "out" else tol)}
-    assert not bad, f"per-row relative errors above {out_tol} (out) / {tol}: {bad} (all: {errors})"
+    limits = {name: tol * (GRAD_ROW_SLACK if name.endswith(" rows") else 1) for name in errors}
+    limits["out"] = out_tol
+    bad = {name: e for name, e in errors.items() if not e < limits[name]}
+    assert not bad, f"errors above their limits {limits}: {bad} (all: {errors})"
     return errors

@@ -123,11 +123,7 @@ def test_several_lengths_ops_take_the_minimum():
     spec = spec_of(b=2, h=2, t=1, s=256, d=128, dtype=BF16, compute=BF16, ops=ops, extras=extras)
     assert KERNEL.check(spec, CTX) == []
     lengths = [_lengths([150, 7]), _lengths([40, 255])]
-    # Scale 0.25 at d = 128 makes peaked rows: the backward (the reference's, in
-    # bfloat16 compute) measures up to 8e-2 per gradient row; the output is
-    # held to BF16_OUT_TOL, where the minimum (40, not 150) shows.
-    oracle = _oracle(spec)
-    run_and_compare(KERNEL, spec, lengths, tol=1.2e-1, interpret=True, reference=oracle)
+    run_and_compare(KERNEL, spec, lengths, tol=3e-2, interpret=True, reference=_oracle(spec))
 
 
 @pytest.mark.parametrize(
