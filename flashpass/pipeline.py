@@ -29,12 +29,12 @@ from flashpass.kernels import CheckContext
 from flashpass.patterns.common import Miss
 
 from . import compat, errors, sharding
-from . import ring_steps as ring_plan
 from .backward import match_backward
 from .graph import build_scopes
 from .match import find_sites
 from .report import Fallback, InternalError, Report, Rewrite
 from .rewrite import Plan, PlannedSite, rewrite
+from .ring import cases as ring_cases
 from .scans import match_pair, match_remat
 from .select import choose, resolve_order
 
@@ -304,7 +304,7 @@ def _rewrite_entry(p: PlannedSite, scope_name: str, shard=None) -> Rewrite:
     ring_steps = ""
     if ring:  # a ring inside the user's shard_map runs plain JAX steps (local queries)
         steps = getattr(shard, "steps", None)
-        ring_steps = ring_plan.describe(steps) if steps is not None else ring_plan.PLAIN
+        ring_steps = ring_cases.describe(steps) if steps is not None else ring_cases.PLAIN
         balanced = getattr(shard, "zigzag", None)
         if balanced is not None:  # load-balanced: every block the zig-zag kernel's
             ring_steps = f"{balanced.kernel.name}, zig-zag"

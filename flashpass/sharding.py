@@ -48,8 +48,9 @@ from jax.sharding import NamedSharding, PartitionSpec
 from flashpass.patterns.regroup import Merged
 from flashpass.spec import Bias, Mask
 
-from . import compat, errors, ring, zigzag
+from . import compat, errors, ring
 from .graph import Const
+from .ring import zigzag
 from .site import AttentionSite, Layout
 
 _SEQUENCE = {"T": "query", "S": "key"}

@@ -1,4 +1,4 @@
-"""Ring steps (`Kernel.ring_step`, `flashpass.ring_steps`) on one device.
+"""Ring steps (`Kernel.ring_step`, `flashpass.ring.cases`) on one device.
 
 A ring of two devices seen from device 1: its query block (rows ``L..2L-1``)
 meets key block 0 (``d = L``: whole for a causal mask) and its own block 1
@@ -17,12 +17,12 @@ import numpy as np
 import pytest
 from kernel_testing import BF16, F32, normal, rel_err, spec_of
 
-from flashpass import ring_steps
 from flashpass.kernels import Causal, CheckContext, Scale, Softcap
 from flashpass.kernels.blockwise import BlockwiseKernel
 from flashpass.kernels.pallas_gpu import PallasGpuKernel
 from flashpass.kernels.reference import reference_attention
 from flashpass.kernels.splash import SplashKernel
+from flashpass.ring import cases as ring_steps
 from flashpass.spec import Chunk, Dropout, KvLengths, Prefix, Segments, Sink, Window
 
 L = 32  # block length: the global sequence is 2L
@@ -226,7 +226,7 @@ def test_plan_steps_per_case():
 def test_zigzag_plan_and_its_reasons():
     """A causal ring is balanced (`flashpass.zigzag`) with four static block
     specs one kernel takes; other rings keep the contiguous order, saying why."""
-    from flashpass import zigzag
+    from flashpass.ring import zigzag
 
     blockwise = BlockwiseKernel()
     ctx = CheckContext("cpu", explicit=True)

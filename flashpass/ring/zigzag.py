@@ -19,7 +19,7 @@ as it is: the site moves each half-block of q, k and v to its zig-zag device
 with two ``ppermute``s (a fixed permutation of chunks, ``O(T/n)`` per device,
 like one ring step's K/V) and the output back the same way; JAX transposes
 those permutes for the backward.  Each block runs a kernel declaring
-`Kernel.ring_step` with a static spec, as `ring_steps` does for the plain
+`Kernel.ring_step` with a static spec, as `cases` does for the plain
 ring.
 
 Applied to sequence-sharded self-attention whose only mask is ``Causal(0)``
@@ -38,8 +38,8 @@ from jax import lax
 
 from flashpass.kernels.base import CheckContext, Kernel
 
-from . import ring_steps
-from .spec import AttentionSpec, Causal, Scale, Softcap
+from ..spec import AttentionSpec, Causal, Scale, Softcap
+from . import merge
 
 #: Whether causal rings are balanced where they can be; False keeps every ring
 #: in the contiguous order (read when a function is traced, as the other
@@ -190,7 +190,7 @@ def _ring(spec: AttentionSpec, axis_name, n: int, zz: Zigzag, interpret):
                     o_b, m_b, den_b = kernel.step_forward(
                         sub, rows_of(q, rows), kb[:, :, keys], vb[:, :, keys], interpret=interpret
                     )
-                    a_r, m_r, t_r = ring_steps.merge_block(
+                    a_r, m_r, t_r = merge.merge_block(
                         acc[..., rows, :], m[..., rows], total[..., rows],
                         *(grouped(x) for x in (o_b, m_b, den_b)),
                     )  # fmt: skip
@@ -208,7 +208,7 @@ def _ring(spec: AttentionSpec, axis_name, n: int, zz: Zigzag, interpret):
     def backward(res, dout):
         q, k, v, o, m, total = res
         rows4 = (spec.batch, spec.heads, 2 * c)
-        o_out, m_out, den_out = ring_steps.global_stats(o, m, total, rows4)
+        o_out, m_out, den_out = merge.global_stats(o, m, total, rows4)
         dq = jnp.zeros(q.shape, jnp.float32)
         dkb, dvb = jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32)
         kb, vb = k, v
