@@ -27,6 +27,7 @@ import jax.numpy as jnp
 
 from flashpass.kernels.base import CheckContext, Kernel
 
+from ..select import choose
 from ..spec import (
     AttentionSpec,
     Bias,
@@ -141,7 +142,7 @@ def plan_steps(
     ``skippable``: the ring may skip a block the masks exclude (no kv lengths
     or boolean masks that would leave a row with no key at all).  ``kernels``
     are tried in order for each case (those declaring `Kernel.ring_step`,
-    accepted by their ``check``)."""
+    chosen as a site's kernel is, `select.choose`: checked and probed)."""
     steppers = [k for k in kernels if k.ring_step and k.grad]
     steps = []
     for step in range(n):
@@ -167,13 +168,10 @@ def _case(spec, d, q_global, skippable, steppers, ctx) -> StepCase:
     if not steppers or ctx is None:
         return StepCase(why="no kernel declares ring steps here")
     local = step_spec(spec, ops)
-    why = []
-    for kernel in steppers:
-        reasons = list(kernel.check(local, ctx)) + list(kernel.step_reasons(local))
-        if not reasons:
-            return StepCase(kernel=kernel, spec=local)
-        why.append(f"{kernel.name}: {'; '.join(reasons)}")
-    return StepCase(why=" | ".join(why))
+    kernel, rejections = choose(local, steppers, ctx, step=True)
+    if kernel is not None:
+        return StepCase(kernel=kernel, spec=local)
+    return StepCase(why=" | ".join(f"{k}: {'; '.join(r)}" for k, r in rejections.items()))
 
 
 def shifted_lengths(lengths, k0, bound: int):

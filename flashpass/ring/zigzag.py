@@ -38,13 +38,9 @@ from jax import lax
 
 from flashpass.kernels.base import CheckContext, Kernel
 
+from ..select import choose
 from ..spec import AttentionSpec, Causal, Scale, Softcap
 from . import merge
-
-#: Whether causal rings are balanced where they can be; False keeps every ring
-#: in the contiguous order (read when a function is traced, as the other
-#: planning constants are).
-ENABLED = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,8 +78,8 @@ def reason(spec: AttentionSpec, n: int, q_global: bool) -> str | None:
 def plan(spec: AttentionSpec, n: int, q_global: bool, kernels, ctx: CheckContext | None):
     """The `Zigzag` of a ring, or None where it keeps the contiguous order:
     `reason`, or no kernel (of ``kernels``, in order) declaring ring steps
-    takes every block spec."""
-    if not ENABLED or reason(spec, n, q_global) is not None or ctx is None:
+    takes every block spec (each checked and probed, `select.choose`)."""
+    if reason(spec, n, q_global) is not None or ctx is None:
         return None
     c = spec.q_len // 2
 
@@ -100,12 +96,9 @@ def plan(spec: AttentionSpec, n: int, q_global: bool, kernels, ctx: CheckContext
 
     specs = (block(c, c, 0), block(c, 2 * c, c), block(2 * c, c, None), block(c, 2 * c, None))
     for kernel in kernels:
-        if (
-            kernel.ring_step
-            and kernel.grad
-            and not any(list(kernel.check(s, ctx)) + list(kernel.step_reasons(s)) for s in specs)
-        ):
-            return Zigzag(kernel, *specs)
+        if kernel.ring_step and kernel.grad:
+            if all(choose(s, [kernel], ctx, step=True)[0] is kernel for s in specs):
+                return Zigzag(kernel, *specs)
     return None
 
 

@@ -223,8 +223,37 @@ def test_plan_steps_per_case():
     assert not kept[1][1].skip and kept[1][1].kernel is None
 
 
+class _BrokenSteps(BlockwiseKernel):
+    """A kernel whose ring step fails to trace."""
+
+    name = "broken_steps"
+
+    def step_forward(self, spec, q, k, v, extras=(), *, interpret=False):
+        raise RuntimeError("no step here")
+
+
+def test_a_step_kernel_that_fails_to_trace_is_probed_out():
+    """Step kernels are chosen as a site's kernel is (`select.choose`): a step
+    that fails to trace rejects that kernel for the case, with the error, and
+    the next kernel (or the plain step) runs it; zig-zag is not used."""
+    from flashpass.ring import zigzag
+
+    blockwise, broken = BlockwiseKernel(), _BrokenSteps()
+    ctx = CheckContext("cpu", explicit=True)
+    spec = spec_of(t=L, ops=[Scale(0.25), Causal(0, -1e9)])
+    steps = ring_steps.plan_steps(spec, 2, True, True, [broken, blockwise], ctx)
+    assert ring_steps.describe(steps) == "blockwise"
+    alone = ring_steps.plan_steps(spec, 2, True, True, [broken], ctx)
+    assert ring_steps.describe(alone) == ring_steps.PLAIN
+    assert "broken_steps: raised RuntimeError while tracing a ring step: no step here" in (
+        alone[0][0].why
+    )
+    assert zigzag.plan(spec, 2, True, [broken], ctx) is None
+    assert zigzag.plan(spec, 2, True, [broken, blockwise], ctx).kernel is blockwise
+
+
 def test_zigzag_plan_and_its_reasons():
-    """A causal ring is balanced (`flashpass.zigzag`) with four static block
+    """A causal ring is balanced (`flashpass.ring.zigzag`) with four static block
     specs one kernel takes; other rings keep the contiguous order, saying why."""
     from flashpass.ring import zigzag
 

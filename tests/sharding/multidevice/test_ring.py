@@ -634,21 +634,19 @@ def test_steps_run_over_query_chunks(monkeypatch):
 @pytest.mark.parametrize(
     "platform, kernel", [("tpu", "splash"), ("gpu", "pallas_gpu")], ids=["splash", "pallas_gpu"]
 )
-def test_ring_steps_run_the_platform_kernel(platform, kernel, balanced, monkeypatch):
+def test_ring_steps_run_the_platform_kernel(platform, kernel, balanced):
     """Selecting for TPU or GPU, a causal ring's blocks run that platform's
     kernel (here in interpret mode), load-balanced (zig-zag) or, with the
-    balancing switched off here, in the contiguous order: its logsumexp merges
+    balancing switched off (``zigzag=False``), in the contiguous order: its logsumexp merges
     the blocks, its own backward kernels take the global statistics; outputs
     and gradients match the unsharded original, with collective-permutes and
     no full-length gather."""
-    from flashpass.ring import zigzag
-
-    if not balanced:
-        monkeypatch.setattr(zigzag, "ENABLED", False)
     m = mesh((4,), ("seq",))
     shape = (1, 64, 2, 16)
     args = [put(m, P(None, "seq"), normal(i, shape)) for i in range(3)]
-    opt = flashpass.optimize(gathering(True), kernel=kernel, platform=platform, interpret=True)
+    opt = flashpass.optimize(
+        gathering(True), kernel=kernel, platform=platform, interpret=True, zigzag=balanced
+    )
     with jax.set_mesh(m):
         report = opt.explain(*args)
         got = run(opt, args)
