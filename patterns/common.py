@@ -162,7 +162,3 @@ def uniform_value(scope: Scope, atom) -> float | None:
         return None
     parent, outer_atom = found
     return uniform_value(parent, outer_atom)
-
-
-def is_const(atom) -> bool:
-    return isinstance(atom, Const)
