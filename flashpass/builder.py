@@ -14,10 +14,10 @@ from __future__ import annotations
 from flashpass.patterns.common import Miss, where
 from flashpass.patterns.masks import CausalSource, MaskStep
 from flashpass.patterns.probabilities import ScoreMasks
-from flashpass.patterns.regroup import UNIT
 from flashpass.patterns.softcap import fold_softcap
 
 from .graph import Scope
+from .roles import UNIT
 from .site import ExtraSource, Layout, present_roles
 from .spec import Causal, excludes, fill_after
 
