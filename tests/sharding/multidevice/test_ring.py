@@ -21,7 +21,8 @@ import pytest
 from sharded_testing import P, assert_close, collectives, mesh, normal, put, run, unsharded
 
 import flashpass
-from flashpass import ring as ring_module
+from flashpass.ring import backward as ring_backward
+from flashpass.ring import forward as ring_forward
 
 pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 devices (see conftest)")
 
@@ -95,9 +96,9 @@ def test_sequence_sharded_site_runs_as_a_ring(causal, mesh_shape, names, spec, k
 
 
 class _CountingLax:
-    """``jax.lax`` for flashpass.ring, whose ``lax.cond`` records, at run time,
-    each device's predicate of each step's visibility test (the ring's
-    outermost conditionals: one per step, forward and backward)."""
+    """``jax.lax`` for the ring's forward and backward (flashpass.ring), whose
+    ``lax.cond`` records, at run time, each device's predicate of each step's
+    visibility test (their outermost conditionals: one per step)."""
 
     def __init__(self, axis):
         self.axis, self.depth, self.conds = axis, 0, 0
@@ -138,7 +139,8 @@ def test_causal_ring_skips_masked_steps(monkeypatch):
     m = mesh((n,), ("seq",))
     args = [put(m, P(None, "seq"), normal(i, (1, 64, 2, 16))) for i in range(3)]
     counting = _CountingLax("seq")
-    monkeypatch.setattr(ring_module, "lax", counting)
+    monkeypatch.setattr(ring_forward, "lax", counting)
+    monkeypatch.setattr(ring_backward, "lax", counting)
     opt = flashpass.optimize(gathering(True), kernel="reference")
     with jax.set_mesh(m):
         got = run(opt, args)
