@@ -20,7 +20,7 @@ import numpy as np
 
 from flashpass.kernels import Kernel
 
-from . import compat, errors, pipeline
+from . import compat, errors, nnx_state, pipeline
 from .report import Report
 from .select import current_platform, resolve_order
 
@@ -104,6 +104,8 @@ class Optimized:
         self.traces = 0  # number of trace+match+rewrite runs (for tests and tuning)
         # Decorated methods: id(instance) -> (weakref to it, its Optimized).
         self._instances: dict[int, tuple[weakref.ref, Optimized]] = {}
+        self._graph: Optimized | None = None  # for calls with Flax NNX modules (`_route`)
+        self._routes = True  # False for that one: its arguments are pure state
         # Not its __dict__: an optimized function passed in must keep its own state.
         functools.update_wrapper(self, fn, updated=())
 
@@ -126,6 +128,11 @@ class Optimized:
     # ------------------------------------------------------------------ calling
 
     def __call__(self, *args, **kwargs):
+        target, args, kwargs, split = self._route(args, kwargs)
+        if target is not self:  # Flax NNX graph nodes among the arguments
+            out, state = target(*args, **kwargs)
+            nnx_state.write_back(split, state)
+            return out
         try:
             return self._jitted(*args, **kwargs)
         except (TypeError, ValueError, OverflowError) as err:
@@ -138,15 +145,42 @@ class Optimized:
 
     def explain(self, *args, **kwargs) -> Report:
         """The rewrite `Report` for these arguments (nothing is executed)."""
-        return self._entry(args, kwargs)[0].report
+        target, args, kwargs, _ = self._route(args, kwargs)
+        return target._entry(args, kwargs)[0].report
 
     def rewritten_jaxpr(self, *args, **kwargs):
         """The rewritten ``ClosedJaxpr`` for these arguments."""
-        return self._entry(args, kwargs)[0].rewritten
+        target, args, kwargs, _ = self._route(args, kwargs)
+        return target._entry(args, kwargs)[0].rewritten
 
     def original_jaxpr(self, *args, **kwargs):
         """The ``ClosedJaxpr`` of the original function for these arguments."""
-        return self._entry(args, kwargs)[0].original
+        target, args, kwargs, _ = self._route(args, kwargs)
+        return target._entry(args, kwargs)[0].original
+
+    def _route(self, args, kwargs):
+        """``(optimized, args, kwargs, split)``: ``self`` and the arguments as
+        given, or, when they hold Flax NNX modules or optimizers, the optimized
+        pure function of their state and its arguments (`flashpass.nnx_state`)."""
+        if not self._routes:
+            return self, args, kwargs, None
+        split = nnx_state.split_call(args, kwargs, self._static_argnums, self._static_argnames)
+        if split is None:
+            return self, args, kwargs, None
+        with self._lock:
+            if self._graph is None:
+                self._graph = Optimized(
+                    nnx_state.pure_function(self._fn),
+                    kernel=self._kernel,
+                    platform=self._platform,
+                    interpret=self._interpret,
+                    static_argnums=(0, *(i + 2 for i in self._static_argnums)),
+                    static_argnames=tuple(self._static_argnames),
+                    cache_size=self._cache_size,
+                    strict=self._strict,
+                )
+                self._graph._routes = False
+        return self._graph, (split.graphdef, split.state, *split.args), split.kwargs, split
 
     @property
     def reports(self) -> tuple[Report, ...]:
@@ -154,7 +188,8 @@ class Optimized:
         (e.g. ``reports[-1]`` after a call inside ``vmap`` or ``shard_map``,
         where the signature is the per-example or per-shard one)."""
         with self._lock:
-            return tuple(e.report for e in self._cache.values())
+            graph = self._graph.reports if self._graph is not None else ()
+            return graph + tuple(e.report for e in self._cache.values())
 
     def cache_info(self) -> dict:
         return {"size": len(self._cache), "max_size": self._cache_size, "traces": self.traces}
@@ -164,6 +199,8 @@ class Optimized:
         with self._lock:
             self._cache.clear()
             self._jitted.clear_cache()
+            if self._graph is not None:
+                self._graph.clear_cache()
         release_freed_memory()
 
     def __get__(self, obj, objtype=None):

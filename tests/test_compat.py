@@ -353,3 +353,18 @@ def test_cuda_versions():
         importlib.import_module("jax._src.lib").cuda_versions  # noqa: B018 - None without CUDA
         version = compat.cudnn_version()
         assert version is None or version > 0
+
+
+def test_nnx_graph_state():
+    """Flax NNX's split/merge/state/update, as flashpass/nnx_state.py uses them."""
+    nnx = pytest.importorskip("flax.nnx")
+    with uses("flax.nnx split/merge/state/update and graph.is_graph_node"):
+        model = nnx.Linear(2, 3, rngs=nnx.Rngs(0))
+        assert compat.is_graph_node(model) and not compat.is_graph_node(jnp.ones(2))
+        graphdef, state = compat.split_nodes((model,))
+        (fresh,) = compat.merge_nodes(graphdef, state)
+        assert fresh is not model
+        fresh.bias[...] = jnp.ones(3)
+        compat.update_nodes((model,), compat.node_state((fresh,)))
+        np.testing.assert_array_equal(np.asarray(model.bias[...]), np.ones(3))
+        assert hash(graphdef) == hash(compat.split_nodes((model,))[0])

@@ -87,6 +87,13 @@ from ._kernels import (  # noqa: F401
     tpu_paged_attention_module,
     traced_with,
 )
+from ._nnx import (  # noqa: F401
+    is_graph_node,
+    merge_nodes,
+    node_state,
+    split_nodes,
+    update_nodes,
+)
 from ._random import (  # noqa: F401
     is_key_dtype,
     prng_impl_name,

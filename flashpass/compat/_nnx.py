@@ -1,0 +1,44 @@
+"""Flax NNX graph state: the few NNX calls flashpass makes, in one place.
+
+NNX modules and optimizers are *graph nodes*: objects whose variables a step
+updates in place.  A ``jax.jit`` only sees them as pytrees (Flax 0.12), so
+updates made inside are lost.  flashpass does what ``nnx.jit`` does: split the
+nodes to their pure state before tracing, merge it into fresh nodes inside,
+and write the state they end with back into the caller's nodes.  Flax is never
+imported here unless the caller already has (``sys.modules``): flashpass does
+not depend on it.
+"""
+
+from __future__ import annotations
+
+import sys
+
+
+def _nnx():
+    return sys.modules.get("flax.nnx")
+
+
+def is_graph_node(x) -> bool:
+    """Whether ``x`` is an NNX graph node (a module, optimizer, variable...)."""
+    nnx = _nnx()
+    return nnx is not None and nnx.graph.is_graph_node(x)
+
+
+def split_nodes(nodes: tuple):
+    """``(graphdef, state)`` of the nodes together (shared references kept)."""
+    return _nnx().split(nodes)
+
+
+def merge_nodes(graphdef, state) -> tuple:
+    """Fresh nodes built from ``split_nodes``'s result."""
+    return _nnx().merge(graphdef, state)
+
+
+def node_state(nodes: tuple):
+    """The current state of ``nodes`` (the structure ``split_nodes`` gives)."""
+    return _nnx().state(nodes)
+
+
+def update_nodes(nodes: tuple, state) -> None:
+    """Write ``state`` into the caller's nodes in place."""
+    _nnx().update(nodes, state)
