@@ -100,7 +100,36 @@ def match_site(scope: Scope, soft) -> AttentionSite | Miss:
             return site
         if fallback is None or (not fallback and site):
             fallback = site
+    if not fallback and fallback.reason.startswith(PV_CONTRACTS_QUERY):
+        better = _users_roles_miss(scope, soft, chain, positions[soft.axis])
+        return fallback if better is None else better  # (a Miss is falsy)
     return fallback
+
+
+PV_CONTRACTS_QUERY = "P·V contracts the query axis"
+
+
+def _users_roles_miss(scope: Scope, soft, chain, key_axis: int) -> Miss | None:
+    """The miss of the reading that keeps the user's roles, when it explains more.
+
+    The softmax axis names the key operand.  A softmax over the query axis of
+    ``q·kᵀ`` (``axis=-2``) therefore reads ``q`` as the key, and that reading
+    fails later, at P·V, with a message about the wrong thing.  Read with the
+    first operand as the query (as written), the site fails where the user's
+    mistake is: the softmax axis."""
+    dot = chain.dot
+    (lc, rc), (lb, rb) = dot.params["dimension_numbers"]
+    nb = len(lb)
+    lfree = len(scope.shape(dot.ins[0])) - len(lc) - nb
+    rfree = len(scope.shape(dot.ins[1])) - len(rc) - len(rb)
+    if not nb <= key_axis < nb + lfree or rfree != 1:
+        return None  # the key already is the second operand
+    readings = score_products(scope, dot, nb + lfree)
+    for sp in readings or ():
+        site = _build_site(scope, soft, chain, sp)
+        if not site and site.reason.startswith("softmax is over the query axis"):
+            return site
+    return None
 
 
 def _build_site(scope: Scope, soft, chain, sp) -> AttentionSite | Miss:
@@ -117,9 +146,13 @@ def _build_site(scope: Scope, soft, chain, sp) -> AttentionSite | Miss:
     ops, extras, roles = build.ops, build.extras, build.roles
 
     if roles[soft.axis] != "S":
+        fix = ""
+        if "S" in roles:  # say which axis to normalise over instead
+            axis = roles.index("S") - len(roles)
+            fix = f"; normalise over the key axis, the one P·V contracts (axis={axis})"
         return Miss(
             f"softmax is over the {_role_name(roles[soft.axis])} axis, not the key axis"
-            f"{where(soft.exp)}",
+            f"{where(soft.exp)}{fix}",
             soft.exp,
         )
     # A deferred sum (and the cast widening it) already belongs to the site.
