@@ -18,7 +18,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from flashpass.kernels import Kernel
+from flashpass.kernels import Kernel, get_kernel
 
 from . import compat, errors, nnx_state, pipeline
 from .report import Report
@@ -133,9 +133,18 @@ class Optimized:
             out, state = target(*args, **kwargs)
             nnx_state.write_back(split, state)
             return out
+        foreign = self._platform is not None and self._platform != current_platform()
+        if foreign and not _traced(args, kwargs):  # it would run here, now: check first
+            self._check_runs_here(args, kwargs)
         try:
             return self._jitted(*args, **kwargs)
-        except (TypeError, ValueError, OverflowError) as err:
+        except errors.PlatformError:
+            raise
+        except Exception as err:
+            if foreign:  # lowering a kernel of the other platform here failed
+                self._check_runs_here(args, kwargs, cause=err)
+            if not isinstance(err, TypeError | ValueError | OverflowError):
+                raise
             # ``jit`` rejected the arguments, or the function raised: say which
             # argument is wrong and how to pass it, when that is the cause.
             problem = self._input_problem(args, kwargs)
@@ -157,6 +166,23 @@ class Optimized:
         """The ``ClosedJaxpr`` of the original function for these arguments."""
         target, args, kwargs, _ = self._route(args, kwargs)
         return target._entry(args, kwargs)[0].original
+
+    def _check_runs_here(self, args, kwargs, cause=None) -> None:
+        """Raise `errors.PlatformError` when a kernel of the program built for
+        ``platform=`` cannot run on this host."""
+        host = current_platform()
+        report = self._entry(args, kwargs)[0].report
+        foreign = {}
+        for r in report.rewrites:
+            if r.kernel == "ring":
+                continue  # its steps are the kernels below or plain JAX
+            kernel = get_kernel(r.kernel)
+            interpretable = host in kernel.interpret_platforms
+            if host not in kernel.platforms and not (self._interpret and interpretable):
+                foreign[r.kernel] = interpretable
+        if foreign:
+            name = getattr(self._fn, "__qualname__", "the function")
+            raise errors.platform_mismatch(name, self._platform, host, foreign) from cause
 
     def _route(self, args, kwargs):
         """``(optimized, args, kwargs, split)``: ``self`` and the arguments as
@@ -369,6 +395,17 @@ class Optimized:
             full_args, full_kwargs = rebuild(d_args, d_kwargs)
             return self._fn(*full_args, **full_kwargs)
 
+        # Tracing errors name the user's function and argument paths, not flat_fn.
+        example_args, example_kwargs = rebuild(*jax.tree_util.tree_unflatten(in_tree, avals))
+        compat.trace_as(
+            flat_fn,
+            self._fn,
+            example_args,
+            example_kwargs,
+            self._static_argnums,
+            self._static_argnames,
+            len(avals),
+        )
         closed, out_shape = pipeline.trace(flat_fn, avals)
         out_tree = jax.tree_util.tree_structure(out_shape)
         platform = self._platform or current_platform()
@@ -479,6 +516,13 @@ def _leaf_path(in_tree, index) -> str:
         if leaf == index:
             return jax.tree_util.keystr(path)
     return f"#{index}"
+
+
+def _traced(args, kwargs) -> bool:
+    """Whether the call is being traced (e.g. under an outer ``jit`` or
+    ``jax.export``, which may lower for another platform than this host)."""
+    leaves = jax.tree_util.tree_leaves((args, kwargs))
+    return any(isinstance(x, jax.core.Tracer) for x in leaves)
 
 
 def _holds_tracers(consts) -> bool:

@@ -368,3 +368,20 @@ def test_nnx_graph_state():
         compat.update_nodes((model,), compat.node_state((fresh,)))
         np.testing.assert_array_equal(np.asarray(model.bias[...]), np.ones(3))
         assert hash(graphdef) == hash(compat.split_nodes((model,))[0])
+
+
+def test_trace_as_names_the_function():
+    """jax._src.api_util.debug_info / save_wrapped_fun_debug_info: a wrapper
+    over flat leaves traces under the user's function's name and argument paths."""
+
+    def user(x, y):
+        return x + float(y["b"])  # concretization error on y['b']
+
+    def flat(*leaves):
+        return user(leaves[0], {"b": leaves[1]})
+
+    with uses("jax._src.api_util.debug_info / save_wrapped_fun_debug_info"):
+        compat.trace_as(flat, user, (1.0, {"b": 2.0}), {}, (), (), 2)
+    with pytest.raises(Exception) as info:
+        jax.make_jaxpr(flat)(1.0, 2.0)
+    assert "user at" in str(info.value) and "y['b']" in str(info.value), str(info.value)
