@@ -41,6 +41,7 @@ class _Entry:
     rewritten: Any  # ClosedJaxpr after the pass
     out_tree: Any
     report: Report
+    logged: bool = False  # whether the report was logged (when the program is staged)
 
 
 class Optimized:
@@ -113,6 +114,9 @@ class Optimized:
 
         def staged(*args, **kwargs):
             entry, leaves = this()._entry(args, kwargs)
+            if not entry.logged:  # the rewritten program is being staged: now it runs
+                entry.logged = True
+                pipeline.log_report(entry.report, this()._name())
             outs = compat.jaxpr_as_fun(entry.rewritten)(*leaves)
             return jax.tree_util.tree_unflatten(entry.out_tree, outs)
 
@@ -287,6 +291,10 @@ class Optimized:
             strict=self._strict,
         )
 
+    def _name(self) -> str:
+        name = getattr(self._fn, "__qualname__", None)
+        return name if isinstance(name, str) else "function"
+
     def __repr__(self) -> str:
         name = getattr(self._fn, "__qualname__", repr(self._fn))
         return f"<flashpass.optimize of {name}>"
@@ -416,9 +424,7 @@ class Optimized:
                 platform=platform,
                 interpret=self._interpret,
             )
-        name = getattr(self._fn, "__qualname__", "function")
-        pipeline.log_report(report, name)
-        pipeline.dump(name, closed, rewritten, report)
+        pipeline.dump(self._name(), closed, rewritten, report)
         return _Entry(closed, rewritten, out_tree, report)
 
 

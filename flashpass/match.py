@@ -227,7 +227,7 @@ def _build_site(scope: Scope, soft, chain, sp) -> AttentionSite | Miss:
         extras=tuple(ExtraSpec(shape, e.dtype) for shape, e in _ops_extras(ops, extras, layout)),
     )
     pieces = [type(op).__name__.lower() for op in ops]
-    if layout.grouped:
+    if layout.grouped and layout.sizes["G"] > 1:  # a unit group is plain attention
         pieces.insert(0, "grouped")
     site = AttentionSite(
         scope_prefix=scope.prefix,

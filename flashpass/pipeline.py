@@ -28,7 +28,7 @@ import numpy as np
 from flashpass.kernels import CheckContext
 from flashpass.patterns.common import Miss
 
-from . import compat, errors, sharding
+from . import compat, errors, layers, sharding
 from . import ring_steps as ring_plan
 from .backward import match_backward
 from .graph import build_scopes
@@ -101,7 +101,9 @@ def match(scopes, where_is: dict) -> _Matched:
             )
             found.errors.append(error)
         else:
-            found.fallbacks.append(Fallback(miss.location, miss.reason, scope_name))
+            found.fallbacks.append(
+                Fallback(miss.location, miss.reason, scope_name, layer=layers.layer_of(miss.node))
+            )
     return found
 
 
@@ -125,6 +127,7 @@ def choose_kernels(sites, kernels, ctx: CheckContext, interpret: bool, where_is:
                     where_is[scope.prefix],
                     site.pattern,
                     rejections,
+                    layer=layers.layer_of(site.root),
                 )
             )
             continue
@@ -186,7 +189,13 @@ def run_pass(
         reason = kept.get(p.site.root.path)
         if reason is not None:
             report.fallbacks.append(
-                Fallback(p.site.location, reason, where_is[p.site.scope_prefix], p.site.pattern)
+                Fallback(
+                    p.site.location,
+                    reason,
+                    where_is[p.site.scope_prefix],
+                    p.site.pattern,
+                    layer=layers.layer_of(p.site.root),
+                )
             )
     planned = [p for p in planned if p.site.root.path not in kept]
     if not planned:
@@ -320,7 +329,7 @@ def _rewrite_entry(p: PlannedSite, scope_name: str, shard=None) -> Rewrite:
         kernel="ring" if ring else p.kernel.name,  # a sequence-sharded site (ring.py)
         ring_steps=ring_steps,
         location=p.site.location,
-        q_shape=p.site.q.shape,
+        q_shape=layers.shown_shape(p.site.q, p.site.layout),
         k_shape=p.site.k.shape,
         v_shape=p.site.v.shape,
         dtype=np.dtype(spec.q_dtype).name,
@@ -332,6 +341,8 @@ def _rewrite_entry(p: PlannedSite, scope_name: str, shard=None) -> Rewrite:
         spec=spec.describe(),
         rejected=dict(p.rejected),
         backward=p.site.backward is not None,
+        layer=layers.layer_of(p.site.root),
+        dropout=spec.dropout is not None,
     )
 
 

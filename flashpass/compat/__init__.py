@@ -15,7 +15,7 @@ test names it and the installed version.
 
 from __future__ import annotations
 
-from ._debug import trace_as  # noqa: F401
+from ._debug import name_stack, trace_as  # noqa: F401
 from ._jaxpr import (  # noqa: F401
     _BODY_TYPES,
     _CAN_EMIT,

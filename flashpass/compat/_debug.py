@@ -29,3 +29,9 @@ def trace_as(wrapper, fn, args, kwargs, static_argnums, static_argnames, num_lea
     )
     if info.arg_names is not None and len(info.arg_names) == num_leaves:
         api_util.save_wrapped_fun_debug_info(wrapper, info)
+
+
+def name_stack(eqn) -> str:
+    """The JAX name stack an equation was traced under (``jax.named_scope``,
+    Flax module paths), e.g. ``"Model/decoder/layers_3/attn/jvp(attn)"``."""
+    return str(eqn.source_info.name_stack)
