@@ -52,8 +52,8 @@ def split_call(args, kwargs, static_argnums, static_argnames) -> Split | None:
     ids: dict[int, int] = {}  # one slot per node object, however often it is passed
 
     def take(x):
-        if not compat.is_graph_node(x):
-            return x
+        if not compat.is_graph_object(x):
+            return x  # a value (an array, a variable, a State): a pytree, as before
         if id(x) not in ids:
             ids[id(x)] = len(nodes)
             nodes.append(x)

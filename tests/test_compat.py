@@ -361,6 +361,8 @@ def test_nnx_graph_state():
     with uses("flax.nnx split/merge/state/update and graph.is_graph_node"):
         model = nnx.Linear(2, 3, rngs=nnx.Rngs(0))
         assert compat.is_graph_node(model) and not compat.is_graph_node(jnp.ones(2))
+        assert compat.is_graph_object(model) and not compat.is_graph_object(model.bias)
+        assert not compat.is_graph_object(nnx.state(model))
         graphdef, state = compat.split_nodes((model,))
         (fresh,) = compat.merge_nodes(graphdef, state)
         assert fresh is not model

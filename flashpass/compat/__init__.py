@@ -90,6 +90,7 @@ from ._kernels import (  # noqa: F401
 )
 from ._nnx import (  # noqa: F401
     is_graph_node,
+    is_graph_object,
     merge_nodes,
     node_state,
     split_nodes,

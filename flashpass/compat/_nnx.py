@@ -24,6 +24,15 @@ def is_graph_node(x) -> bool:
     return nnx is not None and nnx.graph.is_graph_node(x)
 
 
+def is_graph_object(x) -> bool:
+    """Whether ``x`` is an NNX object whose variables a function may update in
+    place: a module, optimizer or ``Rngs`` (``nnx.Pytree``; ``nnx.Object``
+    before Flax 0.12).  Variables and ``State``s passed as values are not."""
+    nnx = _nnx()
+    base = getattr(nnx, "Pytree", None) or getattr(nnx, "Object", None)
+    return base is not None and isinstance(x, base)
+
+
 def split_nodes(nodes: tuple):
     """``(graphdef, state)`` of the nodes together (shared references kept)."""
     return _nnx().split(nodes)
