@@ -9,6 +9,7 @@ or, without one, the nearest frame of the user's own code.
 
 from __future__ import annotations
 
+import functools
 import os
 import pathlib
 import re
@@ -44,6 +45,7 @@ def layer_of(node) -> str:
     return ""
 
 
+@functools.cache
 def _library_dirs() -> tuple[str, ...]:
     paths = sysconfig.get_paths()
     found = {paths.get(k) for k in ("purelib", "platlib", "stdlib", "platstdlib")}
@@ -56,24 +58,30 @@ def _is_library(file: str) -> bool:
 
 
 def display_path(location: str | None) -> str:
-    """``location`` (``"path:LINE"``) relative to the innermost of the working
-    directory and the ``sys.path`` entries holding it (``examples/gpt.py:12``,
-    ``flax/linen/attention.py:250``), else as given; ``"?"`` when unknown."""
+    """``location`` (``"path:LINE"``) as the report shows it: a library's file
+    relative to its ``sys.path`` entry (``flax/linen/attention.py:250``), another
+    file under the working directory relative to it (``examples/gpt.py:12``),
+    else relative to the innermost ``sys.path`` entry holding it, else as given;
+    ``"?"`` when unknown."""
     if not location:
         return "?"
     path, sep, line = location.rpartition(":")
     if not sep or not os.path.isabs(path):
         return location
     real = os.path.realpath(path)
-    roots = [os.getcwd(), *(p for p in sys.path if p and os.path.isabs(p))]
-    best = None
-    for root in roots:
-        root = os.path.realpath(root)
-        if real.startswith(root + os.sep) and (best is None or len(root) > len(best)):
-            best = root  # the longest: a site-packages inside the working directory wins
-    if best is None:
+    cwd = os.path.realpath(os.getcwd())
+    roots = [os.path.realpath(p) for p in sys.path if p and os.path.isabs(p)]
+    if not _is_library(real) and _under(real, cwd):
+        roots = [cwd]
+    under = [r for r in roots if _under(real, r)]
+    if not under:
         return location
-    return os.path.relpath(real, best).replace(os.sep, "/") + ":" + line
+    root = max(under, key=len)
+    return os.path.relpath(real, root).replace(os.sep, "/") + ":" + line
+
+
+def _under(path: str, root: str) -> bool:
+    return path.startswith(root.rstrip(os.sep) + os.sep)
 
 
 def shown_shape(operand, layout) -> tuple:

@@ -101,3 +101,44 @@ def test_blockwise_kernel_importable():
     from flashpass.kernels import BlockwiseKernel, get_kernel
 
     assert isinstance(get_kernel("blockwise"), BlockwiseKernel)
+
+
+def test_logging_recipe_shows_flashpass_lines_only(capsys):
+    """docs/report.md's logging block: the flashpass lines reach stderr, once the
+    program runs (not on explain), and nothing of JAX's."""
+    import logging
+
+    import jax
+    import jax.numpy as jnp
+
+    import flashpass
+
+    text = (ROOT / "docs" / "report.md").read_text()
+    section = text[text.index("## Logging") :]
+    code = section.split("```python\n", 1)[1].split("```", 1)[0]
+    log = logging.getLogger("flashpass")
+    saved = (log.level, log.propagate, list(log.handlers))
+    try:
+        exec(compile(code, "docs/report.md", "exec"), {})
+
+        def attention(q, k, v):
+            s = jnp.einsum("bqhd,bkhd->bhqk", q, k)
+            return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1), v)
+
+        q = jnp.ones((1, 16, 2, 8))
+        opt = flashpass.optimize(attention, kernel="blockwise")
+        opt.explain(q, q, q)
+        assert capsys.readouterr().err == ""
+        jax.jit(opt)(q, q, q)
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert len(lines) == 1 and "attention: rewrote attention at" in lines[0], lines
+    finally:
+        log.setLevel(saved[0])
+        log.propagate = saved[1]
+        log.handlers[:] = saved[2]
+
+
+def test_doc_pages_are_linked_from_the_readme():
+    readme = (ROOT / "README.md").read_text()
+    for page in ("docs/nnx.md", "docs/report.md"):
+        assert f"]({page})" in readme and (ROOT / page).exists(), page
