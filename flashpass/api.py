@@ -113,10 +113,15 @@ class Optimized:
         this = weakref.ref(self)  # no cycle: the jit below lives in self
 
         def staged(*args, **kwargs):
-            entry, leaves = this()._entry(args, kwargs)
+            opt = this()
+            entry, leaves = opt._entry(args, kwargs)
             if not entry.logged:  # the rewritten program is being staged: now it runs
                 entry.logged = True
-                pipeline.log_report(entry.report, this()._name())
+                pipeline.log_report(entry.report, opt._name())
+            error = opt._platform_errors(entry.report)
+            if error is not None and leaves:  # lowered for a platform its kernels miss: say so
+                runs_on = tuple(p for p in PLATFORMS if error.runs_on(p))
+                leaves = [compat.platform_guard(leaves[0], runs_on, error), *leaves[1:]]
             outs = compat.jaxpr_as_fun(entry.rewritten)(*leaves)
             return jax.tree_util.tree_unflatten(entry.out_tree, outs)
 
@@ -174,19 +179,21 @@ class Optimized:
     def _check_runs_here(self, args, kwargs, cause=None) -> None:
         """Raise `errors.PlatformError` when a kernel of the program built for
         ``platform=`` cannot run on this host."""
-        host = current_platform()
-        report = self._entry(args, kwargs)[0].report
-        foreign = {}
-        for r in report.rewrites:
-            if r.kernel == "ring":
-                continue  # its steps are the kernels below or plain JAX
-            kernel = get_kernel(r.kernel)
-            interpretable = host in kernel.interpret_platforms
-            if host not in kernel.platforms and not (self._interpret and interpretable):
-                foreign[r.kernel] = interpretable
-        if foreign:
-            name = getattr(self._fn, "__qualname__", "the function")
-            raise errors.platform_mismatch(name, self._platform, host, foreign) from cause
+        errors_for = self._platform_errors(self._entry(args, kwargs)[0].report)
+        error = None if errors_for is None else errors_for(current_platform())
+        if error is not None:
+            raise error from cause
+
+    def _platform_errors(self, report: Report):
+        """``error(platform)``: the `errors.PlatformError` for running this
+        report's program on ``platform`` (None where it runs); None when the
+        program runs everywhere or no ``platform=`` was named."""
+        if self._platform is None:
+            return None
+        kernels = [get_kernel(r.kernel) for r in report.rewrites if r.kernel != "ring"]
+        if all(set(PLATFORMS) <= set(k.platforms) for k in kernels):
+            return None
+        return _PlatformErrors(self._name(), self._platform, self._interpret, tuple(kernels))
 
     def _route(self, args, kwargs):
         """``(optimized, args, kwargs, split)``: ``self`` and the arguments as
@@ -426,6 +433,31 @@ class Optimized:
             )
         pipeline.dump(self._name(), closed, rewritten, report)
         return _Entry(closed, rewritten, out_tree, report)
+
+
+@dataclasses.dataclass(frozen=True)
+class _PlatformErrors:
+    """``self(host)``: the error for running a program built for ``built_for``
+    (with ``kernels``) on ``host``, or None where they all run there (also the
+    guard's lowering check, `compat.platform_guard`)."""
+
+    name: str
+    built_for: str
+    interpret: bool
+    kernels: tuple
+
+    def runs_on(self, host: str) -> bool:
+        return self(host) is None
+
+    def __call__(self, host: str):
+        foreign = {}
+        for kernel in self.kernels:
+            interpretable = host in kernel.interpret_platforms
+            if host not in kernel.platforms and not (self.interpret and interpretable):
+                foreign[kernel.name] = interpretable
+        if not foreign:
+            return None
+        return errors.platform_mismatch(self.name, self.built_for, host, foreign)
 
 
 class _BoundMethod:

@@ -387,3 +387,28 @@ def test_trace_as_names_the_function():
     with pytest.raises(Exception) as info:
         jax.make_jaxpr(flat)(1.0, 2.0)
     assert "user at" in str(info.value) and "y['b']" in str(info.value), str(info.value)
+
+
+def test_platform_guard():
+    """jax.extend.core.Primitive with mlir.register_lowering(platform=...),
+    ad.primitive_jvps and batching.primitive_batchers: the guard is the
+    identity where it may run and raises the caller's error where it may not."""
+
+    class Refused(Exception):
+        pass
+
+    def refused(platform):
+        return Refused(platform)
+
+    host = {"cuda": "gpu", "rocm": "gpu"}.get(jax.default_backend(), jax.default_backend())
+    x = jnp.arange(3.0)
+    with uses("jax.extend.core.Primitive / jax.interpreters.mlir, ad, batching"):
+        ok = jax.jit(lambda x: compat.platform_guard(x, (host,), refused) * 2)
+        np.testing.assert_array_equal(np.asarray(ok(x)), np.arange(3.0) * 2)
+        grad = jax.grad(lambda x: compat.platform_guard(x, (host,), refused).sum())(x)
+        np.testing.assert_array_equal(np.asarray(grad), np.ones(3))
+        batched = jax.vmap(lambda x: compat.platform_guard(x, (host,), refused))(x[:, None])
+        assert batched.shape == (3, 1)
+    elsewhere = tuple(p for p in ("cpu", "gpu", "tpu") if p != host)
+    with pytest.raises(Refused, match=host):
+        jax.jit(lambda x: compat.platform_guard(x, elsewhere, refused))(x)

@@ -60,3 +60,15 @@ def test_bad_argument_names_the_function_and_path():
     assert "flat_fn" not in text and "leaves[" not in text, text
     assert "the function attention at" in text, text
     assert "argument q[0][0][0][0]" in text, text
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="needs a CPU host")
+def test_program_for_another_platform_under_jit_says_so():
+    """The first call under jax.jit: lowering for this host meets the guard first."""
+    opt = flashpass.optimize(attention, platform="gpu")
+    with pytest.raises(PlatformError, match="optimized for platform='gpu'"):
+        jax.jit(opt)(Q, Q, Q)
+    with pytest.raises(PlatformError, match="interpret=True"):
+        jax.jit(jax.grad(lambda q: opt(q, Q, Q).sum()))(Q)
+    # a program whose kernels run here gets no guard
+    assert "platform_guard" not in str(jax.make_jaxpr(flashpass.optimize(attention))(Q, Q, Q))

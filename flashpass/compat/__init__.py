@@ -16,6 +16,7 @@ test names it and the installed version.
 from __future__ import annotations
 
 from ._debug import name_stack, trace_as  # noqa: F401
+from ._guard import platform_guard  # noqa: F401
 from ._jaxpr import (  # noqa: F401
     _BODY_TYPES,
     _CAN_EMIT,
