@@ -48,6 +48,8 @@ def split_call(args, kwargs, static_argnums, static_argnames) -> Split | None:
 
     Static arguments are left alone (they are part of the cache key).
     """
+    if not compat.nnx_loaded():
+        return None
     nodes: list = []
     ids: dict[int, int] = {}  # one slot per node object, however often it is passed
 

@@ -93,6 +93,7 @@ from ._nnx import (  # noqa: F401
     is_graph_node,
     is_graph_object,
     merge_nodes,
+    nnx_loaded,
     node_state,
     split_nodes,
     update_nodes,

@@ -18,6 +18,11 @@ def _nnx():
     return sys.modules.get("flax.nnx")
 
 
+def nnx_loaded() -> bool:
+    """Whether the program uses Flax NNX at all (it is imported)."""
+    return _nnx() is not None
+
+
 def is_graph_node(x) -> bool:
     """Whether ``x`` is an NNX graph node (a module, optimizer, variable...)."""
     nnx = _nnx()
