@@ -32,7 +32,7 @@ class Rewrite:
     #: step) was replaced too: the report's "forward+backward".
     backward: bool = False
     #: A ring (``kernel == "ring"``): the kernels its steps run, e.g.
-    #: ``"blockwise"``, ``"splash, plain JAX"`` (`flashpass.ring_steps`).
+    #: ``"blockwise"``, ``"splash, plain JAX"`` (`flashpass.ring.cases`).
     ring_steps: str = ""
     #: Which layer of the model: the JAX name stack of the site (Flax module
     #: paths, ``jax.named_scope``), e.g. ``"Model/decoder/layers_3/attn"``, else
