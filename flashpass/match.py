@@ -161,7 +161,7 @@ def match_site(scope: Scope, soft) -> AttentionSite | Escaped | Miss:
             return site
         if fallback is None or (not fallback and site):
             fallback = site
-    if not fallback and fallback.reason.startswith(PV_CONTRACTS_QUERY):
+    if isinstance(fallback, Miss) and fallback.reason.startswith(PV_CONTRACTS_QUERY):
         better = _users_roles_miss(scope, soft, chain, positions[soft.axis])
         return fallback if better is None else better  # (a Miss is falsy)
     return fallback
@@ -188,7 +188,7 @@ def _users_roles_miss(scope: Scope, soft, chain, key_axis: int) -> Miss | None:
     readings = score_products(scope, dot, nb + lfree)
     for sp in readings or ():
         site = _build_site(scope, soft, chain, sp)
-        if not site and site.reason.startswith("softmax is over the query axis"):
+        if isinstance(site, Miss) and site.reason.startswith("softmax is over the query axis"):
             return site
     return None
 
