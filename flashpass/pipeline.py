@@ -33,10 +33,12 @@ from . import ring_steps as ring_plan
 from .backward import match_backward
 from .graph import build_scopes
 from .match import find_sites
+from .ops import KINDS
 from .report import Fallback, InternalError, Report, Rewrite
 from .rewrite import Plan, PlannedSite, rewrite
 from .scans import match_pair, match_remat
 from .select import choose, resolve_order
+from .spec import Bias, Causal
 
 logger = logging.getLogger("flashpass")
 
@@ -287,18 +289,6 @@ def _failure_for(plan: Plan, prefix: tuple) -> str | None:
 
 
 def _rewrite_entry(p: PlannedSite, scope_name: str, shard=None) -> Rewrite:
-    from flashpass.spec import (
-        Bias,
-        Causal,
-        Chunk,
-        KvLengths,
-        Mask,
-        Prefix,
-        Segments,
-        Sink,
-        Window,
-    )
-
     spec = p.site.spec
     ring = shard is not None and shard.ring is not None
     ring_steps = ""
@@ -310,11 +300,7 @@ def _rewrite_entry(p: PlannedSite, scope_name: str, shard=None) -> Rewrite:
             ring_steps = f"{balanced.kernel.name}, zig-zag"
     # Name each structured descriptor (e.g. "causal+window"), so a site the
     # kernel runs as an O(T) descriptor is told apart from a dense mask.
-    words = {Causal: "causal", Window: "window", Chunk: "chunk", Prefix: "prefix"}
-    words.update({Segments: "segments", KvLengths: "kv_lengths", Sink: "sinks"})
-    kinds = [word for kind, word in words.items() if spec.ops_of(kind)]
-    if spec.ops_of(Mask):
-        kinds.append("boolean")
+    kinds = [kind.word for kind in KINDS if kind.word and spec.ops_of(kind)]
     return Rewrite(
         pattern=p.site.pattern,
         kernel="ring" if ring else p.kernel.name,  # a sequence-sharded site (ring.py)

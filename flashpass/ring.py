@@ -57,7 +57,8 @@ from jax import lax
 
 from flashpass import compat
 from flashpass.kernels.dropout import apply_dropout, keep_mask
-from flashpass.kernels.reference import kv_valid_lengths, sink_cotangent, structured_keep
+from flashpass.kernels.reference import sink_cotangent
+from flashpass.ops import valid_lengths
 
 from . import ring_steps
 from .spec import (
@@ -251,7 +252,7 @@ def _ring(
                 if op.right is not None:
                     ok &= k0 <= q_last + op.right
         if by_length:
-            valid = [kv_valid_lengths(op, extras[op.index], spec.kv_len * n) for op in lengths]
+            valid = [valid_lengths(op, extras[op.index], spec.kv_len * n) for op in lengths]
             for x in valid:
                 ok &= k0 < jnp.max(x)
             # A row with no key needs every key's fill: then nothing is skipped.
@@ -285,12 +286,12 @@ def _ring(
             elif isinstance(op, Causal):
                 keep = cols <= rows + op.offset
             elif isinstance(op, KvLengths):
-                valid = kv_valid_lengths(op, extras[op.index], spec.kv_len * n)
+                valid = valid_lengths(op, extras[op.index], spec.kv_len * n)
                 keep = cols < heads5(valid)  # (T axis: the local queries' own limits, or 1)
             elif isinstance(op, Segments):
                 keep = heads5(extras[op.q_index]) == heads5(extras[op.kv_index])
             else:
-                keep = structured_keep(op, extras, rows, cols)
+                keep = op.keep(rows, cols, extras)
             s = jnp.where(keep, s, op.fill)
         return s
 

@@ -46,7 +46,6 @@ import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from flashpass.patterns.regroup import Merged
-from flashpass.spec import Bias, Mask
 
 from . import compat, errors, ring, zigzag
 from .graph import Const
@@ -605,10 +604,7 @@ def localize(site: AttentionSite, counts: dict) -> AttentionSite:
         )
 
     spec = site.spec
-    ops = tuple(
-        dataclasses.replace(op, shape=shape4(op.shape)) if isinstance(op, Bias | Mask) else op
-        for op in spec.score_ops
-    )
+    ops = tuple(op.localized(shape4) for op in spec.score_ops)
     spec = dataclasses.replace(
         spec,
         batch=layout.batch,

@@ -15,9 +15,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from flashpass.ops import valid_lengths
 from flashpass.spec import AttentionSpec, Bias, KvLengths, Mask
 
-from ..reference import apply_score_ops, kv_valid_lengths
+from ..reference import apply_score_ops
 from .plan import Plan
 
 # --------------------------------------------------------------------------- loops
@@ -159,7 +160,7 @@ def tile_score_fn(
     def f(s, biases):
         ex = [extra_rows(plan, biases.get(i, x)) for i, x in enumerate(ex_tile)]
         for i, op in lengths.items():
-            n = kv_valid_lengths(op, ex[i], spec.kv_len)
+            n = valid_lengths(op, ex[i], spec.kv_len)
             ex[i] = k_pos[None, :] < n  # [.., 1, bk]: transposed with the others below
         if transposed:
             ex = [jnp.swapaxes(x, -1, -2) for x in ex]
