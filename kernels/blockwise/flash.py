@@ -23,7 +23,6 @@ from .. import _util
 from ..dropout import apply_dropout, keep_mask
 from ..reference import sink_cotangent
 from . import heads
-from .bounds import segments_case
 from .plan import Plan, Plans
 from .tiles import (
     add_at,
@@ -40,9 +39,11 @@ from .tiles import (
     q_tile,
     row_pos,
     scaled_q,
+    segmented,
     skipped_score_of,
     slice_s,
     slice_t,
+    tile_runs,
     tile_score_fn,
 )
 
@@ -136,27 +137,19 @@ def forward(plan: Plan, q, k, v, extras):
             n = jnp.asarray(jnp.minimum(bk, spec.kv_len - ik * bk)).astype(cdt)
             return fold(state, n, lax.dynamic_slice_in_dim(vblocks, ik, 1, axis=2))
 
-        def segmented(edge):
-            # Tiles whose query and key segment ids cannot meet are skipped at
-            # run time (their keys score c: folded in when c is finite), and
-            # tiles inside one segment run without the segment mask.
-            if plan.segments is None:
-                return kv_body(edge)
-            op = plan.segments
-            qids = ex_q[op.q_index]
-            branches = (skipped, kv_body(edge), kv_body(edge, one_segment=True))
-
-            def run(ik, state):
-                kids = slice_s(ex_q[op.kv_index], ik * bk, bk)
-                return lax.switch(segments_case(qids, kids), branches, ik, state)
-
-            return run
-
-        kstart, kfs = bound(plan.kstart, iq), bound(plan.kfs, iq)
-        kfull, kend = bound(plan.kfull, iq), bound(plan.kend, iq)
-        state = loop(kstart, kfs, segmented(True), state)
-        state = loop(kfs, kfull, segmented(False), state)
-        m, den, acc = loop(kfull, kend, segmented(True), state)
+        # Tiles whose query and key segment ids cannot meet are skipped at run
+        # time (their keys score c: folded in when c is finite), and tiles
+        # inside one segment run without the segment mask.
+        op = plan.segments
+        run = segmented(
+            plan,
+            kv_body,
+            skipped,
+            lambda ik: (ex_q[op.q_index], slice_s(ex_q[op.kv_index], ik * bk, bk)),
+        )
+        table = ("kstart", "kfs", "kfull", "kend")
+        m, den, acc = tile_runs(plan, table, iq, run, state)
+        kstart, kend = bound(plan.kstart, iq), bound(plan.kend, iq)
         if plan.skipped_score is not None:
             # The keys outside [kstart, kend) blocks: a prefix and a suffix.
             first, last = bound(plan.kstart_key, iq), bound(plan.kend_key, iq)
@@ -279,36 +272,26 @@ def backward(plan: Plan, q, k, v, extras, out, m, den, dout, wanted):
             dbias,
         )
 
-        def segmented(edge):
-            # As in the forward: tiles whose segment ids cannot meet are skipped
-            # (with a finite c their keys still get dV from the rows' weights),
-            # tiles inside one segment run without its mask.
-            if plan.segments is None:
-                return q_body(edge)
-            op = plan.segments
-            kids = ex_k[op.kv_index]
+        # As in the forward: tiles whose segment ids cannot meet are skipped
+        # (with a finite c their keys still get dV from the rows' weights),
+        # tiles inside one segment run without its mask.
+        def skipped(iq, state):
+            if not finite_c:
+                return state
+            dqt, dk_t, dv_t, dbias = state
+            w = jnp.exp(c - q_tile(plan, m, iq, -1)).astype(p_dtype).astype(cdt)
+            dv_rows = jnp.einsum("bht,bhtd->bhd", w, q_tile(plan, do_n, iq))
+            return dqt, dk_t, dv_t + dv_rows[:, :, None], dbias
 
-            def skipped(iq, state):
-                if not finite_c:
-                    return state
-                dqt, dk_t, dv_t, dbias = state
-                w = jnp.exp(c - q_tile(plan, m, iq, -1)).astype(p_dtype).astype(cdt)
-                dv_rows = jnp.einsum("bht,bhtd->bhd", w, q_tile(plan, do_n, iq))
-                return dqt, dk_t, dv_t + dv_rows[:, :, None], dbias
-
-            branches = (skipped, q_body(edge), q_body(edge, one_segment=True))
-
-            def run(iq, state):
-                qids = slice_t(ex_k[op.q_index], iq * bq, bq)
-                return lax.switch(segments_case(qids, kids), branches, iq, state)
-
-            return run
-
-        qstart, qfull = bound(plan.qstart, ik), bound(plan.qfull, ik)
-        qfe, qend = bound(plan.qfe, ik), bound(plan.qend, ik)
-        state = loop(qstart, qfull, segmented(True), state)
-        state = loop(qfull, qfe, segmented(False), state)
-        dqt, dk_t, dv_t, dbias = loop(qfe, qend, segmented(True), state)
+        op = plan.segments
+        run = segmented(
+            plan,
+            q_body,
+            skipped,
+            lambda iq: (slice_t(ex_k[op.q_index], iq * bq, bq), ex_k[op.kv_index]),
+        )
+        table = ("qstart", "qfull", "qfe", "qend")
+        dqt, dk_t, dv_t, dbias = tile_runs(plan, table, ik, run, state)
         dk = lax.dynamic_update_slice_in_dim(dk, dk_t, ik * bk, axis=2)
         dv = lax.dynamic_update_slice_in_dim(dv, dv_t, ik * bk, axis=2)
         return dqt, dk, dv, dbias
