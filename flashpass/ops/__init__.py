@@ -18,12 +18,13 @@ from .prefix import Prefix
 from .scale import Scale, Softcap
 from .segments import Segments
 from .sink import Sink
+from .sink_window import SinkWindow
 from .window import Window
 
 #: Every score-op kind, in the order reports name their words and docs their
 #: descriptors.
 KINDS = (Scale, Bias, Causal, Window, Chunk, Prefix, Segments, KvLengths, Sink, Mask)
-KINDS += (Softcap, Dropout)
+KINDS += (Softcap, Dropout, SinkWindow)
 
 #: Score ops that exclude keys by position or segment id, so kernels may skip
 #: whole blocks (`Causal` is one of them).
@@ -58,6 +59,7 @@ __all__ = [
     "ScoreOp",
     "Segments",
     "Sink",
+    "SinkWindow",
     "Softcap",
     "Window",
     "step_shape",

@@ -12,9 +12,11 @@ exactly, by interval arithmetic on the tile's row and column ranges: empty,
 partial (element masks needed) or full (the static ops keep every entry).
 Per query block the visited key tiles are one range, and so are the full ones
 (each op's kept keys per row are one interval whose ends grow with the row),
-and likewise per key block.  Segment ids are data: tiles in the visited range
-are skipped at run time when their query and key id ranges are disjoint, and
-run without the element mask when all their ids are one (`segments_case`).
+and likewise per key block; an op keeping a fixed first range of keys too
+(sink tokens) adds a head of key tiles from 0 before a query block's range.
+Segment ids are data: tiles in the visited range are skipped at run time
+when their query and key id ranges are disjoint, and run without the element
+mask when all their ids are one (`segments_case`).
 """
 
 from __future__ import annotations
@@ -66,10 +68,23 @@ def tile_table(static_ops, T: int, S: int, bq: int, bk: int, nq: int, nk: int):
     return empty, full & ~empty
 
 
-def ranges(visited: np.ndarray, full: np.ndarray) -> tuple[int, int, int, int]:
+def ranges(visited: np.ndarray, full: np.ndarray, head: bool = False):
     """``(start, full_start, full_end, end)`` of one row of a tile table: tiles
-    ``[start, end)`` are visited, ``[full_start, full_end)`` of them full."""
+    ``[start, end)`` are visited, ``[full_start, full_end)`` of them full.
+    With ``head``, ``(head, start, ...)``: visited tiles in two runs, the
+    first from tile 0 (sink keys before a band), give tiles ``[0, head)``
+    (all edge tiles) and the second run; else ``head`` is 0."""
     idx = np.flatnonzero(visited)
+    first = 0
+    gaps = np.flatnonzero(np.diff(idx) > 1)
+    if head and gaps.size == 1 and idx[0] == 0:
+        first = int(idx[gaps[0]]) + 1
+        idx = idx[gaps[0] + 1 :]
+    found = _run(idx, full)
+    return (first, *found) if head else found
+
+
+def _run(idx: np.ndarray, full: np.ndarray) -> tuple[int, int, int, int]:
     if idx.size == 0:
         return 0, 0, 0, 0
     start, end = int(idx[0]), int(idx[-1]) + 1

@@ -148,16 +148,22 @@ def forward(plan: Plan, q, k, v, extras):
             lambda ik: (ex_q[op.q_index], slice_s(ex_q[op.kv_index], ik * bk, bk)),
         )
         table = ("kstart", "kfs", "kfull", "kend")
-        m, den, acc = tile_runs(plan, table, iq, run, state)
+        m, den, acc = tile_runs(plan, table, iq, run, state, head="khead")
         kstart, kend = bound(plan.kstart, iq), bound(plan.kend, iq)
         if plan.skipped_score is not None:
-            # The keys outside [kstart, kend) blocks: a prefix and a suffix.
+            # The keys outside the visited blocks: a suffix, and a prefix (or
+            # the gap after a head, `Plan.khead`).
             first, last = bound(plan.kstart_key, iq), bound(plan.kend_key, iq)
-            n = jnp.asarray(spec.kv_len - (last - first)).astype(cdt)
+            n = spec.kv_len - (last - first)
             vsum = lax.dynamic_slice_in_dim(vsuffix, kend, 1, axis=2)
             if any(plan.kstart):
-                before = vsuffix[:, :, :1] - lax.dynamic_slice_in_dim(vsuffix, kstart, 1, axis=2)
+                head = vsuffix[:, :, :1]
+                if plan.khead:
+                    n = n - bound(plan.khead_key, iq)
+                    head = lax.dynamic_slice_in_dim(vsuffix, bound(plan.khead, iq), 1, axis=2)
+                before = head - lax.dynamic_slice_in_dim(vsuffix, kstart, 1, axis=2)
                 vsum = vsum + before
+            n = jnp.asarray(n).astype(cdt)
             m, den, acc = fold((m, den, acc), n, vsum)
         out_t = (acc / den[..., None]).astype(spec.out_dtype)
         out = put_q_tile(plan, out, out_t, iq)
@@ -320,8 +326,9 @@ def backward(plan: Plan, q, k, v, extras, out, m, den, dout, wanted):
 def _skipped_dv(plan: Plan, m, inv_den, do5):
     """dV from skipped keys: every skipped key j of query row i has weight
     exp(c - m_i) / l_i, so dv[j] sums the weighted dO of every row whose block
-    skips j.  Query block iq skips the key blocks [kend[iq], nk): the sum is one
-    per key block, a static 0/1 matrix times the per-query-block sums."""
+    skips j.  Query block iq skips the key blocks outside [0, khead[iq]) and
+    [kstart[iq], kend[iq]): the sum is one per key block, a static 0/1 matrix
+    times the per-query-block sums."""
     spec, cdt = plan.spec, plan.cdt
     B, Hkv, G, Dv = spec.batch, spec.kv_heads, spec.groups, spec.v_head_dim
     c = skipped_score_of(plan, cdt)
@@ -329,8 +336,10 @@ def _skipped_dv(plan: Plan, m, inv_den, do5):
     w = w.reshape(B, Hkv, G, plan.nq, plan.bq)
     do = do5.astype(cdt).reshape(B, Hkv, G, plan.nq, plan.bq, Dv)
     per_block = jnp.einsum("bhgqt,bhgqtd->bhqd", w, do)
-    ends = list(zip(plan.kstart, plan.kend, strict=True))
-    skips = np.array([[float(not s <= jb < e) for s, e in ends] for jb in range(plan.nk)], cdt)
+    heads = plan.khead or (0,) * plan.nq
+    ends = list(zip(heads, plan.kstart, plan.kend, strict=True))
+    skips = [[float(not (jb < h or s <= jb < e)) for h, s, e in ends] for jb in range(plan.nk)]
+    skips = np.array(skips, cdt)
     per_key_block = jnp.einsum("jq,bhqd->bhjd", skips, per_block)
     dv = jnp.broadcast_to(per_key_block[:, :, :, None], (B, Hkv, plan.nk, plan.bk, Dv))
     return dv.reshape(B, Hkv, plan.nk * plan.bk, Dv)[:, :, : spec.kv_len]

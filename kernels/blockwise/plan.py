@@ -138,6 +138,10 @@ class Plan:
     skip_at: int | None = None
     segments: object = None
     segment_score: float | None = None
+    # Per query block, key tiles [0, khead) visited (as edge tiles) before
+    # [kstart, kend) when the tiles between are skipped (sink tokens before a
+    # window, `bounds.ranges`); empty when no block has such a head.
+    khead: tuple[int, ...] = ()
 
     @property
     def padded_k(self) -> bool:
@@ -153,10 +157,15 @@ class Plan:
         """First visited key position per query block."""
         return tuple(min(e * self.bk, self.spec.kv_len) for e in self.kstart)
 
+    @property
+    def khead_key(self) -> tuple[int, ...]:
+        """Keys visited before each query block's range (0 without a head)."""
+        return tuple(min(h * self.bk, self.spec.kv_len) for h in self.khead or (0,) * self.nq)
+
     def tiles_computed(self) -> int:
         """Number of (query tile, key tile) pairs the forward computes (at most:
         segment ids skip more at run time)."""
-        return sum(self.kend) - sum(self.kstart)
+        return sum(self.kend) - sum(self.kstart) + sum(self.khead)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -250,11 +259,11 @@ def make_plan(spec: AttentionSpec, block_q: int, block_k: int) -> Plan:
     empty, full = bounds.tile_table(static, T, S, bq, bk, nq, nk)
     if padded:
         full[:, -1] = False  # the padded tile always needs the `where`
-    rows = [bounds.ranges(~empty[iq], full[iq]) for iq in range(nq)]
+    rows = [bounds.ranges(~empty[iq], full[iq], head=True) for iq in range(nq)]
     cols = [bounds.ranges(~empty[:, ik], full[:, ik]) for ik in range(nk)]
-    kstart, kfs, kfull, kend = (tuple(r[n] for r in rows) for n in range(4))
+    khead, kstart, kfs, kfull, kend = (tuple(r[n] for r in rows) for n in range(5))
     qstart, qfull, qfe, qend = (tuple(r[n] for r in cols) for n in range(4))
-    skips = any(e - s < nk for s, e in zip(kstart, kend, strict=True))
+    skips = any(h + e - s < nk for h, s, e in zip(khead, kstart, kend, strict=True))
     skipped_score = c if skips and c is not None and math.isfinite(c) else None
     segments = bounds.segment_ops(spec, run)
 
@@ -292,6 +301,7 @@ def make_plan(spec: AttentionSpec, block_q: int, block_k: int) -> Plan:
         kfs=kfs,
         qfe=qfe,
         qend=qend,
+        khead=khead if any(khead) else (),
         skip_at=run[1] if run is not None else None,
         segments=segments,
         segment_score=c if segments is not None else None,
