@@ -72,7 +72,7 @@ class Kernel:
     #: query block against a visiting K/V block, returning the row statistics
     #: the ring merges by (`step_forward`), and the block's share of the
     #: gradients from the global statistics (`step_backward`).  The ring asks
-    #: `check` about each step's own spec (`flashpass.ring_steps`).
+    #: `check` about each step's own spec (`flashpass.ring.cases`).
     ring_step: ClassVar[bool] = False
 
     def __init_subclass__(cls, **kwargs):

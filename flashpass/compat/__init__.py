@@ -110,6 +110,7 @@ from ._sharding import (  # noqa: F401
     shard_map,
     shard_map_params,
     vary_like,
+    vary_over,
     varying_axes,
     vma_checks,
     without_varying,

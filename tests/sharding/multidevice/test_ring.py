@@ -1,4 +1,4 @@
-"""Sequence-sharded attention runs as a ring (flashpass/ring.py), 8 CPU devices.
+"""Sequence-sharded attention runs as a ring (flashpass/ring/), 8 CPU devices.
 
 With Explicit mesh axes, code attending a sequence-sharded q to k/v gathers
 k and v itself (``jax.sharding.reshard(k, P())``): the original program
@@ -66,7 +66,7 @@ def _full_length_gathers(hlo: str, elements: int) -> int:
 def test_sequence_sharded_site_runs_as_a_ring(causal, mesh_shape, names, spec, kernel):
     """Every step in the ring's plain JAX (``reference`` declares no ring
     steps), or every step the blockwise kernel's (``Kernel.ring_step``); a
-    causal ring with kernel steps is load-balanced (`flashpass.zigzag`)."""
+    causal ring with kernel steps is load-balanced (`flashpass.ring.zigzag`)."""
     m = mesh(mesh_shape, names)
     shape = (2, 64, 4, 16)
     args = [put(m, spec, normal(i, shape)) for i in range(3)]
@@ -287,7 +287,7 @@ def _key_masked(q, k, v, keep, mask):
     return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1), v)
 
 
-#: The kernels a blockwise ring's steps run per case (`flashpass.ring_steps`):
+#: The kernels a blockwise ring's steps run per case (`flashpass.ring.cases`):
 #: a window of 12 over blocks of 8 has steps whose lower edge lies above the
 #: diagonal (plain JAX); packed documents with two id arrays may leave a row no
 #: key, so the later blocks a causal mask excludes still run (plain JAX); the
@@ -634,21 +634,19 @@ def test_steps_run_over_query_chunks(monkeypatch):
 @pytest.mark.parametrize(
     "platform, kernel", [("tpu", "splash"), ("gpu", "pallas_gpu")], ids=["splash", "pallas_gpu"]
 )
-def test_ring_steps_run_the_platform_kernel(platform, kernel, balanced, monkeypatch):
+def test_ring_steps_run_the_platform_kernel(platform, kernel, balanced):
     """Selecting for TPU or GPU, a causal ring's blocks run that platform's
     kernel (here in interpret mode), load-balanced (zig-zag) or, with the
-    balancing switched off here, in the contiguous order: its logsumexp merges
+    balancing switched off (``zigzag=False``), in the contiguous order: its logsumexp merges
     the blocks, its own backward kernels take the global statistics; outputs
     and gradients match the unsharded original, with collective-permutes and
     no full-length gather."""
-    from flashpass import zigzag
-
-    if not balanced:
-        monkeypatch.setattr(zigzag, "ENABLED", False)
     m = mesh((4,), ("seq",))
     shape = (1, 64, 2, 16)
     args = [put(m, P(None, "seq"), normal(i, shape)) for i in range(3)]
-    opt = flashpass.optimize(gathering(True), kernel=kernel, platform=platform, interpret=True)
+    opt = flashpass.optimize(
+        gathering(True), kernel=kernel, platform=platform, interpret=True, zigzag=balanced
+    )
     with jax.set_mesh(m):
         report = opt.explain(*args)
         got = run(opt, args)

@@ -27,7 +27,8 @@ import jax.numpy as jnp
 
 from flashpass.kernels.base import CheckContext, Kernel
 
-from .spec import (
+from ..select import choose
+from ..spec import (
     AttentionSpec,
     Bias,
     Causal,
@@ -141,7 +142,7 @@ def plan_steps(
     ``skippable``: the ring may skip a block the masks exclude (no kv lengths
     or boolean masks that would leave a row with no key at all).  ``kernels``
     are tried in order for each case (those declaring `Kernel.ring_step`,
-    accepted by their ``check``)."""
+    chosen as a site's kernel is, `select.choose`: checked and probed)."""
     steppers = [k for k in kernels if k.ring_step and k.grad]
     steps = []
     for step in range(n):
@@ -167,39 +168,10 @@ def _case(spec, d, q_global, skippable, steppers, ctx) -> StepCase:
     if not steppers or ctx is None:
         return StepCase(why="no kernel declares ring steps here")
     local = step_spec(spec, ops)
-    why = []
-    for kernel in steppers:
-        reasons = list(kernel.check(local, ctx)) + list(kernel.step_reasons(local))
-        if not reasons:
-            return StepCase(kernel=kernel, spec=local)
-        why.append(f"{kernel.name}: {'; '.join(reasons)}")
-    return StepCase(why=" | ".join(why))
-
-
-def merge_block(acc, m, total, o_b, m_b, den_b):
-    """The running ``(acc, m, total)`` of some query rows (unnormalised
-    output ``[.., t, Dv]``, row max and row sum ``[.., t]``, float32) merged
-    with a kernel block's normalised output ``o_b`` and row statistics
-    ``m_b``, ``den_b`` (`Kernel.step_forward`, laid out alike): the online
-    softmax in float32.  A block row of no weight (``-inf`` statistics) adds
-    nothing, whatever its output."""
-    m_b, den_b = m_b.astype(jnp.float32), den_b.astype(jnp.float32)
-    m_new = jnp.maximum(m, m_b)
-    base = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
-    old = jnp.where(jnp.isfinite(m), jnp.exp(m - base), 0.0)
-    w = jnp.where(jnp.isfinite(m_b), jnp.exp(m_b - base), 0.0) * den_b
-    o_b = jnp.where(w[..., None] > 0, o_b.astype(jnp.float32) * w[..., None], 0.0)
-    return acc * old[..., None] + o_b, m_new, total * old + w
-
-
-def global_stats(o, m, total, rows: tuple):
-    """What a kernel step's backward reads (`Kernel.step_backward`): the
-    global output ``[*rows, Dv]``, row max and row sum ``rows``, from the
-    ring's normalised output and statistics.  A row every key of which
-    ``-inf`` excluded gets max 0 and sum 1, so its weights are 0."""
-    m_out = jnp.where(jnp.isfinite(m), m, 0.0).reshape(rows)
-    den_out = jnp.where(total > 0, total, 1.0).reshape(rows)
-    return o.reshape(*rows, o.shape[-1]), m_out, den_out
+    kernel, rejections = choose(local, steppers, ctx, step=True)
+    if kernel is not None:
+        return StepCase(kernel=kernel, spec=local)
+    return StepCase(why=" | ".join(f"{k}: {'; '.join(r)}" for k, r in rejections.items()))
 
 
 def shifted_lengths(lengths, k0, bound: int):
