@@ -146,27 +146,34 @@ class Positional(KeepOp):
             keep = inside if keep is None else keep | inside
         return keep
 
-    def tile_state(self, r0, r1, c0, c1):
-        """``(empty, full)`` of tiles with rows ``[r0, r1]`` and keys ``[c0, c1]``
-        (broadcast arrays, numpy or traced).  Exact for one range; with
-        several a tile two of them cover together counts as not full."""
-        empty = full = None
-        for lo_first, lo_last, hi_first, hi_last in self._ends(r0, r1):
-            # Monotone, gap-free ends: some row meets the tile iff the first
-            # row's range starts by c1 and the last row's ends after c0.
-            meets = _both(
+    def meets(self, r0, r1, c0, c1):
+        """Whether rows ``[r0, r1]`` keep some key of ``[c0, c1]`` (numpy or
+        traced).  Monotone, gap-free ends: a row meets the tile iff the first
+        row's range starts by ``c1`` and the last row's ends after ``c0``."""
+        meets = True
+        for lo_first, _, _, hi_last in self._ends(r0, r1):
+            inside = _both(
                 None if lo_first is None else lo_first <= c1,
                 None if hi_last is None else hi_last > c0,
             )
+            if inside is None:
+                return True
+            meets = inside if meets is True else meets | inside
+        return meets
+
+    def tile_state(self, r0, r1, c0, c1):
+        """``(empty, full)`` of tiles with rows ``[r0, r1]`` and keys ``[c0, c1]``
+        (broadcast arrays).  Exact for one range; with several, a tile two of
+        them cover only together counts as not full."""
+        full = False
+        for _, lo_last, hi_first, _ in self._ends(r0, r1):
             covers = _both(
                 None if lo_last is None else lo_last <= c0,
                 None if hi_first is None else hi_first > c1,
             )
-            out = False if meets is None else ~meets
-            cov = True if covers is None else covers
-            empty = out if empty is None else empty & out
-            full = cov if full is None else full | cov
-        return empty, full
+            full = full | (True if covers is None else covers)
+        meets = self.meets(r0, r1, c0, c1)
+        return (False if meets is True else ~meets), full
 
     def _ends(self, r0, r1):
         first, last = self.key_ranges(r0), self.key_ranges(r1)

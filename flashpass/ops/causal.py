@@ -35,6 +35,9 @@ class Causal(Positional):
         keep = k[None, :] <= q[:, None] + self.offset
         return jnp.where(keep, s, jnp.asarray(self.fill, s.dtype))
 
+    def meets(self, r0, r1, c0, c1):
+        return c0 <= r1 + self.offset
+
     def key_ranges(self, qi):
         return ((None, qi + self.offset + 1),)
 
