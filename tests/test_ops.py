@@ -14,7 +14,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from flashpass.ops import DESCRIPTORS, EXCLUDED, KINDS, STRUCTURED, Positional, Positions
+from flashpass.ops import (
+    DESCRIPTORS,
+    EXCLUDED,
+    KINDS,
+    STRUCTURED,
+    Positional,
+    Positions,
+    SinkWindow,
+)
 from flashpass.spec import Causal, Chunk, Mask, Prefix, Scale, Softcap, Window, fill_after
 
 T, S = 13, 17
@@ -28,6 +36,8 @@ POSITIONAL = [
     Chunk(4, -1e9),
     Chunk(5, -1e9),
     Prefix(3, -1e9),
+    SinkWindow(3, 4, -1e9),
+    SinkWindow(1, 1, -1e9),
 ]
 
 
@@ -67,6 +77,15 @@ def test_tile_state_matches_brute_force(op):
                 assert bool(full) == bool(tile.all()), (r0, r1, c0, c1)
             elif full:  # several ranges: "full" may only be claimed when true
                 assert tile.all()
+
+
+@pytest.mark.parametrize("op", POSITIONAL, ids=repr)
+def test_meets_traced_agrees_with_numpy(op):
+    # The ring asks with traced block offsets; bounds with numpy tables.
+    r0, r1, c0, c1 = 8, 11, 2, 5
+    traced = op.meets(*(jnp.int32(x) for x in (r0, r1, c0, c1)))
+    assert bool(traced) == bool(op.meets(*(np.int64(x) for x in (r0, r1, c0, c1))))
+    assert bool(traced) == bool(_dense(op)[r0 : r1 + 1, c0 : c1 + 1].any())
 
 
 def test_positions_transposed_reads_the_same_entries():

@@ -60,7 +60,8 @@ class Positions:
 
 
 class ScoreOp:
-    """Base of every score op (`flashpass.spec.ScoreOp` names the union)."""
+    """Base of every score-op kind (`flashpass.ops.KINDS`); the defaults are
+    those of an op that changes no score and reads nothing."""
 
     #: Descriptor names this kind may report (`AttentionSpec.descriptors`), with
     #: the words docs/kernels.md shows; `descriptor` picks one per op.
@@ -143,6 +144,7 @@ class Positional(KeepOp):
         keep = None
         for lo, hi in self.key_ranges(qi):
             inside = _both(None if lo is None else kj >= lo, None if hi is None else kj < hi)
+            inside = kj == kj if inside is None else inside  # (an unbounded range)
             keep = inside if keep is None else keep | inside
         return keep
 
