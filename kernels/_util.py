@@ -44,7 +44,7 @@ def check_arrays(kernel: str, spec: AttentionSpec, q, k, v, extras=None) -> None
             raise ValueError(f"{kernel}: {label} has shape {tuple(x.shape)}, the spec says {want}")
     if extras is None:
         return
-    used = [op.index for op in spec.score_ops if isinstance(op, Bias | Mask)]
+    used = [i for op in spec.score_ops for i in op.extras_read()]
     if used and max(used) >= len(extras):
         raise ValueError(
             f"{kernel}: score ops use extras[{max(used)}] but only {len(extras)} were given"
