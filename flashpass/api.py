@@ -417,7 +417,7 @@ def _aval(x, in_tree, index):
     or a clear error for a leaf that is not an array or number."""
     if isinstance(x, jax.ShapeDtypeStruct):
         return compat.struct_aval(x)
-    if isinstance(x, jax.Array | np.ndarray | np.generic) or isinstance(x, jax.core.Tracer):
+    if isinstance(x, jax.Array | np.ndarray | np.generic) or compat.is_tracer(x):
         if isinstance(x, np.ndarray | np.generic) and not _numeric(x.dtype):
             raise TypeError(
                 f"argument leaf {_leaf_path(in_tree, index)} has dtype {x.dtype}, not a "
@@ -452,7 +452,7 @@ def _leaf_path(in_tree, index) -> str:
 
 
 def _holds_tracers(consts) -> bool:
-    return any(isinstance(c, jax.core.Tracer) for c in consts)
+    return any(compat.is_tracer(c) for c in consts)
 
 
 def _static_args(fn, argnums, argnames):

@@ -26,17 +26,15 @@ import jax
 import numpy as np
 
 from flashpass.kernels import CheckContext
-from flashpass.patterns.common import Miss
 
 from . import compat, errors
 from .graph import build_scopes
-from .match import find_sites
+from .match import match_scopes
 from .ops import KINDS
 from .placement import BodyRing, Kept, Placed, Ring, place
 from .report import Fallback, InternalError, Report, Rewrite
 from .rewrite import Plan, rewrite
 from .ring import cases as ring_cases
-from .scans import match_pair, match_remat
 from .select import PlannedSite, choose, resolve_order
 from .spec import Bias, Causal
 
@@ -65,32 +63,7 @@ class _Matched:
 def match(scopes, where_is: dict) -> _Matched:
     """Stage 3: every site of every scope, and the near misses."""
     found = _Matched([], [], [])
-    by_prefix = {s.prefix: s for s in scopes}
-    children = {c.prefix: (s, c) for s in scopes for c in s.children}
-    kept = []  # (scope, Miss)
-    for scope in scopes:
-        sites, misses = find_sites(scope)
-        for miss in misses:
-            if miss.site is not None:
-                # Its saved intermediates may go into a remat body that is its backward.
-                paired = match_remat(scope, miss.site, by_prefix)
-                if not isinstance(paired, Miss):
-                    found.sites.append((scope, paired))
-                    continue
-            if miss.site is not None and scope.prefix in children:
-                # Its intermediates leave a loop body: autodiff's backward loop may read them.
-                parent, child = children[scope.prefix]
-                paired = match_pair(parent, child, scope, miss.site, by_prefix)
-                if not isinstance(paired, Miss):
-                    found.sites.append((scope, paired))
-                    continue
-                miss = Miss(  # why the pair was not proven, not the body's escape
-                    f"{paired.reason} (its intermediates leave the `{child.node.prim}` body: "
-                    "autodiff saves them for its backward)",
-                    miss.node,
-                )
-            kept.append((scope, miss))
-        found.sites.extend((scope, site) for site in sites)
+    found.sites, kept = match_scopes(scopes)
     # A backward body's recompute of a softmax belongs to a site found elsewhere.
     claimed = {n for _, site in found.sites for n in site.nodes}
     for scope, miss in kept:

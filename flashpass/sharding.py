@@ -44,10 +44,9 @@ from typing import Any
 
 from jax.sharding import NamedSharding, PartitionSpec
 
-from flashpass.patterns.regroup import Merged
-
 from . import compat, ring
 from .graph import Const
+from .roles import Merged
 from .site import AttentionSite, Layout
 
 _SEQUENCE = {"T": "query", "S": "key"}
@@ -286,10 +285,11 @@ def operands(site: AttentionSite) -> list:
     ]
     for i, e in enumerate(site.extras):
         out.append((f"bias/mask #{i}", e.atom, {r: a for r, a in e.axes.items() if a is not None}))
-    for kind, *data in site.post_ops:
-        if kind == "scale":  # an output multiplier (head mask)
-            e = data[0]
-            out.append(("head mask", e.atom, {r: a for r, a in e.axes.items() if a is not None}))
+    for op in site.post_ops:  # what sits after the softmax and reads an array
+        roles = op.operand_roles()
+        if roles is not None:
+            [atom] = op.atoms()
+            out.append((op.name, atom, roles))
     return out
 
 

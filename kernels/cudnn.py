@@ -18,7 +18,7 @@ the bias.  This module maps an `AttentionSpec` onto it exactly:
   masks whose fills exclude keys.  Bias sums are rounded to the input dtype.
 * ``Causal``: cuDNN's own causal mask when ``offset == 0`` and ``T == S``;
   otherwise ANDed into the boolean mask (materialised as ``[1, 1, T, S]``).
-* ``Window`` (#18): when the windows and the causal mask keep exactly the keys
+* ``Window``: when the windows and the causal mask keep exactly the keys
   ``i - left <= j <= i`` and ``T == S``, ``local_window_size=(left, 0)`` with
   ``is_causal=True``: cuDNN's causal sliding window (JAX passes
   ``sliding_window_length = left + 1``, keys ``(i - left - 1, i]``), the same
@@ -27,7 +27,7 @@ the bias.  This module maps an `AttentionSpec` onto it exactly:
   within the window are found by prefix counts (key masks) or one pass over
   the (already ``T x S``) mask, and every excluding op must end with one score
   (`_util.shared_fill_reasons`).
-* ``KvLengths`` (#18): the valid key count of each batch row, ``n =
+* ``KvLengths``: the valid key count of each batch row, ``n =
   clip(L + shift, 0, S)`` (`flashpass.ops.valid_lengths`, the minimum over
   several ops), one per batch row (lengths varying over heads are rejected:
   cuDNN takes one per row).  Without any other mask array (no bias, mask,

@@ -1,4 +1,4 @@
-"""Adapter for JAX's Pallas TPU paged-attention kernel: the TPU decode path (#17).
+"""Adapter for JAX's Pallas TPU paged-attention kernel: the TPU decode path.
 
 ``jax.experimental.pallas.ops.tpu.paged_attention`` attends one query per
 (sequence, query head) to a KV cache stored in pages, and visits only the

@@ -27,7 +27,7 @@ exactly ``[B, H, T, S]``, ``S`` a multiple of the key block and a
   above ``max_block`` (default 512), of 128; keys to a multiple of 128.
   Padded keys are excluded through the kernel's segment ids
   (``-0.7 * f32_max``, below the mask value); padded queries are sliced off.
-* ``Segments`` (packed documents, #18): the user's query and key ids become
+* ``Segments`` (packed documents): the user's query and key ids become
   the kernel's ``SegmentIds`` (``[B, T]`` and ``[B, S]``, shared by the heads,
   cast to int32: exact for integer or boolean ids of at most 32 bits), with
   no ``T x S`` array.  Padded keys, and keys that key masks shared by the

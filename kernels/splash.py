@@ -22,7 +22,7 @@ for ``q``, ``k``, ``v``.  This module maps an `AttentionSpec` onto it exactly:
 * Masks that only vary over keys and batch (``[B|1, 1, 1, S]``, padding):
   key segment ids (``0`` kept, ``1`` excluded; queries ``0``).  Any other
   mask: the kernel's dynamic mask, ANDed with the causal mask.
-* Structured masks (#18), with no ``T x S`` array: ``Window(l, r)`` as the
+* Structured masks, with no ``T x S`` array: ``Window(l, r)`` as the
   static ``LocalMask((l, r))`` (a causal op folded into ``r``), ``Chunk`` with
   ``Causal(0)`` as ``ChunkedCausalMask``, ``Segments`` as ``SegmentIds`` (the
   user's ids; keys a key mask or padding excludes get an id no query has, and

@@ -350,7 +350,7 @@ def hf_attention_bias(q, k, v, attention_mask):
 POSITIVE["hf_attention_bias"] = (hf_attention_bias, _padded_rows_args)
 
 
-# ---------------------------------------------------------------- structured masks (#18)
+# ---------------------------------------------------------------- structured masks
 #
 # Each becomes an O(T) descriptor (Window, Chunk, Prefix, Segments) instead of
 # a dense mask: tests/test_structured_masks.py checks the descriptors.
@@ -487,7 +487,7 @@ POSITIVE.update({name: (fn, make) for name, (fn, make, _) in STRUCTURED.items()}
 CAUSAL.update({"window_iota", "window_positions_int_min", "llama4_chunked", "packed_segments"})
 
 
-# ---------------------------------------------------------------- newer libraries (issue 20)
+# ---------------------------------------------------------------- newer libraries
 def remasked_conjunction(q, k, v, mask):
     # keras-hub's Gemma: where(m, softmax(where(m, s, -1e9)), 0) with m = padding & causal,
     # split into factors on the scores and re-applied whole to the probabilities
@@ -528,7 +528,7 @@ POSITIVE.update(
 CAUSAL.add("remasked_conjunction")
 
 
-# ---------------------------------------------------------------- regrouped scores (#20)
+# ---------------------------------------------------------------- regrouped scores
 
 
 def gemma_gqa(q, k, v):
@@ -589,7 +589,7 @@ if UNIT_AXIS_MATMUL:
 CAUSAL.update({"gemma_gqa", "gemma_mqa"})
 
 
-# ---------------------------------------------------------------- attention sinks (#18, #20)
+# ---------------------------------------------------------------- attention sinks
 
 
 def attention_sinks(q, k, v, sinks):

@@ -1,4 +1,4 @@
-"""Structured masks as O(T) descriptors (#18): windows, chunks, prefix-LM, segment ids.
+"""Structured masks as O(T) descriptors: windows, chunks, prefix-LM, segment ids.
 
 * every spelling of `spellings.STRUCTURED` becomes exactly its descriptors
   (no dense mask), computes the original forward and gradient, and hands the

@@ -47,6 +47,7 @@ from ._jaxpr import (  # noqa: F401
     is_drop_var,
     is_literal,
     is_noop_rounding,
+    is_tracer,
     is_view_identity,
     jaxpr_as_fun,
     literal_value,

@@ -8,7 +8,7 @@ import jax
 
 from ._jaxpr import _siu, bind_equation, get_aval  # noqa: F401
 
-# --- sharding (issue 6)
+# --- sharding
 
 #: Primitives that only change a value's type (its varying manual axes inside
 #: ``shard_map``), never its value: constant folding looks through them.

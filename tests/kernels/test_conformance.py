@@ -143,7 +143,7 @@ def _softcap(dtype):
 
 
 def _window(dtype):
-    """A causal sliding window (#18): several key tiles skipped per query tile."""
+    """A causal sliding window: several key tiles skipped per query tile."""
     ops = [Scale(0.25), Causal(0, -1e9), Window(5, None, -1e9)]
     return spec_of(t=40, dtype=dtype, ops=ops), []
 
