@@ -67,7 +67,7 @@ class ShardPlan:
     in_specs: tuple
     out_spec: PartitionSpec
     root_spec: PartitionSpec | None  # the original output's spec, when it differs
-    ring: tuple | None = None  # mesh axes of a sharded sequence: run as a ring (ring.py)
+    ring: tuple | None = None  # mesh axes of a sharded sequence: run as a ring (flashpass.ring)
     site: AttentionSite | None = None  # the site as planned (k/v read before a gather)
 
     def ring_size(self) -> int:
