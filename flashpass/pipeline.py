@@ -30,11 +30,13 @@ from flashpass.kernels import CheckContext
 from . import compat, errors, layers
 from .graph import build_scopes
 from .match import match_scopes
+from .ops import KINDS
 from .placement import BodyRing, Kept, Placed, Ring, place
 from .report import Fallback, InternalError, Report, Rewrite
 from .rewrite import Plan, rewrite
 from .ring import cases as ring_cases
 from .select import PlannedSite, choose, resolve_order
+from .spec import Bias, Causal
 
 logger = logging.getLogger("flashpass")
 
@@ -237,18 +239,6 @@ def _failure_for(failures: dict, prefix: tuple) -> str | None:
 
 
 def _rewrite_entry(placed: Placed, scope_name: str) -> Rewrite:
-    from flashpass.spec import (
-        Bias,
-        Causal,
-        Chunk,
-        KvLengths,
-        Mask,
-        Prefix,
-        Segments,
-        Sink,
-        Window,
-    )
-
     p, placement = placed.planned, placed.placement
     spec = p.site.spec
     ring = isinstance(placement, Ring | BodyRing)
@@ -261,11 +251,7 @@ def _rewrite_entry(placed: Placed, scope_name: str) -> Rewrite:
         ring_steps = ring_cases.describe(placement.steps)
     # Name each structured descriptor (e.g. "causal+window"), so a site the
     # kernel runs as an O(T) descriptor is told apart from a dense mask.
-    words = {Causal: "causal", Window: "window", Chunk: "chunk", Prefix: "prefix"}
-    words.update({Segments: "segments", KvLengths: "kv_lengths", Sink: "sinks"})
-    kinds = [word for kind, word in words.items() if spec.ops_of(kind)]
-    if spec.ops_of(Mask):
-        kinds.append("boolean")
+    kinds = [kind.word for kind in KINDS if kind.word and spec.ops_of(kind)]
     return Rewrite(
         pattern=p.site.pattern,
         kernel="ring" if ring else p.kernel.name,  # a sequence-sharded site (ring.py)
