@@ -577,3 +577,41 @@ def test_pallas_gpu_private_entry_points():
 def test_tokamax_module():
     module = compat.tokamax_module()
     assert module is None or hasattr(module, "dot_product_attention")
+
+
+# --------------------------------------------------------------------------- experimental modules
+
+
+def _experimental_imports() -> set[str]:
+    """The ``jax.experimental`` modules flashpass's source imports (parsed, not run)."""
+    import ast
+    import pathlib
+
+    root = pathlib.Path(compat.__file__).resolve().parents[2]
+    found = set()
+    for package in ("flashpass", "kernels", "patterns"):
+        for path in (root / package).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                if isinstance(node, ast.Import):
+                    found.update(a.name for a in node.names)
+                elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                    # Every ``from jax.experimental... import x`` here imports a module.
+                    found.update(f"{node.module}.{a.name}" for a in node.names)
+    return {name for name in found if name.startswith("jax.experimental")}
+
+
+def test_experimental_modules_are_listed_and_exist():
+    """`compat.EXPERIMENTAL_MODULES` lists exactly the experimental modules
+    imported, and each imports on the installed JAX (inside its known range)."""
+    from flashpass.compat._kernels import EXPERIMENTAL_MODULES
+
+    assert _experimental_imports() == set(EXPERIMENTAL_MODULES)
+    for name, (first, last) in EXPERIMENTAL_MODULES.items():
+        assert compat.JAX_VERSION >= _version(first), (name, first)
+        if compat.JAX_VERSION <= _version(last):
+            with uses(name):
+                importlib.import_module(name)
+
+
+def _version(text: str) -> tuple[int, ...]:
+    return tuple(int(p) for p in text.split("."))
