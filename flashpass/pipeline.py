@@ -27,14 +27,16 @@ import numpy as np
 
 from flashpass.kernels import CheckContext
 
-from . import compat, errors
+from . import compat, errors, layers
 from .graph import build_scopes
 from .match import match_scopes
+from .ops import KINDS
 from .placement import BodyRing, Kept, Placed, Ring, place
 from .report import Fallback, InternalError, Report, Rewrite
 from .rewrite import Plan, rewrite
 from .ring import cases as ring_cases
 from .select import PlannedSite, choose, resolve_order
+from .spec import Bias, Causal
 
 logger = logging.getLogger("flashpass")
 
@@ -74,7 +76,9 @@ def match(scopes, where_is: dict) -> _Matched:
             )
             found.errors.append(error)
         else:
-            found.fallbacks.append(Fallback(miss.location, miss.reason, scope_name))
+            found.fallbacks.append(
+                Fallback(miss.location, miss.reason, scope_name, layer=layers.layer_of(miss.node))
+            )
     return found
 
 
@@ -98,6 +102,7 @@ def choose_kernels(sites, kernels, ctx: CheckContext, interpret: bool, where_is:
                     where_is[scope.prefix],
                     site.pattern,
                     rejections,
+                    layer=layers.layer_of(site.root),
                 )
             )
             continue
@@ -180,7 +185,13 @@ def _kept(report: Report, p: Placed, where_is: dict) -> None:
         )  # fmt: skip
         report.errors.append(error)
     else:
-        fallback = Fallback(site.location, p.placement.reason, scope_name, site.pattern)
+        fallback = Fallback(
+            site.location,
+            p.placement.reason,
+            scope_name,
+            site.pattern,
+            layer=layers.layer_of(site.root),
+        )
         report.fallbacks.append(fallback)
 
 
@@ -228,18 +239,6 @@ def _failure_for(failures: dict, prefix: tuple) -> str | None:
 
 
 def _rewrite_entry(placed: Placed, scope_name: str) -> Rewrite:
-    from flashpass.spec import (
-        Bias,
-        Causal,
-        Chunk,
-        KvLengths,
-        Mask,
-        Prefix,
-        Segments,
-        Sink,
-        Window,
-    )
-
     p, placement = placed.planned, placed.placement
     spec = p.site.spec
     ring = isinstance(placement, Ring | BodyRing)
@@ -252,17 +251,13 @@ def _rewrite_entry(placed: Placed, scope_name: str) -> Rewrite:
         ring_steps = ring_cases.describe(placement.steps)
     # Name each structured descriptor (e.g. "causal+window"), so a site the
     # kernel runs as an O(T) descriptor is told apart from a dense mask.
-    words = {Causal: "causal", Window: "window", Chunk: "chunk", Prefix: "prefix"}
-    words.update({Segments: "segments", KvLengths: "kv_lengths", Sink: "sinks"})
-    kinds = [word for kind, word in words.items() if spec.ops_of(kind)]
-    if spec.ops_of(Mask):
-        kinds.append("boolean")
+    kinds = [kind.word for kind in KINDS if kind.word and spec.ops_of(kind)]
     return Rewrite(
         pattern=p.site.pattern,
         kernel="ring" if ring else p.kernel.name,  # a sequence-sharded site (ring.py)
         ring_steps=ring_steps,
         location=p.site.location,
-        q_shape=p.site.q.shape,
+        q_shape=layers.shown_shape(p.site.q, p.site.layout),
         k_shape=p.site.k.shape,
         v_shape=p.site.v.shape,
         dtype=np.dtype(spec.q_dtype).name,
@@ -274,6 +269,8 @@ def _rewrite_entry(placed: Placed, scope_name: str) -> Rewrite:
         spec=spec.describe(),
         rejected=dict(p.rejected),
         backward=p.site.backward is not None,
+        layer=layers.layer_of(p.site.root),
+        dropout=spec.dropout is not None,
     )
 
 

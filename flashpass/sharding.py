@@ -44,8 +44,6 @@ from typing import Any
 
 from jax.sharding import NamedSharding, PartitionSpec
 
-from flashpass.spec import Bias, Mask
-
 from . import compat, ring
 from .graph import Const
 from .roles import Merged
@@ -352,10 +350,7 @@ def localize(site: AttentionSite, counts: dict) -> AttentionSite:
         )
 
     spec = site.spec
-    ops = tuple(
-        dataclasses.replace(op, shape=shape4(op.shape)) if isinstance(op, Bias | Mask) else op
-        for op in spec.score_ops
-    )
+    ops = tuple(op.localized(shape4) for op in spec.score_ops)
     spec = dataclasses.replace(
         spec,
         batch=layout.batch,

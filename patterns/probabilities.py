@@ -193,7 +193,8 @@ def walk_probabilities(
             if prof.axes[roles.index("S")] is not None:
                 return Miss(
                     f"the probabilities are scaled by a tensor that varies along the key "
-                    f"axis{where(node)}",
+                    f"axis{where(node)}; scale v by it instead (P·(w·v) is the same product), "
+                    "or, for a per-key weight of the softmax, add its log to the scores",
                     node,
                 )
             axes = {r: a for r, a in zip(roles, prof.axes, strict=True) if r != UNIT}
@@ -267,7 +268,9 @@ def _remask(scope: Scope, node, pos: int, roles: list, masks: ScoreMasks):
         have |= _factor_keys(scope, step.profile, step_roles, step.keep_when)
     if wanted != have:
         return Miss(
-            f"the probabilities are masked by a mask that did not mask the scores{where(node)}",
+            f"the probabilities are masked by a mask that did not mask the scores{where(node)}; "
+            "mask the scores before the softmax instead (`jnp.where(mask, s, -jnp.inf)`), "
+            "which also renormalises each row (the weights masked after it do not sum to 1)",
             node,
         )
     if not masks.exact:

@@ -366,6 +366,65 @@ def test_cuda_versions():
         assert version is None or version > 0
 
 
+def test_nnx_graph_state():
+    """Flax NNX's split/merge/state/update, as flashpass/nnx_state.py uses them."""
+    nnx = pytest.importorskip("flax.nnx")
+    with uses("flax.nnx split/merge/state/update and graph.is_graph_node"):
+        model = nnx.Linear(2, 3, rngs=nnx.Rngs(0))
+        assert compat.is_graph_node(model) and not compat.is_graph_node(jnp.ones(2))
+        assert compat.is_graph_object(model) and not compat.is_graph_object(model.bias)
+        assert not compat.is_graph_object(nnx.state(model))
+        graphdef, state = compat.split_nodes((model,))
+        (fresh,) = compat.merge_nodes(graphdef, state)
+        assert fresh is not model
+        fresh.bias[...] = jnp.ones(3)
+        compat.update_nodes((model,), compat.node_state((fresh,)))
+        np.testing.assert_array_equal(np.asarray(model.bias[...]), np.ones(3))
+        assert hash(graphdef) == hash(compat.split_nodes((model,))[0])
+
+
+def test_trace_as_names_the_function():
+    """jax._src.api_util.debug_info / save_wrapped_fun_debug_info: a wrapper
+    over flat leaves traces under the user's function's name and argument paths."""
+
+    def user(x, y):
+        return x + float(y["b"])  # concretization error on y['b']
+
+    def flat(*leaves):
+        return user(leaves[0], {"b": leaves[1]})
+
+    with uses("jax._src.api_util.debug_info / save_wrapped_fun_debug_info"):
+        compat.trace_as(flat, user, (1.0, {"b": 2.0}), {}, (), (), 2)
+    with pytest.raises(Exception) as info:
+        jax.make_jaxpr(flat)(1.0, 2.0)
+    assert "user at" in str(info.value) and "y['b']" in str(info.value), str(info.value)
+
+
+def test_platform_guard():
+    """jax.extend.core.Primitive with mlir.register_lowering(platform=...),
+    ad.primitive_jvps and batching.primitive_batchers: the guard is the
+    identity where it may run and raises the caller's error where it may not."""
+
+    class Refused(Exception):
+        pass
+
+    def refused(platform):
+        return Refused(platform)
+
+    host = {"cuda": "gpu", "rocm": "gpu"}.get(jax.default_backend(), jax.default_backend())
+    x = jnp.arange(3.0)
+    with uses("jax.extend.core.Primitive / jax.interpreters.mlir, ad, batching"):
+        ok = jax.jit(lambda x: compat.platform_guard(x, (host,), refused) * 2)
+        np.testing.assert_array_equal(np.asarray(ok(x)), np.arange(3.0) * 2)
+        grad = jax.grad(lambda x: compat.platform_guard(x, (host,), refused).sum())(x)
+        np.testing.assert_array_equal(np.asarray(grad), np.ones(3))
+        batched = jax.vmap(lambda x: compat.platform_guard(x, (host,), refused))(x[:, None])
+        assert batched.shape == (3, 1)
+    elsewhere = tuple(p for p in ("cpu", "gpu", "tpu") if p != host)
+    with pytest.raises(Refused, match=host):
+        jax.jit(lambda x: compat.platform_guard(x, elsewhere, refused))(x)
+
+
 # --------------------------------------------------------------------------- more entry points
 
 
@@ -529,3 +588,41 @@ def test_pallas_gpu_private_entry_points():
 def test_tokamax_module():
     module = compat.tokamax_module()
     assert module is None or hasattr(module, "dot_product_attention")
+
+
+# --------------------------------------------------------------------------- experimental modules
+
+
+def _experimental_imports() -> set[str]:
+    """The ``jax.experimental`` modules flashpass's source imports (parsed, not run)."""
+    import ast
+    import pathlib
+
+    root = pathlib.Path(compat.__file__).resolve().parents[2]
+    found = set()
+    for package in ("flashpass", "kernels", "patterns"):
+        for path in (root / package).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                if isinstance(node, ast.Import):
+                    found.update(a.name for a in node.names)
+                elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                    # Every ``from jax.experimental... import x`` here imports a module.
+                    found.update(f"{node.module}.{a.name}" for a in node.names)
+    return {name for name in found if name.startswith("jax.experimental")}
+
+
+def test_experimental_modules_are_listed_and_exist():
+    """`compat.EXPERIMENTAL_MODULES` lists exactly the experimental modules
+    imported, and each imports on the installed JAX (inside its known range)."""
+    from flashpass.compat._kernels import EXPERIMENTAL_MODULES
+
+    assert _experimental_imports() == set(EXPERIMENTAL_MODULES)
+    for name, (first, last) in EXPERIMENTAL_MODULES.items():
+        assert compat.JAX_VERSION >= _version(first), (name, first)
+        if compat.JAX_VERSION <= _version(last):
+            with uses(name):
+                importlib.import_module(name)
+
+
+def _version(text: str) -> tuple[int, ...]:
+    return tuple(int(p) for p in text.split("."))

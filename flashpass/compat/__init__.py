@@ -15,6 +15,8 @@ test names it and the installed version.
 
 from __future__ import annotations
 
+from ._debug import name_stack, trace_as  # noqa: F401
+from ._guard import platform_guard  # noqa: F401
 from ._jaxpr import (  # noqa: F401
     _BODY_TYPES,
     _CAN_EMIT,
@@ -87,6 +89,15 @@ from ._kernels import (  # noqa: F401
     tpu_interpret_mode,
     tpu_paged_attention_module,
     traced_with,
+)
+from ._nnx import (  # noqa: F401
+    is_graph_node,
+    is_graph_object,
+    merge_nodes,
+    nnx_loaded,
+    node_state,
+    split_nodes,
+    update_nodes,
 )
 from ._random import (  # noqa: F401
     is_key_dtype,

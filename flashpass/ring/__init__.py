@@ -12,7 +12,7 @@ Instead of letting XLA all-gather K and V to full length on every device
 * K/V move one device along the ring (``ppermute``) between steps, with
   what is read at key positions only (key segment ids, key padding masks and
   key biases, sharded like the keys);
-* a step whose K/V block a causal or window mask excludes entirely is
+* a step whose K/V block a position mask (causal, window...) excludes entirely is
   skipped (``lax.cond``), so a causal ring does about half the work.
 
 The backward is a ring too (`jax.custom_vjp`): each device keeps its query
@@ -21,10 +21,11 @@ probabilities from the statistics, accumulates dQ locally and sends dK/dV
 around the ring with the K/V block they belong to; after ``n`` steps every
 dK/dV block is back on its own device.
 
-Supported score ops (`RING_OPS`, applied in program order on global positions,
-with the program's own fills, so rows a mask empties compute what the
-original does): scales, causal (any offset), window, chunk and prefix masks,
-and kv lengths (padding); segment ids (packed documents: the query ids stay,
+Supported score ops (every kind of `flashpass.ops`, each applied by its own
+element form in program order on global positions, with the program's own
+fills, so rows a mask empties compute what the original does): scales,
+causal (any offset), window, chunk, prefix and sink-token masks, and kv
+lengths (padding); segment ids (packed documents: the query ids stay,
 the key ids travel with their K/V block); biases and boolean masks (a
 ``[.., T, S]`` one sharded along its queries and sliced at the visiting
 block, a key-only one travelling with it; a bias's gradient too); logit
@@ -55,21 +56,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from ..spec import (
-    AttentionSpec,
-    Bias,
-    Causal,
-    Chunk,
-    Dropout,
-    KvLengths,
-    Mask,
-    Prefix,
-    Scale,
-    Segments,
-    Sink,
-    Softcap,
-    Window,
-)
+from ..ops import KINDS
+from ..spec import AttentionSpec, Causal, KvLengths, Mask, Segments, Window
 from . import backward, cases, forward
 from .step import RingStep
 
@@ -78,22 +66,14 @@ from .step import RingStep
 #: the device blocks are (a 4M-score f32 chunk is 16 MiB).
 ROW_CHUNK_SCORES = 1 << 22
 
-#: Score ops a ring step applies (in program order, with global positions), and
-#: attention sinks (the row statistics start from them).
-RING_OPS = (
-    *(Scale, Softcap, Bias, Mask, Causal, Window, Chunk, Prefix, KvLengths, Segments, Sink),
-    Dropout,
-)
-
 
 def unsupported(spec: AttentionSpec) -> str | None:
-    """Why the ring cannot run ``spec`` (None: it can)."""
-    other = [type(op).__name__ for op in spec.score_ops if not isinstance(op, RING_OPS)]
+    """Why the ring cannot run ``spec`` (None: it can): a step applies every
+    kind of `flashpass.ops.KINDS` (in program order, with global positions)."""
+    other = [type(op).__name__ for op in spec.score_ops if not isinstance(op, KINDS)]
     if other:
-        return (
-            "the ring supports scales, soft-caps, biases, boolean, causal, window, chunk and "
-            "prefix masks, kv lengths, segment ids, attention sinks and dropout, not "
-            + ", ".join(sorted(set(other)))
+        return "the ring applies the score ops of flashpass.ops, not " + ", ".join(
+            sorted(set(other))
         )
     return None
 

@@ -27,25 +27,9 @@ import jax.numpy as jnp
 
 from flashpass.kernels.base import CheckContext, Kernel
 
+from ..ops import EXCLUDED, KvLengths, step_shape
 from ..select import choose
-from ..spec import (
-    AttentionSpec,
-    Bias,
-    Causal,
-    Dropout,
-    ExtraSpec,
-    KvLengths,
-    Mask,
-    Scale,
-    Segments,
-    Sink,
-    Softcap,
-    Window,
-)
-
-#: Score ops a kernel step takes as they are (bias and mask arrays sliced to
-#: the visiting block, kv lengths shifted to it).
-_AS_THEY_ARE = (Scale, Softcap, Bias, Mask, KvLengths, Segments)
+from ..spec import AttentionSpec, ExtraSpec
 
 #: What the step runs when no kernel takes it: the ring's own plain-JAX step.
 PLAIN = "plain JAX"
@@ -68,48 +52,19 @@ class StepCase:
 
 def local_ops(spec: AttentionSpec, d: int):
     """The score ops of a step whose query block starts ``d`` positions after
-    its key block, in local positions: a tuple, ``"excluded"`` when they
+    its key block, in local positions: a tuple, `EXCLUDED` when they
     exclude every key, or a string saying why no static spec states them."""
     t, s = spec.q_len, spec.kv_len
     ops, why = [], None  # (an op that excludes the block wins over one not stated)
     for op in spec.score_ops:
-        if isinstance(op, Sink):
-            continue  # the ring's statistics start from the sink logit, once
-        if isinstance(op, Segments):
-            ops.append(dataclasses.replace(op, same=op.same and d == 0))
-        elif isinstance(op, Bias | Mask):
-            ops.append(dataclasses.replace(op, shape=_step_shape(op.shape, t, s)))
-        elif isinstance(op, _AS_THEY_ARE):
-            ops.append(op)
-        elif isinstance(op, Causal):
-            edge = d + op.offset  # keys c <= r + edge
-            if edge < -(t - 1):
-                return "excluded"
-            if edge < s - 1:
-                if edge < 0:
-                    why = why or "a causal edge below the diagonal"
-                ops.append(Causal(edge, op.fill))
-        elif isinstance(op, Window):
-            upper = None if op.right is None else d + op.right
-            lower = d - op.left  # keys c >= r + lower
-            if (upper is not None and upper < -(t - 1)) or lower > s - 1:
-                return "excluded"
-            if upper is not None and upper >= s - 1:
-                upper = None
-            if lower > 0 or (upper is not None and upper < 0):
-                why = why or "a window edge off the diagonal's side"
-            elif lower > -(t - 1) or upper is not None:
-                ops.append(Window(-lower, upper, op.fill))
-        elif isinstance(op, Dropout):
-            why = why or "dropout (its keep-mask is drawn at global positions)"
-        else:
-            why = why or f"{type(op).__name__} masks depend on the device's position"
+        local = op.at_offset(d, t, s)
+        if local is EXCLUDED:
+            return EXCLUDED
+        if isinstance(local, str):
+            why = why or local
+        elif local is not None:
+            ops.append(local)
     return why or tuple(ops)
-
-
-def _step_shape(shape, t: int, s: int) -> tuple:
-    b, h, rows, cols = shape
-    return (b, h, t if rows > 1 else 1, s if cols > 1 else 1)
 
 
 def step_spec(spec: AttentionSpec, ops: tuple) -> AttentionSpec:
@@ -119,7 +74,7 @@ def step_spec(spec: AttentionSpec, ops: tuple) -> AttentionSpec:
     lengths = {op.index for op in ops if isinstance(op, KvLengths)}
     extras = tuple(
         ExtraSpec(
-            _step_shape(e.shape, spec.q_len, spec.kv_len),
+            step_shape(e.shape, spec.q_len, spec.kv_len),
             "int32" if i in lengths else e.dtype,
         )
         if len(e.shape) == 4
@@ -159,7 +114,7 @@ def _case(spec, d, q_global, skippable, steppers, ctx) -> StepCase:
     if spec.q_len != spec.kv_len:
         return StepCase(why="query and key blocks differ in length")
     ops = local_ops(spec, d)
-    if ops == "excluded":
+    if ops is EXCLUDED:
         if skippable:
             return StepCase(skip=True)
         return StepCase(why="a block the masks exclude that a row may still need")

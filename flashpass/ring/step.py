@@ -13,21 +13,10 @@ import jax.numpy as jnp
 from jax import lax
 
 from flashpass.kernels.dropout import apply_dropout, keep_mask
-from flashpass.kernels.reference import kv_valid_lengths, structured_keep
+from flashpass.ops import valid_lengths
 
-from ..spec import (
-    AttentionSpec,
-    Bias,
-    Causal,
-    Dropout,
-    KvLengths,
-    Mask,
-    Scale,
-    Segments,
-    Sink,
-    Softcap,
-    Window,
-)
+from ..ops import KeepOp, Positional
+from ..spec import AttentionSpec, Bias, Causal, KvLengths, Mask, Scale, Segments, Sink, Softcap
 from . import cases
 
 
@@ -96,15 +85,11 @@ class RingStep:
             ok &= jnp.any(heads5(extras[op.q_index]) == heads5(extras[op.kv_index]))
         q_last, k_last = q0 + spec.q_len - 1, k0 + spec.kv_len - 1
         for op in spec.score_ops:
-            if isinstance(op, Causal):
-                ok &= k0 <= q_last + op.offset
-            elif isinstance(op, Window):
-                ok &= k_last >= q0 - op.left
-                if op.right is not None:
-                    ok &= k0 <= q_last + op.right
+            if isinstance(op, Positional):
+                ok &= op.meets(q0, q_last, k0, k_last)
         if self.by_length:
             total = spec.kv_len * self.n
-            valid = [kv_valid_lengths(op, extras[op.index], total) for op in self.lengths]
+            valid = [valid_lengths(op, extras[op.index], total) for op in self.lengths]
             for x in valid:
                 ok &= k0 < jnp.max(x)
             # A row with no key needs every key's fill: then nothing is skipped.
@@ -122,30 +107,13 @@ class RingStep:
         spec, heads5 = self.spec, self.heads5
         rows = q0 + jnp.arange(s.shape[-2])[:, None]
         cols = k0 + jnp.arange(s.shape[-1])[None, :]
+        extras = _Heads5(extras, heads5)
+        total = spec.kv_len * self.n
         for op in spec.score_ops:
-            if isinstance(op, Sink | Dropout):
-                continue  # the row statistics (`sink_rows`) or the weights (`dropped`)
-            if isinstance(op, Scale):
-                s = s * op.value
-                continue
-            if isinstance(op, Softcap):
-                s = op.cap * jnp.tanh(s / op.cap)
-                continue
-            if isinstance(op, Bias):
-                s = s + heads5(extras[op.index]).astype(jnp.float32)
-                continue
-            if isinstance(op, Mask):
-                keep = heads5(extras[op.index])
-            elif isinstance(op, Causal):
-                keep = cols <= rows + op.offset
-            elif isinstance(op, KvLengths):
-                valid = kv_valid_lengths(op, extras[op.index], spec.kv_len * self.n)
-                keep = cols < heads5(valid)  # (T axis: the local queries' own limits, or 1)
-            elif isinstance(op, Segments):
-                keep = heads5(extras[op.q_index]) == heads5(extras[op.kv_index])
-            else:
-                keep = structured_keep(op, extras, rows, cols)
-            s = jnp.where(keep, s, op.fill)
+            if isinstance(op, KeepOp):  # (kv lengths: the local queries' own limits, or 1)
+                s = jnp.where(op.keep(rows, cols, extras, total), s, op.fill)
+            else:  # the row statistics (`sink_rows`) and weights (`dropped`) take the rest
+                s = op.apply(s, extras, None)
         return s
 
     def heads5(self, x):
@@ -257,3 +225,15 @@ class RingStep:
     def permute(self, x):
         """``x`` moved one device along the ring."""
         return lax.ppermute(x, self.axis_name, self.perm)
+
+
+class _Heads5:
+    """``extras[i]`` as `RingStep.heads5` reshapes it, made when read."""
+
+    def __init__(self, extras, heads5):
+        self.extras, self.heads5, self.made = extras, heads5, {}
+
+    def __getitem__(self, i):
+        if i not in self.made:
+            self.made[i] = self.heads5(self.extras[i])
+        return self.made[i]

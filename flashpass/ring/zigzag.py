@@ -39,7 +39,7 @@ from jax import lax
 from flashpass.kernels.base import CheckContext, Kernel
 
 from ..select import choose
-from ..spec import AttentionSpec, Causal, Scale, Softcap
+from ..spec import AttentionSpec, Causal
 from . import merge
 
 
@@ -69,7 +69,7 @@ def reason(spec: AttentionSpec, n: int, q_global: bool) -> str | None:
     if spec.extras:
         return "the site reads bias, mask or id arrays"
     causal = [op for op in spec.score_ops if isinstance(op, Causal)]
-    others = [op for op in spec.score_ops if not isinstance(op, Causal | Scale | Softcap)]
+    others = [op for op in spec.score_ops if not (isinstance(op, Causal) or op.uniform)]
     if others or len(causal) != 1 or causal[0].offset != 0:
         return "only a causal mask (offset 0) with scales and soft-caps is balanced"
     return None

@@ -293,6 +293,15 @@ def _bidirectional(q, k, v):
     return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1), v)
 
 
+def _streaming(q, k, v):
+    """StreamingLLM: 4 sink keys and a causal window of 12 (a `SinkWindow`)."""
+    t = q.shape[1]
+    i, j = jnp.arange(t)[:, None], jnp.arange(t)[None, :]
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, k) * 0.25
+    s = jnp.where((j < 4) | ((j <= i) & (j > i - 12)), s, -jnp.inf)
+    return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1), v)
+
+
 def _padded(q, k, v, lengths):
     keep = jnp.arange(k.shape[1])[None, :] < lengths[:, None]
     s = jnp.einsum("bqhd,bkhd->bhqk", q, k) * 0.25
@@ -359,12 +368,24 @@ BLOCKWISE_STEPS = {
     "softcap": "blockwise, plain JAX",
     "sinks": "blockwise, plain JAX",
     "packed": "blockwise, plain JAX",
+    "streaming": "plain JAX",
 }
 
 
 @pytest.mark.parametrize("kernel", ["reference", "blockwise"])
 @pytest.mark.parametrize(
-    "case", ["window", "bidirectional", "padded", "sinks", "softcap", "packed", "bias", "masks"]
+    "case",
+    [
+        "window",
+        "bidirectional",
+        "padded",
+        "sinks",
+        "softcap",
+        "packed",
+        "bias",
+        "masks",
+        "streaming",
+    ],
 )
 def test_windowed_and_padded_rings(case, kernel):
     """Window masks skip the steps outside the window; kv lengths (a padded
@@ -383,6 +404,8 @@ def test_windowed_and_padded_rings(case, kernel):
         attend, extra = _windowed, []
     elif case == "bidirectional":  # wrapped blocks the window reaches: kernel steps too
         attend, extra = _bidirectional, []
+    elif case == "streaming":  # sink keys on device 0: every step whose block they hold runs
+        attend, extra = _streaming, []
     elif case == "padded":
         attend, extra = _padded, [put(m, P(), np.array([40, 0], np.int32))]
     elif case == "softcap":
