@@ -22,6 +22,7 @@ from ._export import (  # noqa: F401
     ir_module,
     is_tracer,
     mlir_context,
+    module_bytecode,
     module_to_artifact,
     parse_module,
     stablehlo_dialect,

@@ -58,6 +58,15 @@ def module_to_artifact(module) -> bytes:
     return _export._module_to_bytecode(module)
 
 
+def module_bytecode(module) -> bytes:
+    """Plain MLIR bytecode of ``module`` (not a versioned artifact)."""
+    import io
+
+    buffer = io.BytesIO()
+    module.operation.write_bytecode(buffer)
+    return buffer.getvalue()
+
+
 def exported_from_module(
     module_bytes: bytes,
     *,
@@ -70,7 +79,7 @@ def exported_from_module(
 ) -> jax.export.Exported:
     """An `Exported` around a single-device module whose ``main`` takes the
     arrays ``in_avals`` (after a platform index when there are several
-    platforms) and returns ``out_avals``.
+    platforms) and returns ``out_avals`` (one result: an array, else a tuple).
 
     The `Exported` constructor's private fields differ between JAX
     versions, so a trivial function with the same signature is exported and
@@ -82,7 +91,8 @@ def exported_from_module(
 
     def shaped(*args):
         del args
-        return tuple(jnp.zeros(a.shape, a.dtype) for a in outs)
+        zeros = tuple(jnp.zeros(a.shape, a.dtype) for a in outs)
+        return zeros[0] if len(zeros) == 1 else zeros  # one result: no tuple
 
     args = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in in_avals]
     template = jax.export.export(jax.jit(shaped), platforms=tuple(platforms))(*args)

@@ -16,13 +16,21 @@ import jax
 
 from flashpass import compat
 
-from .api import explain, rewrite
+from .api import explain, rewrite, rewrite_and_explain
 from .lift import LiftedModule, prepare
 from .ops import rule_names
 from .report import ExportReport
 from .values import LiftError
 
-__all__ = ["ExportReport", "LiftError", "explain", "load", "rewrite", "rule_names"]
+__all__ = [
+    "ExportReport",
+    "LiftError",
+    "explain",
+    "load",
+    "rewrite",
+    "rewrite_and_explain",
+    "rule_names",
+]
 
 
 def load(data: bytes | str, *, platforms=None) -> jax.export.Exported:

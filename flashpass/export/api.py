@@ -47,10 +47,17 @@ def rewrite(exp: jax.export.Exported, *, platforms=None, **options) -> jax.expor
     over several devices, shape-polymorphic, with effects) is returned
     unchanged; `explain` says why.
     """
+    return rewrite_and_explain(exp, platforms=platforms, **options)[0]
+
+
+def rewrite_and_explain(
+    exp: jax.export.Exported, *, platforms=None, **options
+) -> tuple[jax.export.Exported, ExportReport]:
+    """`rewrite` and `explain` at once (the module is lifted once)."""
     plan = _plan(exp, platforms, options)
     if plan.report.route == "kept":
-        return exp
-    return _export(plan)
+        return exp, plan.report
+    return _export(plan), plan.report
 
 
 def _plan(exp, platforms, options) -> _Plan:

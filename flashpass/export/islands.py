@@ -31,7 +31,7 @@ def call_island(op, operands: list, platforms) -> list:
         platforms=platforms[:1],
     )
     outs = exp.call(*operands)
-    return list(outs)
+    return [outs] if len(out_avals) == 1 else list(outs)
 
 
 def _one_op_module(op):
