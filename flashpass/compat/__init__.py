@@ -19,6 +19,7 @@ from ._export import (  # noqa: F401
     exported_from_module,
     exported_with_vjp,
     func_dialect,
+    ir_element_type,
     ir_module,
     is_tracer,
     mlir_context,

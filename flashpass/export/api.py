@@ -5,11 +5,11 @@ from __future__ import annotations
 import dataclasses
 
 import jax
-from jax import lax
 
 from flashpass import compat
 from flashpass.api import Optimized
 
+from . import combine
 from .lift import LiftedModule, prepare
 from .report import ExportReport
 from .values import LiftError
@@ -129,24 +129,23 @@ def _lift(plan: _Plan, options) -> None:
 
 
 def _export(plan: _Plan) -> jax.export.Exported:
+    """Export each platform's rewritten program, then join them (`combine.join`)."""
     exp, platforms = plan.exp, plan.platforms
+    args, kwargs = jax.tree_util.tree_unflatten(exp.in_tree, _structs(exp.in_avals))
+    exps = []
+    for p in platforms:
+        program = _program(exp, plan.optimized[p])
+        exps.append(jax.export.export(jax.jit(program), platforms=(p,))(*args, **kwargs))
+    return exps[0] if len(exps) == 1 else combine.join(exps, platforms)
+
+
+def _program(exp, optimized):
+    """The artifact's signature around the rewritten lifted function."""
     kept_idx = exp.module_kept_var_idx
 
-    def flat(*leaves):
-        kept = [leaves[i] for i in kept_idx]
-        if len(platforms) == 1:
-            return plan.optimized[platforms[0]](*kept)
-        branches = {_branch_name(p): plan.optimized[p] for p in platforms}
-        return lax.platform_dependent(*kept, **branches)
-
-    def program(*args, **kwargs):
+    def main(*args, **kwargs):
         leaves = jax.tree_util.tree_leaves((args, kwargs))
-        return jax.tree_util.tree_unflatten(exp.out_tree, list(flat(*leaves)))
+        outs = optimized(*[leaves[i] for i in kept_idx])
+        return jax.tree_util.tree_unflatten(exp.out_tree, list(outs))
 
-    program.__name__ = flat.__name__ = "main"
-    args, kwargs = jax.tree_util.tree_unflatten(exp.in_tree, _structs(exp.in_avals))
-    return jax.export.export(jax.jit(program), platforms=platforms)(*args, **kwargs)
-
-
-def _branch_name(platform: str) -> str:
-    return platform
+    return main
