@@ -283,3 +283,90 @@ def _peeled_nodes(scope: Scope, atom, base) -> set:
         out.add(node)
         atom = scope.resolve(node.ins[0])
     return out
+
+
+# --------------------------------------------------------------------------- safe softmax
+
+#: Ops a value keeps its identity through on the way to the guard.
+_CASTS = ("convert_element_type", "copy", "copy_p")
+
+
+def safe_softmax_guard(scope: Scope, node: Node, pos: int) -> set | Miss:
+    """Whether ``node`` is PyTorch's safe-softmax guard on the probabilities.
+
+    ``where(all(s == -inf, axis, keepdims), 0, softmax(s, axis))`` (PyTorch's
+    ``_safe_softmax``, what ``scaled_dot_product_attention`` lowers to) zeroes
+    the rows whose scores are all ``-inf``.  Proven here: ``node`` is a
+    ``select_n`` whose probabilities operand (at ``pos``) is exactly the
+    normalised softmax of ``s``, whose other operand is 0, and whose predicate
+    is ``reduce_and(s == -inf)`` over the softmax axis of that same ``s``,
+    broadcast back along that axis only.  Returns the guard's equations (the
+    predicate's), or an empty set: not this guard.  Which rows the guard
+    zeroes in terms of the score ops is decided by the caller.
+    """
+    no: set = set()
+    if node.prim != "select_n" or len(node.ins) != 3 or pos == 0:
+        return no
+    pred, *cases = node.ins
+    shape = scope.shape(node.out)
+    zero = profile(scope, cases[2 - pos], shape)
+    if not zero.is_scalar or scalar_value(scope, zero.base) != 0.0:
+        return no
+    softmax = _softmax_of(scope, cases[pos - 1])
+    if softmax is None:
+        return no
+    rows, when, negations = _negations(scope, pred)
+    if when != (pos == 1):  # the guard's true branch must be the zero
+        return no
+    reduced = profile(scope, rows, shape)
+    node_and = scope.producer(reduced.base)
+    if node_and is None or node_and.prim != "reduce_and":
+        return no
+    if tuple(node_and.params["axes"]) != (softmax.axis,):
+        return no
+    # Broadcast back along the key axis only, the other axes in order.
+    for t, a in enumerate(reduced.axes):
+        expected = None if t == softmax.axis else (t if t < softmax.axis else t - 1)
+        if a != expected and not (a is None and shape[t] == 1):
+            return no
+    eq = scope.producer(node_and.ins[0])
+    if eq is None or eq.prim != "eq":
+        return no
+    for i in (0, 1):
+        other = profile(scope, eq.ins[1 - i], scope.shape(eq.out))
+        if (
+            scope.resolve(eq.ins[i]) == scope.resolve(softmax.s_in)
+            and other.is_scalar
+            and scalar_value(scope, other.base) == float("-inf")
+        ):
+            return {eq, node_and, *negations, *_peeled_nodes(scope, rows, reduced.base)}
+    return Miss(
+        f"a guard on the probabilities tests other scores than the softmax's{where(node)}", node
+    )
+
+
+def _negations(scope: Scope, pred):
+    """``(p, polarity, nots)``: ``pred`` is ``p`` (True) or ``not p`` (False)."""
+    polarity, nots = True, set()
+    while (node := scope.producer(pred)) is not None and node.prim == "not":
+        pred, polarity = node.ins[0], not polarity
+        nots.add(node)
+    return pred, polarity, nots
+
+
+def _softmax_of(scope: Scope, p) -> Softmax | None:
+    """The softmax whose normalised output ``p`` is (through casts), else None."""
+    atom = scope.resolve(p)
+    while (node := scope.producer(atom)) is not None and node.prim in _CASTS:
+        atom = scope.resolve(node.ins[0])
+    if node is None or node.prim not in ("div", "mul"):
+        return None
+    e = scope.resolve(node.ins[0])
+    while (exp := scope.producer(e)) is not None and exp.prim in _CASTS:
+        e = scope.resolve(exp.ins[0])
+    if exp is None or exp.prim != "exp":
+        return None
+    found = match_softmax(scope, exp)
+    if isinstance(found, Miss) or found.deferred is not None:
+        return None
+    return found if scope.resolve(found.out) == atom else None
