@@ -43,10 +43,15 @@ def parse_module(data: bytes | str, context):
             from jax.extend import mlir as jex_mlir
 
             try:
-                return jex_mlir.deserialize_portable_artifact(data, context)
+                try:
+                    module = jex_mlir.deserialize_portable_artifact(data, context)
+                except TypeError:  # JAX < 0.10: no context, returns the text
+                    module = jex_mlir.deserialize_portable_artifact(data)
             except Exception:
-                pass  # plain bytecode that is not a versioned artifact
-            return ir.Module.parse(data, context=context)
+                return ir.Module.parse(data, context=context)  # plain bytecode
+            if isinstance(module, str | bytes):
+                return ir.Module.parse(module, context=context)
+            return module
         data = data.decode("utf-8")
     return ir.Module.parse(data, context=context)
 
