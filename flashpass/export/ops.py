@@ -261,6 +261,38 @@ def _reduce_precision(interp, op, operands):
     return [_fold(lax.reduce_precision(materialize(operands[0]), exponent, mantissa))]
 
 
+@_rule("stablehlo.gather")
+def _gather(interp, op, operands):
+    sh = compat.stablehlo_dialect()
+    numbers = sh.GatherDimensionNumbers(op.attributes["dimension_numbers"])
+    x, indices = (materialize(v) for v in operands)
+    # lax.gather keeps the index vector in the last axis of the indices.
+    rank, vector = len(indices.shape), numbers.index_vector_dim
+    if vector == rank:
+        indices = lax.expand_dims(indices, (rank,))
+    elif vector != rank - 1:
+        order = [a for a in range(rank) if a != vector] + [vector]
+        indices = lax.transpose(indices, order)
+    dims = lax.GatherDimensionNumbers(
+        offset_dims=tuple(numbers.offset_dims),
+        collapsed_slice_dims=tuple(numbers.collapsed_slice_dims),
+        start_index_map=tuple(numbers.start_index_map),
+        operand_batching_dims=tuple(getattr(numbers, "operand_batching_dims", ())),
+        start_indices_batching_dims=tuple(getattr(numbers, "start_indices_batching_dims", ())),
+    )
+    sorted_ = _attr(op, "indices_are_sorted")
+    out = lax.gather(
+        x,
+        indices,
+        dims,
+        _i64s(op.attributes["slice_sizes"]),
+        indices_are_sorted=sorted_ is not None and str(sorted_) == "true",
+        # StableHLO clamps start indices so that every slice is in bounds.
+        mode=lax.GatherScatterMode.CLIP,
+    )
+    return [_fold(out)]
+
+
 # --------------------------------------------------------------------------- contractions
 
 
