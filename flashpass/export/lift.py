@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax
 import numpy as np
 
 from flashpass import compat
@@ -172,8 +171,3 @@ class _Interpreter:
         )
         return outs
 
-
-def lifted_jaxpr(lifted: LiftedModule, platform_index: int = 0):
-    """The jaxpr of the lifted function (for tests and explanations)."""
-    fn = lifted.function(platform_index)
-    return jax.make_jaxpr(fn)(*lifted.in_avals)

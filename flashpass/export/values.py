@@ -79,10 +79,6 @@ def materialize(x):
     return x.array() if isinstance(x, Splat) else x
 
 
-def is_constant(x) -> bool:
-    return isinstance(x, Splat | np.ndarray)
-
-
 def constant_value(x) -> np.ndarray | None:
     """The numpy value of a known constant, else None."""
     if isinstance(x, Splat):
@@ -90,10 +86,6 @@ def constant_value(x) -> np.ndarray | None:
     if isinstance(x, np.ndarray):
         return x
     return None
-
-
-def shape_of(x) -> tuple:
-    return tuple(x.shape)
 
 
 def dense_constant(attr, aval) -> Splat | np.ndarray:
