@@ -170,4 +170,3 @@ class _Interpreter:
             name, location if known is None else known.location, count
         )
         return outs
-
