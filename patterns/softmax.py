@@ -315,21 +315,25 @@ def safe_softmax_guard(scope: Scope, node: Node, pos: int) -> set | Miss:
     softmax = _softmax_of(scope, cases[pos - 1])
     if softmax is None:
         return no
-    rows, when, negations = _negations(scope, pred)
+    found = _row_reduction(scope, pred, shape)
+    if found is None:
+        return no
+    reduce_node, when, axes, nodes = found
+    eq = scope.producer(reduce_node.ins[0])
+    if reduce_node.prim == "reduce_or":  # not(any(not(s == -inf))), De Morgan's all
+        if eq is None or eq.prim != "not":
+            return no
+        nodes.add(eq)
+        eq, when = scope.producer(eq.ins[0]), not when
     if when != (pos == 1):  # the guard's true branch must be the zero
         return no
-    reduced = profile(scope, rows, shape)
-    node_and = scope.producer(reduced.base)
-    if node_and is None or node_and.prim != "reduce_and":
-        return no
-    if tuple(node_and.params["axes"]) != (softmax.axis,):
+    if tuple(reduce_node.params["axes"]) != (softmax.axis,):
         return no
     # Broadcast back along the key axis only, the other axes in order.
-    for t, a in enumerate(reduced.axes):
+    for t, a in enumerate(axes):
         expected = None if t == softmax.axis else (t if t < softmax.axis else t - 1)
         if a != expected and not (a is None and shape[t] == 1):
             return no
-    eq = scope.producer(node_and.ins[0])
     if eq is None or eq.prim != "eq":
         return no
     for i in (0, 1):
@@ -339,19 +343,31 @@ def safe_softmax_guard(scope: Scope, node: Node, pos: int) -> set | Miss:
             and other.is_scalar
             and scalar_value(scope, other.base) == float("-inf")
         ):
-            return {eq, node_and, *negations, *_peeled_nodes(scope, rows, reduced.base)}
+            return {eq, reduce_node, *nodes}
     return Miss(
         f"a guard on the probabilities tests other scores than the softmax's{where(node)}", node
     )
 
 
-def _negations(scope: Scope, pred):
-    """``(p, polarity, nots)``: ``pred`` is ``p`` (True) or ``not p`` (False)."""
-    polarity, nots = True, set()
-    while (node := scope.producer(pred)) is not None and node.prim == "not":
-        pred, polarity = node.ins[0], not polarity
-        nots.add(node)
-    return pred, polarity, nots
+def _row_reduction(scope: Scope, pred, shape):
+    """``(reduce_and/or node, polarity, axes, nodes)``: ``pred`` is that
+    reduction (polarity True) or its negation, broadcast to ``shape`` with
+    ``axes`` (target axis -> reduction output axis), through ``nodes``."""
+    nodes: set = set()
+    polarity = True
+    prof = profile(scope, pred, shape)
+    nodes |= _peeled_nodes(scope, pred, prof.base)
+    axes = prof.axes
+    while (node := scope.producer(prof.base)) is not None and node.prim == "not":
+        nodes.add(node)
+        polarity = not polarity
+        inner = profile(scope, node.ins[0], scope.shape(node.out))
+        nodes |= _peeled_nodes(scope, node.ins[0], inner.base)
+        axes = tuple(None if a is None else inner.axes[a] for a in axes)
+        prof = inner
+    if node is None or node.prim not in ("reduce_and", "reduce_or"):
+        return None
+    return node, polarity, axes, nodes
 
 
 def _softmax_of(scope: Scope, p) -> Softmax | None:

@@ -11,6 +11,7 @@ an island.
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
@@ -66,6 +67,10 @@ def _elementwise(fn):
         if all(isinstance(x, Splat) for x in operands):
             value = np.asarray(fn(*[x.value for x in operands]), aval.dtype)
             return [Splat(value, aval.shape)]
+        if fn in (lax.mul, lax.div) and _is_one(operands[1]):
+            return [operands[0]]  # x * 1 and x / 1 are x, bit for bit
+        if fn is lax.mul and _is_one(operands[0]):
+            return [operands[1]]
         # A splat next to an array is a scalar operand, as ``x / 8.0`` traces.
         args = [x.value if isinstance(x, Splat) else x for x in operands]
         if not any(getattr(a, "shape", ()) == aval.shape for a in args):
@@ -73,6 +78,10 @@ def _elementwise(fn):
         return [_fold(fn(*args))]
 
     return rule
+
+
+def _is_one(x) -> bool:
+    return isinstance(x, Splat) and jnp.issubdtype(x.dtype, jnp.floating) and float(x.value) == 1.0
 
 
 _UNARY = {
