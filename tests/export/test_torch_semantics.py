@@ -34,6 +34,18 @@ def safe_softmax(s, axis=-1):
     return jnp.where(rows, jnp.zeros_like(p), p)
 
 
+def safe_softmax_any(s, axis=-1):
+    """The guard as torchax lowers it: ``not(any(not(s == -inf)))``."""
+    p = jax.nn.softmax(s, axis)
+    rows = ~jnp.any(~(s == -jnp.inf), axis=axis, keepdims=True)
+    return jnp.where(rows, jnp.zeros_like(p), p)
+
+
+def sdpa_bool_mask_any(q, k, v, mask):
+    bias = jnp.where(mask, 0.0, -jnp.inf)[:, None, None, :]
+    return _out(safe_softmax_any(_scores(q, k) + bias), v)
+
+
 def sdpa_causal(q, k, v):  # is_causal=True
     s = _scores(q, k)
     keep = jnp.tril(jnp.ones((T, T), bool))
@@ -63,6 +75,7 @@ def split_scale(q, k, v):  # SDPA's math path scales q and k by sqrt(scale) each
 POSITIVE = [
     (sdpa_causal, (QKV, QKV, QKV), "causal"),
     (sdpa_bool_mask, (QKV, QKV, QKV, MASK), "boolean"),
+    (sdpa_bool_mask_any, (QKV, QKV, QKV, MASK), "boolean"),
     (masked_fill_inf, (QKV, QKV, QKV, MASK), "boolean"),
     (masked_fill_min, (QKV, QKV, QKV, MASK), "boolean"),
     (split_scale, (QKV, QKV, QKV), "none"),
@@ -133,6 +146,13 @@ def guard_fills_one(q, k, v, mask):
     return _out(jnp.where(rows, 1.0, p), v)  # not a zero
 
 
+def guard_any_key_masked(q, k, v, mask):
+    s = jnp.where(mask[:, None, None, :], _scores(q, k), -jnp.inf)
+    p = jax.nn.softmax(s, -1)
+    rows = jnp.any(s == -jnp.inf, axis=-1, keepdims=True)  # some key masked, not all
+    return _out(jnp.where(rows, 0.0, p), v)
+
+
 def guard_mixed_fills(q, k, v, mask):
     s = jnp.where(mask[:, None, None, :], _scores(q, k), NEG)
     s = jnp.where(jnp.tril(jnp.ones((T, T), bool)), s, -jnp.inf)
@@ -147,6 +167,7 @@ NEGATIVE = [
     (guard_on_other_scores, (QKV, QKV, QKV), "other scores"),
     (guard_over_queries, (QKV, QKV, QKV, MASK), "did not mask the scores"),
     (guard_fills_one, (QKV, QKV, QKV, MASK), "non-zero value"),
+    (guard_any_key_masked, (QKV, QKV, QKV, MASK), "did not mask the scores"),
     (guard_mixed_fills, (QKV, QKV, QKV, MASK), "both -inf and finite"),
     (
         guard_after_dense_bias,
