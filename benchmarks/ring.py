@@ -7,7 +7,7 @@ q, k and v are sharded along the sequence (``P(None, "seq")``, Auto axes) over
   ``with_sharding_constraint``); XLA all-gathers K and V to full length on
   every device;
 * ``ring``: the same function through ``flashpass.optimize`` (a ring of
-  per-block steps with collective-permutes, flashpass/ring.py).
+  per-block steps with collective-permutes, flashpass/ring/).
 
 Printed per program: the compiled per-device temporary memory
 (``memory_analysis().temp_size_in_bytes``), the all-gathers and
@@ -30,7 +30,7 @@ instead: k and v gathered there with ``lax.all_gather``, the causal mask on
 ``--plain-steps`` adds ``ring/plain``: the ring with every step in its own plain JAX
 (``kernel="reference"``, which declares no ring steps) beside ``ring``, whose steps
 run the blockwise kernel (`Kernel.ring_step`).  ``--contiguous`` adds ``ring/contig``:
-the causal ring in the user's contiguous order (`flashpass.zigzag.ENABLED` off) beside
+the causal ring in the user's contiguous order (`optimize(..., zigzag=False)`) beside
 ``ring``, load-balanced in zig-zag order; on simulated devices both do the same total
 work, and the slowest device's work per ring, which bounds a real ring's time, is
 printed as computed from the schedule (`zigzag.critical_path`).
@@ -72,7 +72,8 @@ def main(argv=None):
 
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
     import flashpass
-    from flashpass import ring, zigzag
+    from flashpass import ring
+    from flashpass.ring import zigzag
 
     def attention(q, k, v):
         s = jnp.einsum("bqhd,bkhd->bhqk", q, k) / jnp.sqrt(q.shape[-1]).astype(q.dtype)
@@ -120,13 +121,12 @@ def main(argv=None):
             opt = flashpass.optimize(constrained, kernel="reference")
             programs.append(("ring/plain", opt, None, True))
         if args.contiguous:
-            opt = flashpass.optimize(constrained, kernel="blockwise")
+            opt = flashpass.optimize(constrained, kernel="blockwise", zigzag=False)
             programs.append(("ring/contig", opt, None, False))
         rows = {}
-        for name, fn, budget, balanced in programs:
+        for name, fn, budget, _balanced in programs:
             if budget is not None:
                 ring.ROW_CHUNK_SCORES = budget
-            zigzag.ENABLED = balanced
             step = jax.jit(jax.grad(lambda *a, f=fn: jnp.sum(f(*a)), argnums=(0, 1, 2)))
             compiled = step.lower(*qkv).compile()
             hlo = compiled.as_text()

@@ -28,6 +28,7 @@ from .select import current_platform, resolve_order
 OPTIONS = {
     "cache_size": "maximum number of input signatures kept (default 32)",
     "strict": "re-raise the pass's internal errors (default: the FLASHPASS_STRICT env var)",
+    "zigzag": "load-balance causal rings where they can be (default True)",
 }
 DEFAULT_CACHE_SIZE = 32
 PLATFORMS = ("cpu", "gpu", "tpu")
@@ -72,6 +73,7 @@ class Optimized:
         static_argnames=(),
         cache_size: int = DEFAULT_CACHE_SIZE,
         strict: bool | None = None,
+        zigzag: bool = True,
     ):
         if not callable(fn):
             raise TypeError(f"flashpass.optimize expects a callable, got {type(fn).__name__}")
@@ -81,6 +83,8 @@ class Optimized:
             raise ValueError(f"cache_size must be a positive int, got {cache_size!r}")
         if strict is not None and not isinstance(strict, bool):
             raise TypeError(f"strict must be True, False or None, got {strict!r}")
+        if not isinstance(zigzag, bool):
+            raise TypeError(f"zigzag must be True or False, got {zigzag!r}")
         self._fn = fn
         self._platform = platform
         if not isinstance(interpret, bool | np.bool_):
@@ -88,6 +92,7 @@ class Optimized:
         self._interpret = bool(interpret)
         self._kernel = kernel
         self._strict = strict
+        self._zigzag = zigzag
         # Resolve now so an unknown kernel name fails here, with the known names.
         resolve_order(kernel, platform or "cpu")
         self._static_argnums, self._static_argnames, self._params = _static_args(
@@ -222,6 +227,7 @@ class Optimized:
             static_argnames=tuple(n for n in self._static_argnames if n != first),
             cache_size=self._cache_size,
             strict=self._strict,
+            zigzag=self._zigzag,
         )
 
     def __repr__(self) -> str:
@@ -341,6 +347,7 @@ class Optimized:
                 kernel=self._kernel,
                 platform=platform,
                 interpret=self._interpret,
+                zigzag=self._zigzag,
             )
         name = getattr(self._fn, "__qualname__", "function")
         pipeline.log_report(report, name)
@@ -410,7 +417,7 @@ def _aval(x, in_tree, index):
     or a clear error for a leaf that is not an array or number."""
     if isinstance(x, jax.ShapeDtypeStruct):
         return compat.struct_aval(x)
-    if isinstance(x, jax.Array | np.ndarray | np.generic) or isinstance(x, jax.core.Tracer):
+    if isinstance(x, jax.Array | np.ndarray | np.generic) or compat.is_tracer(x):
         if isinstance(x, np.ndarray | np.generic) and not _numeric(x.dtype):
             raise TypeError(
                 f"argument leaf {_leaf_path(in_tree, index)} has dtype {x.dtype}, not a "
@@ -445,7 +452,7 @@ def _leaf_path(in_tree, index) -> str:
 
 
 def _holds_tracers(consts) -> bool:
-    return any(isinstance(c, jax.core.Tracer) for c in consts)
+    return any(compat.is_tracer(c) for c in consts)
 
 
 def _static_args(fn, argnums, argnames):
@@ -532,7 +539,9 @@ def optimize(
         ``jax.jit``); they are part of the cache key and must be hashable.
       **options: ``cache_size`` (maximum cached input signatures, default 32);
         ``strict`` (re-raise internal errors of the pass instead of keeping the
-        site and reporting them; default: ``FLASHPASS_STRICT`` in the environment).
+        site and reporting them; default: ``FLASHPASS_STRICT`` in the environment);
+        ``zigzag`` (load-balance causal rings where they can be, default True;
+        False keeps every ring in the user's contiguous order).
     """
     unknown = set(options) - set(OPTIONS)
     if unknown:
@@ -549,6 +558,7 @@ def optimize(
             static_argnames=static_argnames,
             cache_size=options.get("cache_size", DEFAULT_CACHE_SIZE),
             strict=options.get("strict"),
+            zigzag=options.get("zigzag", True),
         )
 
     return wrap if fn is None else wrap(fn)

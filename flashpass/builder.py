@@ -5,8 +5,8 @@ piece, defined in its pattern module) and reads the score product's axis
 roles.  `SiteBuilder.build_ops` is then a loop: every step's ``apply`` adds
 its score ops (`Scale`, `Bias`, `Mask`, `Causal`...), the side arrays they
 read (extras, kept un-broadcast), traced scalars folded into q, or an axis
-permutation.  Adding a spelling is a step class and a rule in one pattern
-module; this file does not change.
+permutation.  Adding a spelling of the score chain (before the softmax) is
+a step class and a rule in one pattern module; this loop stays as it is.
 """
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ from __future__ import annotations
 from flashpass.patterns.common import Miss, where
 from flashpass.patterns.masks import CausalSource, MaskStep
 from flashpass.patterns.probabilities import ScoreMasks
-from flashpass.patterns.regroup import UNIT
 from flashpass.patterns.softcap import fold_softcap
 
 from .graph import Scope
+from .roles import UNIT
 from .site import ExtraSource, Layout, present_roles
 from .spec import Bias, Causal, excludes, fill_after
 

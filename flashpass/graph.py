@@ -29,7 +29,7 @@ from . import compat
 TRANSPARENT_CALLS = frozenset({"jit", "pjit", "closed_call", "core_call"})
 
 #: Name prefix of the kernel calls the pass emits (a ``jit`` named
-#: ``flashpass_<kernel>``, see rewrite.py).  They are opaque: never inlined,
+#: ``flashpass_<kernel>``, made by calls.py).  They are opaque: never inlined,
 #: never matched again, so the pass is idempotent.
 KERNEL_PREFIX = "flashpass_"
 

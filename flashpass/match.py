@@ -26,22 +26,75 @@ from flashpass.patterns.common import ESCAPE_HINT, Miss, profile, where
 from flashpass.patterns.dropout import dropout_op
 from flashpass.patterns.products import output_product, score_products
 from flashpass.patterns.regroup import PRIMS as REGROUP_PRIMS
-from flashpass.patterns.regroup import UNIT, regroup
+from flashpass.patterns.regroup import regroup
 from flashpass.patterns.softmax import match_softmax
 
 from . import errors
 from .backward import match_backward
 from .builder import SiteBuilder
 from .graph import Const, Scope
-from .site import AttentionSite, ExtraSource, Layout, Operand, present_roles
+from .roles import UNIT
+from .scans import match_pair, match_remat
+from .site import AttentionSite, ExtraSource, Layout, Operand, OutputScale, RowKeep, present_roles
 from .spec import AttentionSpec, ExtraSpec
 
 
-def find_sites(scope: Scope) -> tuple[list[AttentionSite], list[Miss]]:
-    """All attention sites of one scope, and the relevant near misses."""
+@dataclasses.dataclass(frozen=True, eq=False)
+class Escaped:
+    """A site whose intermediates are read outside it, where no backward in
+    its own scope reads them: a loop body's or a remat's pairing with its
+    backward (flashpass/scans.py) may still prove one; else ``miss`` is why
+    the site is kept.  Falsy, like a `Miss`."""
+
+    site: AttentionSite
+    miss: Miss
+    relevant = True
+
+    def __bool__(self) -> bool:
+        return False
+
+
+def match_scopes(scopes) -> tuple[list, list]:
+    """Stage 3: ``(sites, misses)`` of every scope, each a ``(scope, site or
+    Miss)`` pair; an escaped site is paired with its backward in a remat body
+    or, from a loop body, in the backward loop (flashpass/scans.py)."""
+    found, kept = [], []
+    by_prefix = {s.prefix: s for s in scopes}
+    children = {c.prefix: (s, c) for s in scopes for c in s.children}
+    for scope in scopes:
+        sites, unmatched = find_sites(scope)
+        for miss in unmatched:
+            if isinstance(miss, Escaped):
+                miss = _paired(scope, miss, by_prefix, children)
+            (kept if isinstance(miss, Miss) else found).append((scope, miss))
+        found += [(scope, site) for site in sites]
+    return found, kept
+
+
+def _paired(scope, escaped: Escaped, by_prefix: dict, children: dict):
+    """The escaped site with its backward in another scope, or the `Miss`."""
+    # Its saved intermediates may go into a remat body that is its backward.
+    paired = match_remat(scope, escaped.site, by_prefix)
+    if not isinstance(paired, Miss) or scope.prefix not in children:
+        return paired if not isinstance(paired, Miss) else escaped.miss
+    # Its intermediates leave a loop body: autodiff's backward loop may read them.
+    parent, child = children[scope.prefix]
+    paired = match_pair(parent, child, scope, escaped.site, by_prefix)
+    if not isinstance(paired, Miss):
+        return paired
+    return Miss(  # why the pair was not proven, not the body's escape
+        f"{paired.reason} (its intermediates leave the `{child.node.prim}` body: "
+        "autodiff saves them for its backward)",
+        escaped.miss.node,
+    )
+
+
+def find_sites(scope: Scope) -> tuple[list[AttentionSite], list]:
+    """All attention sites of one scope, and the rest in program order: sites
+    whose intermediates escape it (`Escaped`) and the relevant near misses."""
     chain_mod.ensure_loaded()
     sites: list[AttentionSite] = []
-    misses: list[Miss] = []
+    misses: list = []  # Escaped | Miss
     claimed: set = set()
     for node in scope.nodes:
         if node.prim != "exp":
@@ -57,9 +110,7 @@ def find_sites(scope: Scope) -> tuple[list[AttentionSite], list[Miss]]:
         if not site and not site.relevant:
             continue
         if not site:
-            if site.location is None:
-                site.node = node
-            misses.append(site)
+            misses.append(_located(site, node))
             continue
         if site.nodes & claimed:
             misses.append(Miss(f"overlaps another attention site{where(node)}", node))
@@ -69,7 +120,17 @@ def find_sites(scope: Scope) -> tuple[list[AttentionSite], list[Miss]]:
     return sites, misses
 
 
-def match_site(scope: Scope, soft) -> AttentionSite | Miss:
+def _located(result, node):
+    """``result`` (a `Miss` or an `Escaped`) placed at ``node`` when its miss
+    has no location of its own."""
+    miss = result.miss if isinstance(result, Escaped) else result
+    if miss.location is not None:
+        return result
+    at = Miss(miss.reason, node, miss.relevant, miss.internal, miss.readers)
+    return dataclasses.replace(result, miss=at) if isinstance(result, Escaped) else at
+
+
+def match_site(scope: Scope, soft) -> AttentionSite | Escaped | Miss:
     chain = chain_mod.walk_chain(scope, soft.s_in)
     if not chain:
         return chain
@@ -139,17 +200,7 @@ def _build_site(scope: Scope, soft, chain, sp) -> AttentionSite | Miss:
             return found
         root, division_nodes, out_roles = found
         nodes |= division_nodes
-    post = []
-    for kind, *data in out.post:
-        if kind == "scale":
-            base, axes, invert = data
-            source = ExtraSource(base, axes, None, scope.dtype(base))
-            post.append(("scale", source, invert))
-        elif kind == "dropout":  # a score op of its own, its key an extra
-            op, key = dropout_op(data[0], layout, len(extras))
-            ops, extras = [*ops, op], [*extras, key]
-        else:  # "row_keep": zero the rows the score masks exclude entirely
-            post.append(("row_keep",))
+    post, ops, extras = _after_softmax(scope, out.post, layout, ops, extras)
     cone = scope.forward_cone([dot.out], until=root.order)  # what the scores reach
     if soft.shifts:
         nodes |= scope.backward_cone(list(soft.shifts), since=dot.order) & cone
@@ -166,24 +217,18 @@ def _build_site(scope: Scope, soft, chain, sp) -> AttentionSite | Miss:
                 f"a side operand of the scores is computed from the scores{where(node)}", node
             )
     escape = _escape(scope, root, nodes)
-
-    for name, atom in (("query", sp.q), ("key", sp.k), ("value", out.v)):
-        if not jnp.issubdtype(scope.dtype(atom), jnp.floating):
-            return Miss(f"{name} is {scope.dtype(atom)}, not floating point{where(dot)}", dot)
-    v_shape = scope.shape(out.v)
-    if v_shape[out.v_axes["S"]] != sizes["S"]:
-        return Miss(f"value length differs from key length{where(root)}", root)
-    q = Operand(sp.q, sp.q_axes, q_shape, scope.dtype(sp.q))
-    k = Operand(sp.k, sp.k_axes, k_shape, scope.dtype(sp.k))
-    v = Operand(out.v, out.v_axes, v_shape, scope.dtype(out.v))
+    operands = _operands(scope, sp, out, sizes["S"], dot, root)
+    if isinstance(operands, Miss):
+        return operands
+    q, k, v = operands
     spec = AttentionSpec(
         batch=layout.batch,
         heads=layout.heads,
         kv_heads=layout.kv_heads,
         q_len=sizes["T"],
         kv_len=sizes["S"],
-        head_dim=q_shape[sp.q_axes["D"]],
-        v_head_dim=v_shape[out.v_axes["Dv"]],
+        head_dim=q.shape[sp.q_axes["D"]],
+        v_head_dim=v.shape[out.v_axes["Dv"]],
         q_dtype=q.dtype,
         k_dtype=k.dtype,
         v_dtype=v.dtype,
@@ -212,9 +257,13 @@ def _build_site(scope: Scope, soft, chain, sp) -> AttentionSite | Miss:
         pattern="softmax(QKᵀ)V" + (f" [{', '.join(pieces)}]" if pieces else ""),
         location=root.location or soft.exp.location,
     )
-    if escape is None:
-        return site
-    # Read outside the site: by autodiff's backward of it (a training step), or not.
+    return site if escape is None else _with_backward(scope, site, root, escape)
+
+
+def _with_backward(scope: Scope, site: AttentionSite, root, escape):
+    """A site whose intermediates are read outside it: by autodiff's backward
+    of it (a training step), or not (`Escaped`, or a plain miss)."""
+    nodes = site.nodes
     # A returned intermediate rules out a backward in this scope (a loop body's
     # may still be read by the backward loop: flashpass/scans.py takes ``site``).
     returned = any(
@@ -223,10 +272,40 @@ def _build_site(scope: Scope, soft, chain, sp) -> AttentionSite | Miss:
     backward = Miss("") if returned else match_backward(scope, site)
     if not backward:
         reason = escape.reason if returned else f"{escape.reason} ({backward.reason})"
-        miss = Miss(reason, escape.node)
-        miss.site = site
-        return miss
+        return Escaped(site, Miss(reason, escape.node))
     return dataclasses.replace(site, nodes=site.nodes | backward.nodes, backward=backward)
+
+
+def _after_softmax(scope: Scope, steps, layout, ops, extras):
+    """``(post ops, score ops, extras)``: the typed steps between the softmax
+    and ``P·V`` (an output multiplier, the rows a mask empties), dropout a
+    score op of its own with its key an extra."""
+    post = []
+    for kind, *data in steps:
+        if kind == "scale":
+            base, axes, invert = data
+            post.append(OutputScale(ExtraSource(base, axes, None, scope.dtype(base)), invert))
+        elif kind == "dropout":
+            op, key = dropout_op(data[0], layout, len(extras))
+            ops, extras = [*ops, op], [*extras, key]
+        else:  # "row_keep"
+            post.append(RowKeep())
+    return post, ops, extras
+
+
+def _operands(scope: Scope, sp, out, kv_len: int, dot, root):
+    """The site's q, k and v `Operand`s, or why they cannot be a kernel's."""
+    for name, atom in (("query", sp.q), ("key", sp.k), ("value", out.v)):
+        if not jnp.issubdtype(scope.dtype(atom), jnp.floating):
+            return Miss(f"{name} is {scope.dtype(atom)}, not floating point{where(dot)}", dot)
+    v_shape = scope.shape(out.v)
+    if v_shape[out.v_axes["S"]] != kv_len:
+        return Miss(f"value length differs from key length{where(root)}", root)
+    return (
+        Operand(sp.q, sp.q_axes, scope.shape(sp.q), scope.dtype(sp.q)),
+        Operand(sp.k, sp.k_axes, scope.shape(sp.k), scope.dtype(sp.k)),
+        Operand(out.v, out.v_axes, v_shape, scope.dtype(out.v)),
+    )
 
 
 def _ops_extras(ops, extras, layout):

@@ -26,17 +26,17 @@ import jax
 import numpy as np
 
 from flashpass.kernels import CheckContext
-from flashpass.patterns.common import Miss
 
-from . import compat, errors, sharding
-from . import ring_steps as ring_plan
-from .backward import match_backward
+from . import compat, errors
 from .graph import build_scopes
-from .match import find_sites
+from .match import match_scopes
+from .ops import KINDS
+from .placement import BodyRing, Kept, Placed, Ring, place
 from .report import Fallback, InternalError, Report, Rewrite
-from .rewrite import Plan, PlannedSite, rewrite
-from .scans import match_pair, match_remat
-from .select import choose, resolve_order
+from .rewrite import Plan, rewrite
+from .ring import cases as ring_cases
+from .select import PlannedSite, choose, resolve_order
+from .spec import Bias, Causal
 
 logger = logging.getLogger("flashpass")
 
@@ -63,32 +63,7 @@ class _Matched:
 def match(scopes, where_is: dict) -> _Matched:
     """Stage 3: every site of every scope, and the near misses."""
     found = _Matched([], [], [])
-    by_prefix = {s.prefix: s for s in scopes}
-    children = {c.prefix: (s, c) for s in scopes for c in s.children}
-    kept = []  # (scope, Miss)
-    for scope in scopes:
-        sites, misses = find_sites(scope)
-        for miss in misses:
-            if miss.site is not None:
-                # Its saved intermediates may go into a remat body that is its backward.
-                paired = match_remat(scope, miss.site, by_prefix)
-                if not isinstance(paired, Miss):
-                    found.sites.append((scope, paired))
-                    continue
-            if miss.site is not None and scope.prefix in children:
-                # Its intermediates leave a loop body: autodiff's backward loop may read them.
-                parent, child = children[scope.prefix]
-                paired = match_pair(parent, child, scope, miss.site, by_prefix)
-                if not isinstance(paired, Miss):
-                    found.sites.append((scope, paired))
-                    continue
-                miss = Miss(  # why the pair was not proven, not the body's escape
-                    f"{paired.reason} (its intermediates leave the `{child.node.prim}` body: "
-                    "autodiff saves them for its backward)",
-                    miss.node,
-                )
-            kept.append((scope, miss))
-        found.sites.extend((scope, site) for site in sites)
+    found.sites, kept = match_scopes(scopes)
     # A backward body's recompute of a softmax belongs to a site found elsewhere.
     claimed = {n for _, site in found.sites for n in site.nodes}
     for scope, miss in kept:
@@ -138,8 +113,10 @@ def run_pass(
     kernel=None,
     platform: str = "cpu",
     interpret: bool = False,
+    zigzag: bool = True,
 ) -> tuple[object, Report]:
-    """Stages 2-7 on a traced program: ``(rewritten ClosedJaxpr, Report)``."""
+    """Stages 2-7 on a traced program: ``(rewritten ClosedJaxpr, Report)``.
+    ``zigzag``: balance causal rings where they can be (`flashpass.ring.zigzag`)."""
     kernels, explicit = resolve_order(kernel, platform)
     ctx = CheckContext(platform=platform, interpret=interpret, explicit=explicit)
     report = Report(platform=platform, jax_version=jax.__version__)
@@ -159,51 +136,26 @@ def run_pass(
     if not planned:
         return original, _logged(report)
 
-    try:  # stage 5: how sharded sites run per shard; those that cannot are kept
-        by_prefix = {s.prefix: s for s in scopes}
-        shards, kept = sharding.plan_sites(planned, by_prefix)
-        for p in planned:
-            shard = shards.get(p.site.root.path)
-            if p.site.backward is not None and shard is not None and shard.ring is not None:
-                ring_site = _ring_backward(p.site, shard, by_prefix[p.site.scope_prefix])
-                if ring_site is None and isinstance(shard, sharding.BodyRing):
-                    del shards[p.site.root.path]  # the kernel on the gathered k/v, as before
-                elif ring_site is None:
-                    kept[p.site.root.path] = RING_IN_TRAINING
-                else:
-                    p.site = ring_site
-                    shards[p.site.root.path] = dataclasses.replace(shard, site=ring_site)
-        for p in planned:  # which kernel runs each step of a ring
-            shard = shards.get(p.site.root.path)
-            if isinstance(shard, sharding.ShardPlan) and shard.ring is not None:
-                shards[p.site.root.path] = shard.with_steps(p.site, kernels, ctx)
-    except Exception as err:
-        if errors.strict():
-            raise
-        _internal(report, planned, where_is, "plan", errors.describe(err))
+    # Stage 5: where each site runs (per shard, as a ring...); those that cannot are kept.
+    placed = place(planned, {s.prefix: s for s in scopes}, kernels, ctx, zigzag)
+    for p in placed:
+        if isinstance(p.placement, Kept):
+            _kept(report, p, where_is)
+    placed = [p for p in placed if not isinstance(p.placement, Kept)]
+    if not placed:
         return original, _logged(report)
-    for p in planned:
-        reason = kept.get(p.site.root.path)
-        if reason is not None:
-            report.fallbacks.append(
-                Fallback(p.site.location, reason, where_is[p.site.scope_prefix], p.site.pattern)
-            )
-    planned = [p for p in planned if p.site.root.path not in kept]
-    if not planned:
-        return original, _logged(report)
-    plan = Plan(planned, scopes, shards)
 
     try:
-        rewritten = rewrite(closed, plan)  # stage 6
+        rewritten, failures = rewrite(closed, Plan(placed, scopes))  # stage 6
     except Exception as err:  # a rewriter bug must never break the user's program
         if errors.strict():
             raise
-        _internal(report, planned, where_is, "rewrite", errors.describe(err))
+        _internal(report, placed, where_is, "rewrite", errors.describe(err))
         return original, _logged(report)
 
-    for p in planned:  # stage 7: the report
+    for p in placed:  # stage 7: the report
         scope_name = where_is[p.site.scope_prefix]
-        failure = _failure_for(plan, p.site.scope_prefix)
+        failure = _failure_for(failures, p.site.scope_prefix)
         if failure is not None:
             report.errors.append(
                 InternalError(
@@ -216,31 +168,22 @@ def run_pass(
                 )
             )
             continue
-        report.rewrites.append(_rewrite_entry(p, scope_name, shards.get(p.site.root.path)))
+        report.rewrites.append(_rewrite_entry(p, scope_name))
     return rewritten, _logged(report)
 
 
-def _ring_backward(site, shard, scope):
-    """A differentiated site that runs as a ring reads k and v from before the
-    program's gather (`sharding._before_gather`, or the all-gathers in the
-    user's ``shard_map``, `sharding.BodyRing`): prove its backward again with
-    those reads, the gathers joining the forward (and their transposes the
-    backward).  The site as the ring runs it, or None."""
-    if shard.site is None or shard.site is site:
-        return site
-    forward = site.nodes - site.backward.nodes
-    ring_site = dataclasses.replace(shard.site, nodes=forward, backward=None)
-    backward = match_backward(scope, ring_site)
-    if isinstance(backward, Miss):
-        return None
-    return dataclasses.replace(ring_site, nodes=forward | backward.nodes, backward=backward)
-
-
-RING_IN_TRAINING = (
-    "a sequence-sharded site would run as a ring attention, which reads k and v from "
-    "before the program's gather; with its backward in the same program (a training step) "
-    "that is not supported yet: the site is kept as written"
-)
+def _kept(report: Report, p: Placed, where_is: dict) -> None:
+    """Report a site stage 5 keeps: a fallback, or an internal error."""
+    site, scope_name = p.site, where_is[p.site.scope_prefix]
+    if p.placement.internal:
+        error = InternalError(
+            site.location, "plan", p.placement.reason, scope_name, site.pattern,
+            errors.HOW_TO_REPORT,
+        )  # fmt: skip
+        report.errors.append(error)
+    else:
+        fallback = Fallback(site.location, p.placement.reason, scope_name, site.pattern)
+        report.fallbacks.append(fallback)
 
 
 def _internal(report: Report, planned, where_is: dict, stage: str, error: str) -> None:
@@ -279,42 +222,27 @@ def _rejection_summary(rejections: dict) -> str:
     )
 
 
-def _failure_for(plan: Plan, prefix: tuple) -> str | None:
-    for failed, error in plan.failed.items():
+def _failure_for(failures: dict, prefix: tuple) -> str | None:
+    for failed, error in failures.items():
         if prefix[: len(failed)] == failed:
             return error
     return None
 
 
-def _rewrite_entry(p: PlannedSite, scope_name: str, shard=None) -> Rewrite:
-    from flashpass.spec import (
-        Bias,
-        Causal,
-        Chunk,
-        KvLengths,
-        Mask,
-        Prefix,
-        Segments,
-        Sink,
-        Window,
-    )
-
+def _rewrite_entry(placed: Placed, scope_name: str) -> Rewrite:
+    p, placement = placed.planned, placed.placement
     spec = p.site.spec
-    ring = shard is not None and shard.ring is not None
+    ring = isinstance(placement, Ring | BodyRing)
     ring_steps = ""
-    if ring:  # a ring inside the user's shard_map runs plain JAX steps (local queries)
-        steps = getattr(shard, "steps", None)
-        ring_steps = ring_plan.describe(steps) if steps is not None else ring_plan.PLAIN
-        balanced = getattr(shard, "zigzag", None)
-        if balanced is not None:  # load-balanced: every block the zig-zag kernel's
-            ring_steps = f"{balanced.kernel.name}, zig-zag"
+    if isinstance(placement, BodyRing):  # plain JAX steps (the queries are local)
+        ring_steps = ring_cases.PLAIN
+    elif isinstance(placement, Ring) and placement.zigzag is not None:
+        ring_steps = f"{placement.zigzag.kernel.name}, zig-zag"  # every block the kernel's
+    elif isinstance(placement, Ring):
+        ring_steps = ring_cases.describe(placement.steps)
     # Name each structured descriptor (e.g. "causal+window"), so a site the
     # kernel runs as an O(T) descriptor is told apart from a dense mask.
-    words = {Causal: "causal", Window: "window", Chunk: "chunk", Prefix: "prefix"}
-    words.update({Segments: "segments", KvLengths: "kv_lengths", Sink: "sinks"})
-    kinds = [word for kind, word in words.items() if spec.ops_of(kind)]
-    if spec.ops_of(Mask):
-        kinds.append("boolean")
+    kinds = [kind.word for kind in KINDS if kind.word and spec.ops_of(kind)]
     return Rewrite(
         pattern=p.site.pattern,
         kernel="ring" if ring else p.kernel.name,  # a sequence-sharded site (ring.py)

@@ -29,7 +29,7 @@ class Rewrite:
     #: step) was replaced too: the report's "forward+backward".
     backward: bool = False
     #: A ring (``kernel == "ring"``): the kernels its steps run, e.g.
-    #: ``"blockwise"``, ``"splash, plain JAX"`` (`flashpass.ring_steps`).
+    #: ``"blockwise"``, ``"splash, plain JAX"`` (`flashpass.ring.cases`).
     ring_steps: str = ""
 
     @property

@@ -14,28 +14,21 @@ except that
   handled generically.
 
 Re-tracing the interpreter with ``make_jaxpr`` and removing dead equations
-yields the rewritten ``ClosedJaxpr``.
+yields the rewritten ``ClosedJaxpr``.  How a site's root is emitted is the
+placement's rule (`flashpass.placement.emit`).  A nested body that cannot be
+rewritten is kept as written, and its error returned with the program (its
+sites fall back).
 """
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 
-from . import compat, errors, sharding
-from .calls import KERNEL_PREFIX, kernel_call
+from . import compat, errors
 from .graph import Const, Scope
+from .placement import Placed, emit, rebind_shard_map
 
 _MISSING = object()
-
-
-@dataclasses.dataclass(eq=False)
-class PlannedSite:
-    site: object  # AttentionSite
-    kernel: object  # kernels.Kernel
-    interpret: bool = False
-    rejected: dict = dataclasses.field(default_factory=dict)  # kernels tried first -> reasons
 
 
 class RewriteError(Exception):
@@ -45,11 +38,11 @@ class RewriteError(Exception):
 class Plan:
     """Which equations to skip, replace and inline, per global path."""
 
-    def __init__(self, planned: list[PlannedSite], scopes: list[Scope], shards: dict):
-        """``planned``: the sites to rewrite; ``shards``: root path -> how a
-        sharded site runs per shard (`sharding.plan_sites`, the stage before)."""
+    def __init__(self, placed: list[Placed], scopes: list[Scope]):
+        """``placed``: the sites to rewrite, with their placements (stage 5)."""
         self.scopes = {s.prefix: s for s in scopes}
-        self.shards = shards
+        self.placed = {p.site.root.path: p for p in placed}
+        planned = [p.planned for p in placed]
         self.by_root = {p.site.root.path: p for p in planned}
         # A differentiated site's backward is emitted at its first equation.
         self.by_anchor = {
@@ -65,7 +58,6 @@ class Plan:
         # the forward and backward loops, or the remat that is the backward, are
         # re-emitted passing the kernel's residuals.
         self.pairs: dict = {}  # scan or remat path -> planned sites
-        self.trees: dict = {}  # planned site -> treedef of its pullback, set by the forward loop
         for p in planned:
             pair = p.site.backward.pair if p.site.backward is not None else None
             if pair is not None:
@@ -80,32 +72,48 @@ class Plan:
             for j, step in enumerate(sp)
             if isinstance(step, str)
         }
-        self.failed: dict[tuple, str] = {}  # scope prefix -> error, filled while rewriting
 
     def touches(self, prefix: tuple) -> bool:
         n = len(prefix)
         return any(sp[:n] == prefix for sp in self.site_prefixes)
 
 
-def rewrite(closed, plan: Plan, prefix: tuple = ()):
+def rewrite(closed, plan: Plan) -> tuple[object, dict]:
+    """``(rewritten closed, failures)``: ``failures`` maps the prefix of each
+    body kept as written to its error (its sites fall back)."""
+    state = _State(plan)
+    return _rewrite(closed, state, ()), state.failures
+
+
+class _State:
+    """What one rewrite shares across its evaluators: the failed bodies, and
+    the pullback treedefs a forward loop body hands to its backward loop."""
+
+    def __init__(self, plan: Plan):
+        self.plan = plan
+        self.failures: dict[tuple, str] = {}  # scope prefix -> error
+        self.trees: dict = {}  # planned site -> treedef of its pullback
+
+
+def _rewrite(closed, state: _State, prefix: tuple):
     """The rewritten version of ``closed`` (the jaxpr at ``prefix``)."""
-    scope = plan.scopes[prefix]
     jaxpr, consts = compat.closed_parts(closed)
     # Re-traced on the inputs' own types: shardings and, inside a user's
     # shard_map, varying manual axes included.
     avals = [v.aval for v in jaxpr.invars]
 
     def run(*args):
-        return _Evaluator(plan, scope).run(jaxpr, consts, args, prefix)
+        return _Evaluator(state, prefix).run(jaxpr, consts, args, prefix)
 
     new = jax.make_jaxpr(run)(*avals)
     return compat.dce_closed_jaxpr(new)
 
 
 class _Evaluator:
-    def __init__(self, plan: Plan, scope: Scope):
-        self.plan = plan
-        self.scope = scope
+    def __init__(self, state: _State, prefix: tuple):
+        self.state = state
+        self.plan = state.plan
+        self.scope = state.plan.scopes[prefix]
         self.env: dict = {}
         self.pullbacks: dict = {}  # differentiated site -> its kernel's vjp, until its backward
         self.saved: dict = {}  # site -> its pullback's leaves (a forward loop body returns them)
@@ -171,20 +179,18 @@ class _Evaluator:
                 if path not in plan.holders:
                     outs = compat.bind_equation(eqn, invals)
                 elif compat.is_shard_map(eqn) and self.plan.touches((*path, "jaxpr")):
-                    outs = sharding.rebind_shard_map(
-                        eqn, invals, self.plan, (*path, "jaxpr"), _run_body
-                    )
+                    outs = self._shard_map(eqn, invals, (*path, "jaxpr"))
                 else:
                     outs = compat.bind_equation(eqn, invals, self._params(eqn, path))
             for var, value in zip(eqn.outvars, outs, strict=True):
                 if not compat.is_drop_var(var) and value is not _MISSING:
                     self.write((inst, var), value)
 
-    def _replace(self, eqn, inst, planned: PlannedSite) -> None:
-        shard = self.plan.shards.get(planned.site.root.path)
+    def _replace(self, eqn, inst, planned) -> None:
+        placed = self.plan.placed[planned.site.root.path]
         backward = planned.site.backward
         if backward is None:
-            out = sharding.run_site(shard, planned, self.read_key, _kernel_output)
+            out = emit(placed, self.read_key)
         else:
             # The forward now, its pullback at the site's backward: JAX's vjp of the
             # kernel call saves the kernel's own residuals (e.g. the logsumexp).
@@ -199,20 +205,22 @@ class _Evaluator:
                     key = self.scope.resolve(atom)
                     return given[key] if key in given else self.read_key(atom)
 
-                return sharding.run_site(shard, planned, read, _kernel_output)
+                return emit(placed, read)
 
             out, pullback = jax.vjp(forward, *(self.read_key(k) for k in keys))
             if backward.pair is None:
                 self.pullbacks[planned] = pullback
             else:  # the backward is in another loop: pass the residuals as arrays
-                self.saved[planned], self.plan.trees[planned] = jax.tree_util.tree_flatten(pullback)
+                self.saved[planned], self.state.trees[planned] = jax.tree_util.tree_flatten(
+                    pullback
+                )
         self.write((inst, eqn.outvars[0]), out)
 
-    def _backward(self, planned: PlannedSite) -> None:
+    def _backward(self, planned) -> None:
         backward = planned.site.backward
         pullback = self.pullbacks.pop(planned, None)
         if pullback is None:
-            tree = self.plan.trees[planned]
+            tree = self.state.trees[planned]
             pullback = jax.tree_util.tree_unflatten(tree, self.given.pop(planned))
         grads = pullback(self.read_key(backward.cotangent))
         for key, grad in zip(backward.grads, grads, strict=True):
@@ -236,7 +244,7 @@ class _Evaluator:
             xs = invals[n_consts + n_carry :]
 
             def step(carry, x):
-                ev = _Evaluator(self.plan, self.plan.scopes[prefix])
+                ev = _Evaluator(self.state, prefix)
                 outs = ev.run(body, body_consts, [*consts, *carry, *x], prefix)
                 ys = [y for i, y in enumerate(outs) if i >= n_carry and i not in dropped]
                 return outs[:n_carry], (ys, [ev.saved.pop(p) for p in planned])
@@ -259,7 +267,7 @@ class _Evaluator:
             args = [*consts, *carry, *([_MISSING] * (len(invals) - n_consts - n_carry))]
             for i, value in zip(kept, xs, strict=True):
                 args[i] = value
-            ev = _Evaluator(self.plan, self.plan.scopes[prefix])
+            ev = _Evaluator(self.state, prefix)
             ev.given = dict(zip(planned, given, strict=True))
             outs = ev.run(body, body_consts, args, prefix)
             return outs[:n_carry], outs[n_carry:]
@@ -282,7 +290,7 @@ class _Evaluator:
             args = [_MISSING] * len(invals)
             for i, value in zip(kept, values, strict=True):
                 args[i] = value
-            ev = _Evaluator(self.plan, self.plan.scopes[prefix])
+            ev = _Evaluator(self.state, prefix)
             ev.given = dict(zip(planned, given, strict=True))
             return ev.run(body, body_consts, args, prefix)
 
@@ -290,6 +298,18 @@ class _Evaluator:
         if eqn.params.get("policy") is not None:
             options["policy"] = eqn.params["policy"]
         return jax.checkpoint(run, **options)([invals[i] for i in kept], leaves)
+
+    def _shard_map(self, eqn, invals, prefix: tuple) -> list:
+        """A ``shard_map`` whose body holds sites, re-bound with the body
+        rewritten (`placement.rebind_shard_map`); if that fails, the body's
+        sites fall back and the equation is bound as written."""
+        try:
+            return rebind_shard_map(eqn, invals, _shard_map_body(self.state, prefix))
+        except Exception as err:
+            if errors.strict():
+                raise
+            self.state.failures[prefix] = errors.describe(err)
+            return compat.bind_equation(eqn, invals)
 
     def _params(self, eqn, path):
         """``eqn.params`` with every body that holds sites rewritten (None when
@@ -299,31 +319,25 @@ class _Evaluator:
             prefix = (*path, name if index is None else f"{name}[{index}]")
             if not self.plan.touches(prefix):
                 continue
-            new = _rewrite_body(eqn, name, body, self.plan, prefix)
+            new = _rewrite_body(eqn, name, body, self.state, prefix)
             if new is not body:
                 new_bodies[(name, index)] = new
         return compat.replace_bodies(eqn.params, new_bodies) if new_bodies else None
 
 
-def _kernel_output(site, kernel, interpret: bool, read):
-    """The kernel's output for ``site``, in the layout and dtype of its root."""
-    q, k, v, extras = site.to_kernel(read)
-    call = kernel_call(kernel, site.spec, interpret)
-    with jax.named_scope(f"{KERNEL_PREFIX}{kernel.name}"):
-        out = call(q, k, v, *extras)
-    return site.from_kernel(out, read, extras)
+def _shard_map_body(state: _State, prefix: tuple):
+    def run_body(jaxpr, args) -> list:
+        """Evaluate the open body ``jaxpr`` at ``prefix`` with its sites replaced."""
+        return _Evaluator(state, prefix).run(jaxpr, (), args, prefix)
+
+    return run_body
 
 
-def _run_body(plan: Plan, prefix: tuple, jaxpr, args) -> list:
-    """Evaluate the open body ``jaxpr`` at ``prefix`` with its sites replaced."""
-    return _Evaluator(plan, plan.scopes[prefix]).run(jaxpr, (), args, prefix)
-
-
-def _rewrite_body(eqn, name: str, item, plan: Plan, prefix: tuple):
+def _rewrite_body(eqn, name: str, item, state: _State, prefix: tuple):
     """Rewrite one nested body (``eqn``'s param ``name``, or an item of it);
     on failure keep it and record why."""
     try:
-        new = rewrite(compat.as_closed(item), plan, prefix)
+        new = _rewrite(compat.as_closed(item), state, prefix)
         try:
             return compat.rebuild_body(eqn, name, item, new)
         except ValueError as err:
@@ -331,5 +345,5 @@ def _rewrite_body(eqn, name: str, item, plan: Plan, prefix: tuple):
     except Exception as err:  # keep the original body: its sites fall back
         if errors.strict():
             raise
-        plan.failed[prefix] = errors.describe(err)
+        state.failures[prefix] = errors.describe(err)
         return item

@@ -4,12 +4,15 @@ Each kernel in the order is asked `check(spec, ctx)` (static, explains
 itself); the first that accepts is probed once per (kernel, spec, interpret):
 its call is traced (the output must have the promised shape and dtype) and,
 on the platform it will run on, lowered.  Any exception there rejects the
-kernel with the error as the reason — never a crash.
+kernel with the error as the reason — never a crash.  A ring step's spec
+(``step=True``) is asked the kernel's `Kernel.step_reasons` too, and its
+probe traces the kernel's step forward and backward.
 """
 
 from __future__ import annotations
 
 import collections
+import dataclasses
 
 import jax
 
@@ -22,6 +25,16 @@ from .calls import kernel_call
 #: (kernel name, id(kernel), spec, interpret, platform) -> error string or None
 _PROBES: collections.OrderedDict = collections.OrderedDict()
 _PROBE_LIMIT = 512
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class PlannedSite:
+    """A matched site and the kernel chosen for it (stage 4's result)."""
+
+    site: object  # AttentionSite
+    kernel: object  # kernels.Kernel
+    interpret: bool = False
+    rejected: dict = dataclasses.field(default_factory=dict)  # kernels tried first -> reasons
 
 
 def resolve_order(kernel, platform: str) -> tuple[list[Kernel], bool]:
@@ -39,8 +52,9 @@ def resolve_order(kernel, platform: str) -> tuple[list[Kernel], bool]:
     return [get_kernel(n) for n in names], True
 
 
-def choose(spec, kernels: list[Kernel], ctx: CheckContext):
-    """(kernel, rejections): the first kernel that accepts ``spec``, or None."""
+def choose(spec, kernels: list[Kernel], ctx: CheckContext, step: bool = False):
+    """(kernel, rejections): the first kernel that accepts ``spec``, or None.
+    ``step``: ``spec`` is one step of a ring (`flashpass.ring.cases`)."""
     rejections: dict[str, list[str]] = {}
     for kernel in kernels:
         if spec.dropout is not None and not kernel.dropout:
@@ -48,10 +62,12 @@ def choose(spec, kernels: list[Kernel], ctx: CheckContext):
             continue
         try:
             reasons = list(kernel.check(spec, ctx))
+            if step:
+                reasons += list(kernel.step_reasons(spec))
         except Exception as err:
             reasons = [f"check() raised {type(err).__name__}: {err}"]
         if not reasons:
-            error = probe(kernel, spec, ctx)
+            error = probe(kernel, spec, ctx, step)
             if error is None:
                 return kernel, rejections
             reasons = [error]
@@ -59,13 +75,14 @@ def choose(spec, kernels: list[Kernel], ctx: CheckContext):
     return None, rejections
 
 
-def probe(kernel: Kernel, spec, ctx: CheckContext) -> str | None:
-    """Trace (and, on its own platform, lower) the kernel call for ``spec``."""
-    key = (kernel.name, id(kernel), spec, ctx.interpret, ctx.platform)
+def probe(kernel: Kernel, spec, ctx: CheckContext, step: bool = False) -> str | None:
+    """Trace (and, on its own platform, lower) the kernel call for ``spec``;
+    with ``step``, trace its ring step forward and backward."""
+    key = (kernel.name, id(kernel), spec, ctx.interpret, ctx.platform, step)
     if key in _PROBES:
         _PROBES.move_to_end(key)
         return _PROBES[key]
-    error = _probe(kernel, spec, ctx)
+    error = (_probe_step if step else _probe)(kernel, spec, ctx)
     _PROBES[key] = error
     if len(_PROBES) > _PROBE_LIMIT:
         _PROBES.popitem(last=False)
@@ -73,12 +90,7 @@ def probe(kernel: Kernel, spec, ctx: CheckContext) -> str | None:
 
 
 def _probe(kernel: Kernel, spec, ctx: CheckContext) -> str | None:
-    args = [
-        jax.ShapeDtypeStruct(spec.q_shape, spec.q_dtype),
-        jax.ShapeDtypeStruct(spec.k_shape, spec.k_dtype),
-        jax.ShapeDtypeStruct(spec.v_shape, spec.v_dtype),
-        *[jax.ShapeDtypeStruct(e.shape, e.dtype) for e in spec.extras],
-    ]
+    args = _operands(spec)
     call = kernel_call(kernel, spec, ctx.interpret)
     try:
         # Probed on its own, whatever trace or mesh the pass runs under.
@@ -97,6 +109,39 @@ def _probe(kernel: Kernel, spec, ctx: CheckContext) -> str | None:
         message = str(err).strip().splitlines()[0] if str(err).strip() else ""
         return f"raised {type(err).__name__} while tracing/lowering: {message}"[:500]
     return None
+
+
+def _probe_step(kernel: Kernel, spec, ctx: CheckContext) -> str | None:
+    q, k, v, *extras = _operands(spec)
+    rows = jax.ShapeDtypeStruct(spec.q_shape[:3], "float32")
+    out = jax.ShapeDtypeStruct(spec.out_shape, spec.out_dtype)
+    wanted = tuple(False for _ in extras)
+
+    def step(q, k, v, extras, out, m, den, dout):
+        fwd = kernel.step_forward(spec, q, k, v, extras, interpret=ctx.interpret)
+        bwd = kernel.step_backward(
+            spec, q, k, v, extras, out, m, den, dout, wanted, interpret=ctx.interpret
+        )
+        return fwd, bwd
+
+    try:
+        with compat.outside_mesh():
+            (o, m, den), _ = jax.eval_shape(step, q, k, v, tuple(extras), out, rows, rows, out)
+            if tuple(o.shape) != spec.out_shape or (m.shape, den.shape) != (rows.shape,) * 2:
+                return f"its ring step returned {list(o.shape)}, expected {list(spec.out_shape)}"
+    except Exception as err:  # the step kernel failed: the case runs plain JAX
+        message = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        return f"raised {type(err).__name__} while tracing a ring step: {message}"[:500]
+    return None
+
+
+def _operands(spec) -> list:
+    return [
+        jax.ShapeDtypeStruct(spec.q_shape, spec.q_dtype),
+        jax.ShapeDtypeStruct(spec.k_shape, spec.k_dtype),
+        jax.ShapeDtypeStruct(spec.v_shape, spec.v_dtype),
+        *[jax.ShapeDtypeStruct(e.shape, e.dtype) for e in spec.extras],
+    ]
 
 
 def current_platform() -> str:

@@ -19,15 +19,16 @@ groups them as
 from __future__ import annotations
 
 import dataclasses
+import enum
 import math
 
 import jax.numpy as jnp
 
-# UNIT: the role of a size-1 batch axis P·V keeps but the scores never had.
-from flashpass.patterns.regroup import UNIT, Merged
-
 from . import compat
 from .graph import Const, Node
+
+# UNIT: the role of a size-1 batch axis P·V keeps but the scores never had.
+from .roles import UNIT, Merged
 from .spec import AttentionSpec
 
 
@@ -130,20 +131,73 @@ class Operand:
     dtype: object
 
 
+class Transform(enum.Enum):
+    """What an extra's array goes through before the kernel reads it."""
+
+    NOT = "not"  # a mask that keeps where False
+    NEG = "neg"  # a subtracted bias
+    KEY = "key"  # a dropout key, passed as its uint32 data (`Dropout.shape`)
+
+    def apply(self, x):
+        if self is Transform.KEY:
+            return compat.raw_key_data(x).reshape(1, 1, 1, 2)
+        x = jnp.asarray(x)
+        return jnp.logical_not(x) if self is Transform.NOT else -x
+
+
 @dataclasses.dataclass(frozen=True)
 class ExtraSource:
     """A bias or mask array as the original program has it.
 
     ``axes[r]`` is the axis of the (un-broadcast) ``atom`` holding role ``r``
-    of the score layout, or None where it is broadcast.  ``transform`` is
-    applied first: "not" (a mask that keeps where False), "neg" (a
-    subtracted bias) or "key" (a dropout key, passed as its uint32 data).
+    of the score layout, or None where it is broadcast.  ``transform`` (a
+    `Transform`, or None) is applied first.
     """
 
     atom: object
     axes: dict
-    transform: str | None
+    transform: Transform | None
     dtype: object
+
+
+@dataclasses.dataclass(frozen=True)
+class OutputScale:
+    """An output multiplier (``invert``: divisor) constant along the keys,
+    such as a head mask: it sat between the softmax and ``P·V``."""
+
+    source: ExtraSource
+    invert: bool
+
+    #: The operand's name in reasons.
+    name = "head mask"
+
+    def atoms(self) -> list:
+        return [self.source.atom]
+
+    def operand_roles(self) -> dict:
+        """Role -> axis of the array this step reads."""
+        return {r: a for r, a in self.source.axes.items() if a is not None}
+
+    def apply(self, site: AttentionSite, out, read, extras):
+        m = site._extra(read(self.source.atom), self.source)
+        m = m.astype(jnp.promote_types(m.dtype, out.dtype))
+        return out / m if self.invert else out * m
+
+
+@dataclasses.dataclass(frozen=True)
+class RowKeep:
+    """Zero the rows the score masks exclude entirely (the program zeroed
+    the weights of rows whose every score a mask excluded)."""
+
+    def atoms(self) -> list:
+        return []
+
+    def operand_roles(self) -> None:
+        return None
+
+    def apply(self, site: AttentionSite, out, read, extras):
+        kept = _rows_kept(site.spec, extras, out.shape[-2])
+        return jnp.where(kept, out, jnp.zeros((), out.dtype))
 
 
 @dataclasses.dataclass(eq=False)
@@ -160,7 +214,7 @@ class AttentionSite:
     layout: Layout
     out_roles: tuple  # role of each axis of the root output
     q_scales: tuple  # (atom, invert): traced scalars folded into q
-    post_ops: tuple  # ("scale", ExtraSource, invert) | ("row_keep",)
+    post_ops: tuple  # OutputScale | RowKeep, in program order
     spec: AttentionSpec
     pattern: str
     location: str | None
@@ -177,7 +231,7 @@ class AttentionSite:
         """Every value of the original program the kernel call reads."""
         out = [self.q.atom, self.k.atom, self.v.atom, *(e.atom for e in self.extras)]
         out += [atom for atom, _ in self.q_scales]
-        out += [data[0].atom for kind, *data in self.post_ops if kind == "scale"]
+        out += [atom for op in self.post_ops for atom in op.atoms()]
         if self.backward is not None:
             out.append(self.backward.cotangent)
         return out
@@ -218,13 +272,9 @@ class AttentionSite:
         return q, k, v, extras
 
     def _extra(self, x, src: ExtraSource):
-        if src.transform == "key":  # a dropout key: its uint32 data, `Dropout.shape`
-            return compat.raw_key_data(x).reshape(1, 1, 1, 2)
-        x = jnp.asarray(x)
-        if src.transform == "not":
-            x = jnp.logical_not(x)
-        elif src.transform == "neg":
-            x = -x
+        if src.transform is Transform.KEY:
+            return src.transform.apply(x)
+        x = jnp.asarray(x) if src.transform is None else src.transform.apply(x)
         used = [a for a in src.axes.values() if a is not None]
         drop = tuple(a for a in range(x.ndim) if a not in used)
         x = jnp.squeeze(x, axis=drop) if drop else x
@@ -267,15 +317,8 @@ class AttentionSite:
         ``post_ops`` apply what sat between the softmax and ``P·V`` and commutes
         with it: multipliers constant along keys, and zeroing fully masked rows.
         """
-        for kind, *data in self.post_ops:
-            if kind == "scale":
-                src, invert = data
-                m = self._extra(read(src.atom), src)
-                m = m.astype(jnp.promote_types(m.dtype, out.dtype))
-                out = out / m if invert else out * m
-            else:  # "row_keep": zero the rows the score masks exclude entirely
-                kept = _rows_kept(self.spec, extras, out.shape[-2])
-                out = jnp.where(kept, out, jnp.zeros((), out.dtype))
+        for op in self.post_ops:
+            out = op.apply(self, out, read, extras)
         b, h, _ = self.layout.groups
         roles = [*b, *h, "T", "Dv"]
         sizes = [*(self.layout.sizes[r] for r in [*b, *h, "T"]), out.shape[-1]]

@@ -5,6 +5,8 @@
 * `assert_golden(fn, *args, path=...)` — pin the rewritten jaxpr of your model
   in a checked-in file; when a JAX upgrade stops a rewrite, the diff and the
   report say so.  ``FLASHPASS_UPDATE_GOLDENS=1`` rewrites the files.
+* `assert_same_function(fn, optimized, *args)` — the rewrite computes the
+  original's output and gradients, within the dtype's tolerance.
 * `stablehlo_shapes(fn, *args)` / `custom_call_targets(...)` — read the
   lowered StableHLO (e.g. to check no ``T x S`` tensor remains).
 """
@@ -16,6 +18,8 @@ import os
 import pathlib
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 
 from . import compat
 from .api import Optimized, _BoundMethod, optimize
@@ -67,6 +71,34 @@ def assert_rewrites(
     if problems:
         raise AssertionError("; ".join(problems) + "\n" + str(report))
     return report
+
+
+def assert_same_function(fn, optimized, *args, argnums=None, rtol=None, atol=None) -> None:
+    """Assert that ``optimized(*args)`` computes ``fn(*args)``: the same shape
+    and dtype, values within ``rtol``/``atol`` (default: 2e-2 for bfloat16
+    outputs, else 2e-5), and gradients of a random linear loss with respect
+    to ``argnums`` (default: every floating-point argument) within five times
+    that (the kernel's backward recomputes the weights)."""
+    ref, out = fn(*args), optimized(*args)
+    assert out.shape == ref.shape and out.dtype == ref.dtype, (out, ref)
+    default = 2e-2 if jnp.dtype(ref.dtype) == jnp.bfloat16 else 2e-5
+    rtol, atol = rtol or default, atol or default
+    np.testing.assert_allclose(
+        np.asarray(out, np.float32), np.asarray(ref, np.float32), rtol=rtol, atol=atol
+    )
+    if argnums is None:
+        argnums = tuple(i for i, a in enumerate(args) if jnp.issubdtype(a.dtype, jnp.floating))
+    ct = jnp.asarray(np.random.default_rng(1).standard_normal(ref.shape), ref.dtype)
+
+    def loss(f):
+        return lambda *a: jnp.sum((f(*a) * ct).astype(jnp.float32))
+
+    got = jax.grad(loss(optimized), argnums=argnums)(*args)
+    want = jax.grad(loss(fn), argnums=argnums)(*args)
+    for a, b in zip(got, want, strict=True):
+        np.testing.assert_allclose(
+            np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=rtol * 5, atol=atol * 5
+        )
 
 
 def golden_text(fn, *args, **kwargs) -> str:

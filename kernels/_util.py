@@ -1,66 +1,26 @@
-"""Static spec analysis shared by the adapters of library attention kernels.
+"""Checks and array helpers shared by the adapters of library attention kernels.
 
-Library kernels (splash, cuDNN, the Pallas GPU kernel, tokamax) compute::
-
-    logits = C * (q @ k^T) + sum_i m_i * bias_i      (C: one scale)
-    logits = cap * tanh(logits / cap)                (optional soft-cap)
-    logits = where(keep, logits, very negative)      (masks, causal)
-    out    = softmax(logits) @ v
-
-`linear_form` rewrites a spec's ordered score ops into that form when it can,
-exactly, and says in words why not when it cannot.  Moving a Scale that
-follows a Softcap in front of it is exact algebra:
-``c * cap * tanh(x / cap) == (c * cap) * tanh(c * x / (c * cap))``.
-
-Also here: the checks and array helpers the adapters share, and what the two
-Pallas TPU adapters share (block sizes, `TpuKernel`).
+Input checks (shapes, dtypes, extras), kv-length reasons, keep-masks and
+segment-id arrays for the kernels' own masks, and the mean-of-v fill of rows
+no key survives.  The rewrite of a spec into the libraries' one form is
+`_linear`; what the two Pallas TPU adapters share is `_tpu`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from flashpass.spec import (
-    EXCLUDING_FILL,
-    AttentionSpec,
-    Bias,
-    Causal,
-    Chunk,
-    KvLengths,
-    Mask,
-    Prefix,
-    Scale,
-    Segments,
-    Sink,
-    Softcap,
-    Window,
-    excludes,
-)
-
-from .base import CheckContext, Kernel
-from .reference import kv_valid_lengths
+from flashpass.ops import KeepOp
+from flashpass.ops import valid_lengths as op_valid_lengths
+from flashpass.spec import AttentionSpec, Bias, KvLengths, Mask, Segments, excludes
 
 BF16 = np.dtype(jnp.bfloat16)
 F16 = np.dtype(np.float16)
 F32 = np.dtype(np.float32)
-
-#: The Pallas TPU kernels (flash attention, splash): key blocks are multiples of
-#: the lane width, 128 (their MIN_BLOCK_SIZE), as are head dims above it.
-TPU_LANES = 128
-#: Query lengths are padded to a multiple of this.  Besides sublane tiling, an
-#: even block_q sidesteps an off-by-one in the TPU flash kernel's causal block
-#: skipping, ``(r + 1) * block_q - 1 > c * block_k``: a block whose last row
-#: equals the first key is skipped (e.g. block_q == 1 with several key blocks
-#: loses row 0).
-TPU_Q_MULTIPLE = 16
-#: Default largest block (VMEM-friendly on every TPU generation).  Query
-#: lengths up to the largest block are one block, padded to `TPU_Q_MULTIPLE` only.
-TPU_MAX_BLOCK = 512
 
 
 def round_up(x: int, m: int) -> int:
@@ -69,146 +29,6 @@ def round_up(x: int, m: int) -> int:
 
 def next_pow2(x: int) -> int:
     return 1 << max(0, (int(x) - 1).bit_length())
-
-
-def largest_block(length: int, max_block: int) -> int:
-    """Largest power-of-two multiple of 128, at most ``max_block``, dividing
-    ``length`` (a multiple of 128)."""
-    block = TPU_LANES
-    while block * 2 <= max_block and length % (block * 2) == 0:
-        block *= 2
-    return block
-
-
-def tpu_query_tiling(q_len: int, max_block: int, multiple: int = TPU_Q_MULTIPLE):
-    """``(padded q_len, block_q)`` for the Pallas TPU kernels: one block padded
-    to ``multiple`` up to ``max_block``, else blocks of `largest_block`."""
-    if q_len <= max_block:
-        padded = round_up(q_len, multiple)
-        return padded, padded
-    padded = round_up(q_len, TPU_LANES)
-    return padded, largest_block(padded, max_block)
-
-
-def tpu_head_dim(d: int) -> int:
-    """A head dim as the Pallas TPU kernels take it: above 128, a multiple of 128."""
-    return round_up(d, TPU_LANES) if d > TPU_LANES else d
-
-
-@dataclasses.dataclass(frozen=True)
-class LinearForm:
-    """A spec as ``where(keep, softcap(scale * qk + sum(m * bias)), -big)``."""
-
-    scale: float
-    #: (extra index, multiplier): bias ``i`` enters the logits as ``m * extras[i]``.
-    biases: tuple[tuple[int, float], ...]
-    softcap: float | None
-    #: extra indices of the boolean keep-masks.
-    masks: tuple[int, ...]
-    #: causal offset (keys ``j <= i + offset`` kept); None when no key is excluded.
-    causal_offset: int | None
-    #: why the spec does not have this form (empty: it does).
-    reasons: tuple[str, ...]
-    #: the structured ops (`Window`, `Chunk`, `Prefix`, `Segments`) the caller
-    #: accepted (``linear_form(structured=...)``), checked to exclude keys.
-    structured: tuple = ()
-
-
-def exclusion_reasons(spec: AttentionSpec, position: int) -> list[str]:
-    """Why the Mask or Causal op at ``position`` does not exclude keys the way a
-    kernel's own masking does (exactly zero weight), or leaves rows empty."""
-    op = spec.score_ops[position]
-    reasons = []
-    value = spec.final_fill(position, op.fill)
-    if not excludes(value):
-        kind = _STRUCTURED_WORDS.get(type(op), "mask" if isinstance(op, Mask) else "causal mask")
-        reasons.append(
-            f"{kind} fill {op.fill} ends as score {value:.6g} after the ops that "
-            f"follow it, which does not exclude keys (needs <= {EXCLUDING_FILL} or "
-            "-inf; a soft-cap after the mask turns any fill into about -cap): masked "
-            "keys would keep a non-zero weight; use a fill such as -1e9 or -inf "
-            "applied after the soft-cap, or the 'blockwise' kernel"
-        )
-    if isinstance(op, Causal) and op.offset < 0:
-        reasons.append(f"causal offset {op.offset} < 0 leaves query rows with no key to attend to")
-    return reasons
-
-
-def linear_form(
-    spec: AttentionSpec, structured: frozenset = frozenset(), *, sinks: bool = False
-) -> LinearForm:
-    """Rewrite ``spec.score_ops`` as a `LinearForm` (see module doc); the
-    structured op types in ``structured`` are kept (the caller maps them to
-    its own masks) instead of rejected; with ``sinks`` the caller applies a
-    `Sink` op itself (it is not part of the form)."""
-    reasons: list[str] = []
-    scale = 1.0
-    biases: list[list] = []
-    cap = None
-    post = 1.0  # product of the Scales after the Softcap
-    masks: list[int] = []
-    offsets: list[int] = []
-    kept: list = []
-    for position, op in enumerate(spec.score_ops):
-        if isinstance(op, Scale):
-            if cap is None:
-                scale *= op.value
-                for b in biases:
-                    b[1] *= op.value
-            else:
-                post *= op.value
-        elif isinstance(op, Bias):
-            if cap is not None:
-                reasons.append(
-                    "a bias added after the logit soft-cap is not supported (the kernel caps "
-                    "the biased logits); add the bias before the soft-cap"
-                )
-            biases.append([op.index, 1.0])
-        elif isinstance(op, Softcap):
-            if cap is not None:
-                reasons.append("two logit soft-caps in a row are not supported")
-            elif not op.cap > 0:
-                reasons.append(f"soft-cap {op.cap} is not positive")
-            cap = op.cap
-        elif isinstance(op, Mask | Causal):
-            reasons += exclusion_reasons(spec, position)
-            if isinstance(op, Mask):
-                masks.append(op.index)
-            elif op.offset >= 0:
-                offsets.append(op.offset)
-        elif isinstance(op, KvLengths):
-            reasons.append(KV_LENGTHS_REASON)
-        elif isinstance(op, Sink):
-            if not sinks:  # (a caller that applies the sink itself says so)
-                reasons.append(SINK_REASON)
-        elif type(op) in structured:
-            reasons += exclusion_reasons(spec, position)
-            kept.append(op)
-        elif type(op) in _STRUCTURED_WORDS:
-            missing = [r for r in structured_reasons(spec, structured) if r not in reasons]
-            reasons += missing
-        else:
-            reasons.append(f"unknown score op {type(op).__name__}")
-    if cap is not None and post != 1.0:
-        # c * cap * tanh(x / cap) == (c * cap) * tanh(c * x / (c * cap))
-        scale *= post
-        for b in biases:
-            b[1] *= post
-        cap *= post
-        if not cap > 0:
-            reasons.append("a non-positive scale after the logit soft-cap is not supported")
-    offset = min(offsets) if offsets else None
-    if offset is not None and offset >= spec.kv_len - 1:
-        offset = None  # every key j <= S - 1 <= i + offset: nothing is excluded
-    return LinearForm(
-        scale=float(scale),
-        biases=tuple((i, float(m)) for i, m in biases),
-        softcap=None if cap is None else float(cap),
-        masks=tuple(masks),
-        causal_offset=offset,
-        reasons=tuple(reasons),
-        structured=tuple(kept),
-    )
 
 
 def broadcastable(shape, full) -> bool:
@@ -224,7 +44,7 @@ def check_arrays(kernel: str, spec: AttentionSpec, q, k, v, extras=None) -> None
             raise ValueError(f"{kernel}: {label} has shape {tuple(x.shape)}, the spec says {want}")
     if extras is None:
         return
-    used = [op.index for op in spec.score_ops if isinstance(op, Bias | Mask)]
+    used = [i for op in spec.score_ops for i in op.extras_read()]
     if used and max(used) >= len(extras):
         raise ValueError(
             f"{kernel}: score ops use extras[{max(used)}] but only {len(extras)} were given"
@@ -265,14 +85,6 @@ def extra_reasons(spec: AttentionSpec) -> list[str]:
         if not real:
             reasons.append(f"{kind} extra of dtype {dtype.name} is not real-valued")
     return reasons
-
-
-#: Why a library adapter declines a `KvLengths` op (none declares "kv_lengths";
-#: `linear_form` and the TPU flash adapter give it).
-KV_LENGTHS_REASON = (
-    "per-row kv lengths (a `j < lengths[b]` mask) are not supported by this kernel; "
-    "the 'blockwise' kernel skips the blocks past each row's length"
-)
 
 
 # --------------------------------------------------------------------------- kv lengths
@@ -337,71 +149,14 @@ def valid_lengths(spec: AttentionSpec, extras):
     without one)."""
     n = None
     for op in spec.ops_of(KvLengths):
-        count = kv_valid_lengths(op, extras[op.index], spec.kv_len)[:, 0, 0, 0]
+        count = op_valid_lengths(op, extras[op.index], spec.kv_len)[:, 0, 0, 0]
         n = count if n is None else jnp.minimum(n, count)
     return n
-
-
-#: Why a library adapter declines a `Sink` op (`linear_form` gives it, unless ``sinks``).
-SINK_REASON = (
-    "attention sinks (a per-row logit that joins the softmax's normaliser) are not "
-    "supported by this kernel; the 'blockwise' kernel starts its online softmax from them"
-)
 
 
 def input_reasons(spec: AttentionSpec, kernel: str) -> list[str]:
     """What every library adapter checks first: empty arrays, dtypes, extras."""
     return empty_reasons(spec) + float_dtype_reasons(spec, kernel) + extra_reasons(spec)
-
-
-#: Words for the structured-mask descriptors no library adapter takes yet.
-_STRUCTURED_WORDS = {
-    Window: "a local window (sliding-window mask)",
-    Chunk: "a chunked-attention mask",
-    Prefix: "a prefix-LM mask",
-    Segments: "segment ids (packed documents)",
-}
-
-
-def structured_reasons(spec: AttentionSpec, accepted: frozenset = frozenset()) -> list[str]:
-    """One reason per structured-mask op (`Window`, `Chunk`, `Prefix`,
-    `Segments`) in ``spec`` whose type is not in ``accepted``."""
-    found = {
-        type(op)
-        for op in spec.score_ops
-        if type(op) in _STRUCTURED_WORDS and type(op) not in accepted
-    }
-    return [
-        f"{_STRUCTURED_WORDS[kind]} is not supported by this kernel; the 'blockwise' "
-        "kernel takes it as a descriptor and skips the blocks it excludes"
-        for kind in sorted(found, key=lambda k: k.__name__)
-    ]
-
-
-def linear_reasons(
-    spec: AttentionSpec,
-    kernel: str,
-    *,
-    bias_instead: str | None = None,
-    structured: frozenset = frozenset(),
-    sinks: bool = False,
-):
-    """``(reasons, form)`` of an adapter built on `linear_form`: `input_reasons`,
-    then (if there are none) the spec's `LinearForm` and its reasons.  With
-    ``bias_instead`` the kernel takes no bias, and the reason names that kernel
-    instead.  ``form`` is None when the inputs fail (it would read missing extras).
-    ``structured``, ``sinks``: what the caller takes itself (`linear_form`)."""
-    reasons = input_reasons(spec, kernel)
-    if reasons:
-        return reasons, None
-    form = linear_form(spec, structured, sinks=sinks)
-    reasons = list(form.reasons)
-    if bias_instead is not None and form.biases:
-        reasons.append(
-            f"{kernel} takes no bias (additive mask or position bias); use the "
-            f"'{bias_instead}' kernel, which adds biases, or 'blockwise'"
-        )
-    return reasons, form
 
 
 def empty_reasons(spec: AttentionSpec) -> list[str]:
@@ -450,32 +205,6 @@ def float_dtype_reasons(spec: AttentionSpec, kernel: str, allowed=(BF16, F16, F3
                 "(disable jax_enable_x64 for this attention or use another kernel)"
             )
     return reasons
-
-
-class TpuKernel(Kernel):
-    """Base of the adapters of JAX's Pallas TPU kernels (``pallas_tpu``,
-    ``splash``): they run on TPU, or on CPU with ``interpret=True`` (slow; for
-    tests), with reverse-mode gradients.  A Pallas call is a custom call: XLA's
-    SPMD partitioner runs it replicated, and it does not type-check inside
-    ``shard_map`` with ``check_vma``.  Subclasses set ``spec_reasons``, the
-    static reasons (platform aside) they cannot run a spec."""
-
-    platforms = ("tpu",)
-    interpret_platforms = ("cpu",)
-    grad = True
-    partitionable = False
-    plain_jax = False
-    spec_reasons: Callable[[AttentionSpec], list[str]]
-
-    def __init__(self, *, max_block: int = TPU_MAX_BLOCK):
-        """``max_block``: the largest query/key block (a power-of-two multiple of 128)."""
-        if max_block < TPU_LANES or max_block & (max_block - 1):
-            raise ValueError(f"max_block must be a power-of-two multiple of 128, got {max_block}")
-        self.max_block = max_block
-
-    def check(self, spec: AttentionSpec, ctx: CheckContext) -> list[str]:
-        """Reasons this kernel cannot run ``spec`` on ``ctx.platform`` (static)."""
-        return self.platform_reasons(ctx) + self.spec_reasons(spec)
 
 
 def pad_axis(x, axis: int, size: int, *, front: int = 0, value=0):
@@ -574,20 +303,6 @@ def fill_empty_rows(spec: AttentionSpec, out, v, empty):
     return jnp.where(empty, mean.astype(out.dtype), out)
 
 
-def bias_sum(spec: AttentionSpec, form: LinearForm, extras, dtype):
-    """``sum_i m_i * bias_i`` in ``dtype`` (broadcast shapes kept), or None.
-
-    Each bias is rounded to the spec's compute dtype first, as the spec adds it.
-    """
-    total = None
-    for index, multiplier in form.biases:
-        bias = extras[index].astype(spec.compute_dtype).astype(dtype)
-        if multiplier != 1.0:
-            bias = bias * jnp.asarray(multiplier, dtype)
-        total = bias if total is None else total + bias
-    return total
-
-
 def shared_fill_reasons(spec: AttentionSpec, what: str) -> list[str]:
     """Why rows ``what`` may leave with no key would not be the mean of ``v``.
 
@@ -600,7 +315,7 @@ def shared_fill_reasons(spec: AttentionSpec, what: str) -> list[str]:
     """
     finals = set()
     for position, op in enumerate(spec.score_ops):
-        if isinstance(op, Mask | Causal | KvLengths | Window | Chunk | Prefix | Segments):
+        if isinstance(op, KeepOp):
             finals.add(spec.final_fill(position, op.fill))
     if len(finals) <= 1:
         return []

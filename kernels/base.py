@@ -54,9 +54,10 @@ class Kernel:
     #: `AttentionSpec.descriptors`).
     descriptors: ClassVar[frozenset[str]] = frozenset(DESCRIPTORS)
     #: Whether it has reverse-mode gradients (a ``custom_vjp`` or differentiable
-    #: code).  Selection does not read it: the pass rewrites a forward program and
-    #: cannot know whether it will be differentiated; differentiating a kernel
-    #: without gradients raises JAX's error.  (Formerly ``supports_grad``.)
+    #: code).  Selection reads it where the program differentiates the site (a
+    #: training step: its backward is replaced by the kernel's) and for ring
+    #: steps; a forward-only site may take a kernel without gradients, and
+    #: differentiating that one later raises JAX's error.
     grad: ClassVar[bool] = True
     #: Whether XLA's SPMD partitioner can split it along batch and heads (plain
     #: JAX, or a ``custom_partitioning`` rule): usable on meshes with Auto axes.
@@ -72,7 +73,7 @@ class Kernel:
     #: query block against a visiting K/V block, returning the row statistics
     #: the ring merges by (`step_forward`), and the block's share of the
     #: gradients from the global statistics (`step_backward`).  The ring asks
-    #: `check` about each step's own spec (`flashpass.ring_steps`).
+    #: `check` about each step's own spec (`flashpass.ring.cases`).
     ring_step: ClassVar[bool] = False
 
     def __init_subclass__(cls, **kwargs):

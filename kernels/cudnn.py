@@ -13,12 +13,12 @@ multiple of 8, at most 128; 256 on Hopper and later), a bias and a mask whose
 two last axes are exactly ``[T, S]``, and gradients for ``q``, ``k``, ``v`` and
 the bias.  This module maps an `AttentionSpec` onto it exactly:
 
-* Score ops in the kernel's order (`_util.linear_form`): one ``scale``; each
+* Score ops in the kernel's order (`_linear.linear_form`): one ``scale``; each
   bias multiplied by the Scales that follow it (exact for powers of two);
   masks whose fills exclude keys.  Bias sums are rounded to the input dtype.
 * ``Causal``: cuDNN's own causal mask when ``offset == 0`` and ``T == S``;
   otherwise ANDed into the boolean mask (materialised as ``[1, 1, T, S]``).
-* ``Window`` (#18): when the windows and the causal mask keep exactly the keys
+* ``Window``: when the windows and the causal mask keep exactly the keys
   ``i - left <= j <= i`` and ``T == S``, ``local_window_size=(left, 0)`` with
   ``is_causal=True``: cuDNN's causal sliding window (JAX passes
   ``sliding_window_length = left + 1``, keys ``(i - left - 1, i]``), the same
@@ -27,8 +27,8 @@ the bias.  This module maps an `AttentionSpec` onto it exactly:
   within the window are found by prefix counts (key masks) or one pass over
   the (already ``T x S``) mask, and every excluding op must end with one score
   (`_util.shared_fill_reasons`).
-* ``KvLengths`` (#18): the valid key count of each batch row, ``n =
-  clip(L + shift, 0, S)`` (`reference.kv_valid_lengths`, the minimum over
+* ``KvLengths``: the valid key count of each batch row, ``n =
+  clip(L + shift, 0, S)`` (`flashpass.ops.valid_lengths`, the minimum over
   several ops), one per batch row (lengths varying over heads are rejected:
   cuDNN takes one per row).  Without any other mask array (no bias, mask,
   window or materialised causal mask) it is ``key_value_seq_lengths``, no
@@ -76,7 +76,7 @@ import numpy as np
 from flashpass import compat
 from flashpass.spec import AttentionSpec, KvLengths, Window
 
-from . import _util
+from . import _linear, _util
 from .base import CheckContext, Kernel
 
 _HEAD_MULTIPLE = 8
@@ -92,7 +92,7 @@ def head_dim_limit() -> int:
 
 @dataclasses.dataclass(frozen=True)
 class _Plan:
-    form: _util.LinearForm
+    form: _linear.LinearForm
     kernel_dtype: np.dtype
     head_dim: int
     is_causal: bool  # cuDNN's own causal mask (else folded into the mask)
@@ -112,7 +112,7 @@ class _Plan:
     seq_lengths: bool = False
 
 
-def window_bounds(spec: AttentionSpec, form: _util.LinearForm):
+def window_bounds(spec: AttentionSpec, form: _linear.LinearForm):
     """``(left, right)``: the keys ``i - left <= j <= i + right`` the spec's
     `Window` ops and causal mask keep (``right`` None: unbounded), or None
     without a `Window` op.  Several windows intersect."""
@@ -134,7 +134,7 @@ def _native_window(spec: AttentionSpec, bounds) -> bool:
 
 
 def _plan(spec: AttentionSpec) -> _Plan:
-    form = _util.linear_form(_util.without_lengths(spec), _STRUCTURED)
+    form = _linear.linear_form(_util.without_lengths(spec), _STRUCTURED)
     offset = form.causal_offset
     is_causal = offset == 0 and spec.q_len == spec.kv_len
     bounds = window_bounds(spec, form)
@@ -307,7 +307,7 @@ class CudnnKernel(Kernel):
             k = jnp.where(key_rows, k, jnp.zeros((), kdt))
             v = jnp.where(key_rows, v, jnp.zeros((), kdt))
 
-        bias = _util.bias_sum(spec, form, extras, kdt)
+        bias = _linear.bias_sum(spec, form, extras, kdt)
         if bias is not None:
             bias = jnp.broadcast_to(bias, (*bias.shape[:2], T, S))
             bias = _util.pad_axis(_util.pad_axis(bias, 2, Tp), 3, Sp)

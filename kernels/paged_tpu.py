@@ -1,4 +1,4 @@
-"""Adapter for JAX's Pallas TPU paged-attention kernel: the TPU decode path (#17).
+"""Adapter for JAX's Pallas TPU paged-attention kernel: the TPU decode path.
 
 ``jax.experimental.pallas.ops.tpu.paged_attention`` attends one query per
 (sequence, query head) to a KV cache stored in pages, and visits only the
@@ -15,7 +15,7 @@ It is built for decode steps; this module maps a decode-shaped
   at once cost nothing.
 * Scale ops: the product is folded into ``q`` in float32 (the kernel reads
   ``q`` as float32).  Softcap: the kernel's ``attn_logits_soft_cap``, applied
-  to those scaled logits, as `_util.linear_form` orders them.
+  to those scaled logits, as `_linear.linear_form` orders them.
 * ``KvLengths`` (one count per batch row, ``[B|1, 1, 1, 1]``): the kernel's
   ``lengths`` (the minimum over several ops), repeated per kv head.  No
   lengths: every row is full.  All queries of a row see the same keys, so a
@@ -51,7 +51,7 @@ import numpy as np
 from flashpass import compat
 from flashpass.spec import AttentionSpec
 
-from . import _util
+from . import _linear, _tpu, _util
 from .reference import reference_attention
 
 #: At most this many queries per row: a decode step (one token) or a few
@@ -80,7 +80,7 @@ def _page(kv_len: int) -> int | None:
 
 
 def _plan(spec: AttentionSpec) -> _Plan:
-    form = _util.linear_form(_util.without_lengths(spec))
+    form = _linear.linear_form(_util.without_lengths(spec))
     page = _page(spec.kv_len)
     pages = spec.kv_len // page
     fits = [d for d in range(1, pages + 1) if pages % d == 0 and d * page <= COMPUTE_BLOCK]
@@ -103,10 +103,10 @@ def _reasons(spec: AttentionSpec) -> list[str]:
             f"{spec.q_len} queries per row: the paged kernel is the decode path (at most "
             f"{MAX_QUERIES} queries against a KV cache); 'splash' runs longer query blocks"
         )
-    if spec.head_dim % _util.TPU_LANES or spec.v_head_dim != spec.head_dim:
+    if spec.head_dim % _tpu.TPU_LANES or spec.v_head_dim != spec.head_dim:
         reasons.append(
             f"head dims {spec.head_dim} (k) and {spec.v_head_dim} (v): the paged kernel "
-            f"needs one head dim, a multiple of {_util.TPU_LANES}, and padding would copy "
+            f"needs one head dim, a multiple of {_tpu.TPU_LANES}, and padding would copy "
             "the whole cache at every step; 'blockwise' runs it"
         )
     if _page(spec.kv_len) is None:
@@ -114,7 +114,7 @@ def _reasons(spec: AttentionSpec) -> list[str]:
             f"kv_len {spec.kv_len} is not a multiple of {PAGE_MULTIPLE}: the cache cannot be "
             "viewed as pages without copying it at every step; 'blockwise' runs it"
         )
-    form = _util.linear_form(_util.without_lengths(spec))
+    form = _linear.linear_form(_util.without_lengths(spec))
     reasons += form.reasons
     takes = "the paged kernel takes only per-row kv lengths and a soft-cap"
     if form.biases:
@@ -156,7 +156,7 @@ def _with_reference_gradient(spec: AttentionSpec, kernel):
     return call
 
 
-class PagedTpuKernel(_util.TpuKernel):
+class PagedTpuKernel(_tpu.TpuKernel):
     """JAX's paged-attention TPU kernel as the decode path: one to `MAX_QUERIES`
     queries per row against a contiguous KV cache with per-row lengths
     (``pallas.ops.tpu.paged_attention``; see the module docstring).

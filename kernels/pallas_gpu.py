@@ -61,7 +61,7 @@ import numpy as np
 from flashpass import compat
 from flashpass.spec import AttentionSpec, Segments
 
-from . import _util
+from . import _linear, _util
 from .base import CheckContext, Kernel
 
 #: Head-dim column values that exclude keys (see module doc).
@@ -76,7 +76,7 @@ _MAX_WASTE = 4.0
 
 @dataclasses.dataclass(frozen=True)
 class _Plan:
-    form: _util.LinearForm
+    form: _linear.LinearForm
     kernel_dtype: np.dtype
     front: int  # zero query rows in front (the causal offset)
     length: int  # common padded length of queries and keys
@@ -90,7 +90,7 @@ class _Plan:
 
 def _reasons(spec: AttentionSpec) -> list[str]:
     label = "the Pallas GPU attention kernel"
-    reasons, form = _util.linear_reasons(
+    reasons, form = _linear.linear_reasons(
         spec, label, bias_instead="cudnn", structured=frozenset({Segments})
     )
     if form is None:
@@ -143,12 +143,12 @@ def _segment_reasons(spec: AttentionSpec, op: Segments, form) -> list[str]:
     dtype = np.dtype(extra.dtype)
     if dtype.itemsize > 4 or not (np.issubdtype(dtype, np.integer) or dtype == np.bool_):
         reasons.append(f"segment ids of dtype {dtype.name} (the kernel takes int32)")
-    reasons += _util.exclusion_reasons(spec, spec.score_ops.index(op))
+    reasons += _linear.exclusion_reasons(spec, spec.score_ops.index(op))
     return reasons
 
 
 def _plan(spec: AttentionSpec, block_q: int, block_k: int, block_bwd: int) -> _Plan:
-    form = _util.linear_form(spec, frozenset({Segments}))
+    form = _linear.linear_form(spec, frozenset({Segments}))
     front = form.causal_offset or 0
     n = max(front + spec.q_len, spec.kv_len)
     block = max(block_q, block_k, block_bwd)  # every block divides the common length
@@ -252,7 +252,7 @@ class PallasGpuKernel(Kernel):
     def step_reasons(self, spec: AttentionSpec) -> list[str]:
         """Ring steps without masks or segment ids: a step whose masks leave a
         row no key would need the original's fill statistics."""
-        form = _util.linear_form(spec, frozenset({Segments}))
+        form = _linear.linear_form(spec, frozenset({Segments}))
         if form.masks or form.structured:
             return ["pallas_gpu runs ring steps without boolean masks or segment ids"]
         return []

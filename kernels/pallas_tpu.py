@@ -27,7 +27,7 @@ exactly ``[B, H, T, S]``, ``S`` a multiple of the key block and a
   above ``max_block`` (default 512), of 128; keys to a multiple of 128.
   Padded keys are excluded through the kernel's segment ids
   (``-0.7 * f32_max``, below the mask value); padded queries are sliced off.
-* ``Segments`` (packed documents, #18): the user's query and key ids become
+* ``Segments`` (packed documents): the user's query and key ids become
   the kernel's ``SegmentIds`` (``[B, T]`` and ``[B, S]``, shared by the heads,
   cast to int32: exact for integer or boolean ids of at most 32 bits), with
   no ``T x S`` array.  Padded keys, and keys that key masks shared by the
@@ -76,22 +76,19 @@ from flashpass.spec import (
     AttentionSpec,
     Bias,
     Causal,
-    Chunk,
     Dropout,
     KvLengths,
     Mask,
-    Prefix,
     Scale,
     Segments,
     Sink,
     Softcap,
-    Window,
 )
 
-from . import _util
+from . import _linear, _tpu, _util
 
-#: Default largest query/key block (see `_util.TPU_MAX_BLOCK`).
-DEFAULT_MAX_BLOCK = _util.TPU_MAX_BLOCK
+#: Default largest query/key block (see `_tpu.TPU_MAX_BLOCK`).
+DEFAULT_MAX_BLOCK = _tpu.TPU_MAX_BLOCK
 
 
 def _is_power_of_two(x: float) -> bool:
@@ -157,26 +154,14 @@ def _masked_value(sm_scale: float) -> float:
 
 
 #: Score ops `_spec_reasons` knows (structured ones it does not take are
-#: rejected by `_util.structured_reasons`; `Dropout` by kernel selection).
-_KNOWN_OPS = (
-    Scale,
-    Bias,
-    Mask,
-    Causal,
-    Softcap,
-    KvLengths,
-    Dropout,
-    Window,
-    Chunk,
-    Prefix,
-    Segments,
-)
+#: rejected by `_linear.structured_reasons`; `Dropout` by kernel selection).
+_KNOWN_OPS = (Scale, Bias, Mask, Causal, Softcap, KvLengths, Dropout, Segments, Sink)
 
 
 def _spec_reasons(spec: AttentionSpec) -> list[str]:
     """Static reasons this adapter cannot run ``spec`` exactly (platform aside)."""
     reasons = _util.input_reasons(spec, "the TPU flash kernel")
-    reasons += _util.structured_reasons(spec, frozenset({Segments}))
+    reasons += _linear.structured_reasons(spec, frozenset({Segments}))
     for position, op in enumerate(spec.score_ops):
         if isinstance(op, Softcap):
             reasons.append(
@@ -194,14 +179,14 @@ def _spec_reasons(spec: AttentionSpec) -> list[str]:
         ):
             # Masks become a -2**126 bias (a weight a finite fill would not give);
             # the kernel's causal mask gives excluded keys zero weight.
-            reasons += _util.exclusion_reasons(spec, position)
+            reasons += _linear.exclusion_reasons(spec, position)
         elif isinstance(op, KvLengths):
-            reasons.append(_util.KV_LENGTHS_REASON)
+            reasons.append(_linear.KV_LENGTHS_REASON)
         elif isinstance(op, Segments):
-            reasons += _util.exclusion_reasons(spec, position)
+            reasons += _linear.exclusion_reasons(spec, position)
         elif isinstance(op, Sink):
-            reasons.append(_util.SINK_REASON)
-        elif not isinstance(op, _KNOWN_OPS):
+            reasons.append(_linear.SINK_REASON)
+        elif not (isinstance(op, _KNOWN_OPS) or op.reason_words):
             reasons.append(
                 f"unknown score op {type(op).__name__}: the TPU flash kernel adapter does "
                 "not know its semantics"
@@ -286,10 +271,10 @@ def _plan(spec: AttentionSpec, max_block: int = DEFAULT_MAX_BLOCK) -> _Plan:
             ):
                 ab_dtype = bf16
 
-    q_len, block_q = _util.tpu_query_tiling(spec.q_len, max_block)
-    kv_len = _util.round_up(spec.kv_len, _util.TPU_LANES)
+    q_len, block_q = _tpu.tpu_query_tiling(spec.q_len, max_block)
+    kv_len = _util.round_up(spec.kv_len, _tpu.TPU_LANES)
     # The kernel tiles head dims above 128 in lanes of 128.
-    head_dim = _util.tpu_head_dim(max(spec.head_dim, spec.v_head_dim))
+    head_dim = _tpu.tpu_head_dim(max(spec.head_dim, spec.v_head_dim))
 
     # Top-left causal with T <= S already excludes every padded key (j >= S > i).
     pad_keys = kv_len > spec.kv_len and not (causal and spec.q_len <= spec.kv_len)
@@ -305,7 +290,7 @@ def _plan(spec: AttentionSpec, max_block: int = DEFAULT_MAX_BLOCK) -> _Plan:
         head_dim=head_dim,
         pad_keys=pad_keys,
         block_q=block_q,
-        block_k=_util.largest_block(kv_len, max_block),
+        block_k=_tpu.largest_block(kv_len, max_block),
         segments=segments,
         ab_masks=tuple(ab_masks),
         id_masks=tuple(id_masks),
@@ -343,7 +328,7 @@ def _build_ab(spec: AttentionSpec, plan: _Plan, extras: Sequence):
     return jnp.broadcast_to(ab, (spec.batch, spec.heads, spec.q_len, spec.kv_len))
 
 
-class PallasTpuKernel(_util.TpuKernel):
+class PallasTpuKernel(_tpu.TpuKernel):
     """JAX's Pallas TPU flash attention (``pallas.ops.tpu.flash_attention``).
 
     Runs on TPU, or on CPU with ``interpret=True`` (slow; for tests).  Supports

@@ -11,21 +11,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from flashpass.spec import (
-    STRUCTURED,
-    AttentionSpec,
-    Bias,
-    Causal,
-    Chunk,
-    Dropout,
-    KvLengths,
-    Mask,
-    Prefix,
-    Scale,
-    Sink,
-    Softcap,
-    Window,
-)
+from flashpass.ops import Positions
+from flashpass.spec import AttentionSpec
 
 from .base import CheckContext, PlainJaxKernel
 from .dropout import apply_dropout, reference_keep
@@ -41,66 +28,10 @@ def apply_score_ops(spec: AttentionSpec, s, extras, q_pos=None, k_pos=None, tran
     and the positions come as the blockwise backward passes them (rows
     ``-k_pos``, columns ``-q_pos``, see `tiles.tile_score_fn`).
     """
+    at = Positions(s.shape, q_pos, k_pos, transposed, spec.kv_len)
     for op in spec.score_ops:
-        if isinstance(op, Scale):
-            s = s * jnp.asarray(op.value, s.dtype)
-        elif isinstance(op, Bias):
-            s = s + extras[op.index].astype(s.dtype)
-        elif isinstance(op, Mask):
-            s = jnp.where(extras[op.index], s, jnp.asarray(op.fill, s.dtype))
-        elif isinstance(op, Causal):
-            if q_pos is None:
-                q_pos = jnp.arange(s.shape[-2])
-            if k_pos is None:
-                k_pos = jnp.arange(s.shape[-1])
-            keep = k_pos[None, :] <= q_pos[:, None] + op.offset
-            s = jnp.where(keep, s, jnp.asarray(op.fill, s.dtype))
-        elif isinstance(op, STRUCTURED):
-            if q_pos is None:
-                q_pos = jnp.arange(s.shape[-2])
-            if k_pos is None:
-                k_pos = jnp.arange(s.shape[-1])
-            if transposed:  # rows are keys at -k, columns queries at -q
-                qi, kj = -k_pos[None, :], -q_pos[:, None]
-            else:
-                qi, kj = q_pos[:, None], k_pos[None, :]
-            keep = structured_keep(op, extras, qi, kj)
-            s = jnp.where(keep, s, jnp.asarray(op.fill, s.dtype))
-        elif isinstance(op, Softcap):
-            cap = jnp.asarray(op.cap, s.dtype)
-            s = cap * jnp.tanh(s / cap)
-        elif isinstance(op, Dropout | Sink):
-            continue  # enter the softmax (`softmax_with_sink`) or its output, not the scores
-        elif isinstance(op, KvLengths):
-            if k_pos is None:
-                k_pos = jnp.arange(s.shape[-1])
-            n = kv_valid_lengths(op, extras[op.index], spec.kv_len)
-            s = jnp.where(k_pos < n, s, jnp.asarray(op.fill, s.dtype))
-        else:  # pragma: no cover - a new op must be taught to every kernel
-            raise TypeError(f"unknown score op {op!r}")
+        s = op.apply(s, extras, at)
     return s
-
-
-def kv_valid_lengths(op: KvLengths, lengths, kv_len: int):
-    """The valid key count ``clip(L + op.shift, 0, kv_len)`` of each row, int32,
-    shaped like ``lengths``.  ``L`` is clipped in its own dtype first, to
-    bounds that change no comparison with a key position, so nothing overflows."""
-    bound = kv_len + abs(op.shift) + 1
-    n = jnp.clip(lengths, -bound, bound).astype(jnp.int32) + op.shift
-    return jnp.clip(n, 0, kv_len)
-
-
-def structured_keep(op, extras, qi, kj):
-    """The keep-mask of a `Window`, `Chunk`, `Prefix` or `Segments` op for query
-    positions ``qi`` and key positions ``kj`` (broadcastable to the tile)."""
-    if isinstance(op, Window):
-        keep = kj >= qi - op.left
-        return keep if op.right is None else keep & (kj <= qi + op.right)
-    if isinstance(op, Chunk):
-        return qi // op.size == kj // op.size
-    if isinstance(op, Prefix):
-        return (kj <= qi) | (kj < op.length)
-    return extras[op.q_index] == extras[op.kv_index]
 
 
 def repeat_kv(spec: AttentionSpec, x):

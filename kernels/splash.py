@@ -13,7 +13,7 @@ with ``mask`` a static mask (causal with an offset, skipping fully masked
 blocks) or a dynamic boolean ``[heads, T, S]`` array, and a ``custom_vjp``
 for ``q``, ``k``, ``v``.  This module maps an `AttentionSpec` onto it exactly:
 
-* Score ops are put in the kernel's order by `_util.linear_form`: one scale
+* Score ops are put in the kernel's order by `_linear.linear_form`: one scale
   ``C`` (Scales after a Softcap move in front of it, scaling the cap), an
   optional soft-cap, then masks whose fills exclude keys.  ``q`` is multiplied
   by ``C`` in float32 before the cast to the kernel dtype: exact when ``C`` is
@@ -22,7 +22,7 @@ for ``q``, ``k``, ``v``.  This module maps an `AttentionSpec` onto it exactly:
 * Masks that only vary over keys and batch (``[B|1, 1, 1, S]``, padding):
   key segment ids (``0`` kept, ``1`` excluded; queries ``0``).  Any other
   mask: the kernel's dynamic mask, ANDed with the causal mask.
-* Structured masks (#18), with no ``T x S`` array: ``Window(l, r)`` as the
+* Structured masks, with no ``T x S`` array: ``Window(l, r)`` as the
   static ``LocalMask((l, r))`` (a causal op folded into ``r``), ``Chunk`` with
   ``Causal(0)`` as ``ChunkedCausalMask``, ``Segments`` as ``SegmentIds`` (the
   user's ids; keys a key mask or padding excludes get an id no query has, and
@@ -64,15 +64,15 @@ import numpy as np
 from flashpass import compat
 from flashpass.spec import AttentionSpec, Chunk, Segments, Window
 
-from . import _util
+from . import _linear, _tpu, _util
 
-#: Default largest query/key block (see `_util.TPU_MAX_BLOCK`).
-DEFAULT_MAX_BLOCK = _util.TPU_MAX_BLOCK
+#: Default largest query/key block (see `_tpu.TPU_MAX_BLOCK`).
+DEFAULT_MAX_BLOCK = _tpu.TPU_MAX_BLOCK
 
 
 @dataclasses.dataclass(frozen=True)
 class _Plan:
-    form: _util.LinearForm
+    form: _linear.LinearForm
     kernel_dtype: np.dtype
     q_len: int
     kv_len: int
@@ -94,7 +94,7 @@ _STRUCTURED = frozenset({Window, Chunk, Segments})
 
 
 def _reasons(spec: AttentionSpec) -> list[str]:
-    reasons, form = _util.linear_reasons(
+    reasons, form = _linear.linear_reasons(
         spec, "splash attention", bias_instead="pallas_tpu", structured=_STRUCTURED, sinks=True
     )
     reasons += _sink_reasons(spec)
@@ -145,14 +145,14 @@ def _sink_reasons(spec: AttentionSpec) -> list[str]:
 
 
 def _plan(spec: AttentionSpec, max_block: int) -> _Plan:
-    form = _util.linear_form(spec, _STRUCTURED)
+    form = _linear.linear_form(spec, _STRUCTURED)
     key_masks, dynamic_masks = [], []
     for index in form.masks:
         shape = tuple(spec.extras[index].shape)
         (key_masks if shape[1] == 1 and shape[2] == 1 else dynamic_masks).append(index)
     if dynamic_masks:  # one mechanism: all masks go into the dynamic mask
         dynamic_masks, key_masks = list(form.masks), []
-    kv_len = _util.round_up(spec.kv_len, _util.TPU_LANES)
+    kv_len = _util.round_up(spec.kv_len, _tpu.TPU_LANES)
     found = {type(op): op for op in form.structured}
     window = None
     if Window in found:
@@ -166,17 +166,17 @@ def _plan(spec: AttentionSpec, max_block: int) -> _Plan:
     segments = (
         bool(key_masks) or user_ids is not None or (kv_len > spec.kv_len and not dynamic_masks)
     )
-    q_multiple = _util.TPU_LANES if segments else _util.TPU_Q_MULTIPLE
-    q_len, block_q = _util.tpu_query_tiling(spec.q_len, max_block, q_multiple)
+    q_multiple = _tpu.TPU_LANES if segments else _tpu.TPU_Q_MULTIPLE
+    q_len, block_q = _tpu.tpu_query_tiling(spec.q_len, max_block, q_multiple)
     return _Plan(
         form=form,
         kernel_dtype=_util.kernel_dtype(spec, narrow=(_util.BF16,)),
         q_len=q_len,
         kv_len=kv_len,
-        head_dim=_util.tpu_head_dim(spec.head_dim),
-        v_head_dim=_util.tpu_head_dim(spec.v_head_dim),
+        head_dim=_tpu.tpu_head_dim(spec.head_dim),
+        v_head_dim=_tpu.tpu_head_dim(spec.v_head_dim),
         block_q=block_q,
-        block_kv=_util.largest_block(kv_len, max_block),
+        block_kv=_tpu.largest_block(kv_len, max_block),
         key_masks=tuple(key_masks),
         dynamic_masks=tuple(dynamic_masks),
         segment_ids=segments,
@@ -216,7 +216,7 @@ def _block_sizes(plan: _Plan):
     )
 
 
-class SplashKernel(_util.TpuKernel):
+class SplashKernel(_tpu.TpuKernel):
     """JAX's splash attention (``pallas.ops.tpu.splash_attention``).
 
     Runs on TPU, or on CPU with ``interpret=True`` (slow; for tests).  Supports
@@ -237,7 +237,7 @@ class SplashKernel(_util.TpuKernel):
         """Ring steps with static masks only (causal, window, chunk, full): no
         boolean mask or segment ids, which may leave a row of a block no key.
         (A step spec has no sink: the ring's statistics start from it.)"""
-        form = _util.linear_form(spec, _STRUCTURED)
+        form = _linear.linear_form(spec, _STRUCTURED)
         if form.masks or spec.ops_of(Segments):
             return ["splash runs ring steps without boolean masks or segment ids"]
         return []

@@ -10,7 +10,7 @@ attention kernels (Mosaic GPU on Hopper/Blackwell, Triton) and computes::
 
 with ``q: [B, T, H, D]``, ``k: [B, S, Hkv, D]``, ``v: [B, S, Hkv, Dv]`` (GQA,
 MQA and ``Dv != D`` native) and broadcastable bias/mask.  The mapping uses
-`_util.linear_form` (as the cuDNN adapter does) and passes masks unmaterialised.
+`_linear.linear_form` (as the cuDNN adapter does) and passes masks unmaterialised.
 
 The adapter is always registered; its `check` rejects every site, with a
 reason, when ``tokamax`` is not importable.  It is in no default order: name
@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from flashpass import compat
 from flashpass.spec import AttentionSpec
 
-from . import _util
+from . import _linear, _util
 from .base import CheckContext, Kernel
 
 #: tokamax implementations tried in order (its own fallback raises
@@ -35,7 +35,7 @@ DEFAULT_IMPLEMENTATIONS = ("mosaic", "triton")
 
 
 def _reasons(spec: AttentionSpec) -> list[str]:
-    reasons, form = _util.linear_reasons(spec, "tokamax attention")
+    reasons, form = _linear.linear_reasons(spec, "tokamax attention")
     if form is not None and _util.kernel_dtype(spec, narrow=(_util.BF16, _util.F16)) == _util.F32:
         reasons.insert(
             0,
@@ -80,7 +80,7 @@ class TokamaxKernel(Kernel):
         if tokamax is None:
             reasons.append("the optional 'tokamax' package is not installed")
         self.require(reasons)
-        form = _util.linear_form(spec)
+        form = _linear.linear_form(spec)
         kdt = _util.kernel_dtype(spec, narrow=(_util.BF16, _util.F16))
         T, S = spec.q_len, spec.kv_len
         v_in = v
@@ -91,7 +91,7 @@ class TokamaxKernel(Kernel):
         q = btnh(q.astype(spec.compute_dtype).astype(kdt))
         k = btnh(k.astype(spec.compute_dtype).astype(kdt))
         v = btnh(v.astype(kdt))
-        bias = _util.bias_sum(spec, form, extras, jnp.float32)
+        bias = _linear.bias_sum(spec, form, extras, jnp.float32)
         keep, empty = _util.combined_keep(spec, form.masks, extras, offset=form.causal_offset)
         offset = form.causal_offset
         is_causal = offset == 0 and T == S

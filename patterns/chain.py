@@ -119,6 +119,7 @@ def ensure_loaded() -> None:
         masks,
         regroup,
         scale,
+        sink_window,
         sinks,
         softcap,
         structured,

@@ -23,7 +23,7 @@ class Miss:
     ``exp`` in a GELU is an irrelevant miss and stays silent.
     """
 
-    __slots__ = ("reason", "node", "relevant", "internal", "readers", "site")
+    __slots__ = ("reason", "node", "relevant", "internal", "readers")
 
     def __init__(
         self,
@@ -38,7 +38,6 @@ class Miss:
         self.relevant = relevant
         self.internal = internal  # the matcher crashed: "Type: message" (see errors.py)
         self.readers = readers  # a value read by several nodes: each (a path may go on)
-        self.site = None  # a site whose intermediates escape its scope (see flashpass/scans.py)
 
     def __bool__(self) -> bool:
         return False
@@ -162,7 +161,3 @@ def uniform_value(scope: Scope, atom) -> float | None:
         return None
     parent, outer_atom = found
     return uniform_value(parent, outer_atom)
-
-
-def is_const(atom) -> bool:
-    return isinstance(atom, Const)

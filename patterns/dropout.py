@@ -33,6 +33,8 @@ import numpy as np
 
 from flashpass import compat
 from flashpass.graph import Scope
+from flashpass.site import ExtraSource, Transform
+from flashpass.spec import Dropout
 
 from .common import Miss, profile, scalar_value, where
 from .regroup import UNIT, Merged
@@ -230,9 +232,6 @@ def _role_strides(axes: tuple, roles: list, mask_shape: tuple) -> dict | str:
 
 def dropout_op(found: FoundDropout, layout, index: int):
     """The site's `Dropout` op (key in ``extras[index]``) and the key's source."""
-    from flashpass.site import ExtraSource  # the engine imports patterns
-    from flashpass.spec import Dropout
-
     b, h, _ = layout.groups
     axes = tuple(
         tuple((layout.sizes[r], found.strides.get(r, 0)) for r in group)
@@ -249,5 +248,7 @@ def dropout_op(found: FoundDropout, layout, index: int):
         keep_below=found.keep_below,
         scale=found.scale,
     )
-    source = ExtraSource(found.key, {r: None for r in layout.sizes}, "key", np.dtype(np.uint32))
+    source = ExtraSource(
+        found.key, {r: None for r in layout.sizes}, Transform.KEY, np.dtype(np.uint32)
+    )
     return op, source

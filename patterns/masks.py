@@ -18,6 +18,7 @@ import dataclasses
 import jax.numpy as jnp
 import numpy as np
 
+from flashpass.site import Transform
 from flashpass.spec import EXCLUDING_FILL, Bias, Causal, Mask, excludes
 
 from .chain import Step, rule
@@ -58,7 +59,7 @@ class BiasStep(Step):
         dtype = scope.dtype(prof.base)
         if not jnp.issubdtype(dtype, jnp.floating):
             return Miss(f"scores biased by a {dtype} tensor{where(self.node)}", self.node)
-        index, shape4 = build.add_extra(prof, "neg" if sign < 0 else None, dtype)
+        index, shape4 = build.add_extra(prof, Transform.NEG if sign < 0 else None, dtype)
         build.ops.append(Bias(index, shape4, dtype))
         return None
 
@@ -80,9 +81,9 @@ class CausalSource:
         scope, prof = build.scope, self.profile
         if self.kind == "bias":
             dtype = scope.dtype(prof.base)
-            index, shape4 = build.add_extra(prof, "neg" if self.sign < 0 else None, dtype)
+            index, shape4 = build.add_extra(prof, Transform.NEG if self.sign < 0 else None, dtype)
             return Bias(index, shape4, dtype)
-        index, shape4 = build.add_extra(prof, None if self.keep_when else "not", np.bool_)
+        index, shape4 = build.add_extra(prof, None if self.keep_when else Transform.NOT, np.bool_)
         return Mask(index, shape4, self.fill)
 
 
@@ -115,7 +116,7 @@ def add_mask(build, pred: Profile, keep_when: bool, fill: float) -> None:
             continue
         if any(recognise(build, factor, keep_when, fill) for recognise in MASK_RECOGNISERS):
             continue
-        index, shape4 = build.add_extra(factor, None if keep_when else "not", np.bool_)
+        index, shape4 = build.add_extra(factor, None if keep_when else Transform.NOT, np.bool_)
         build.ops.append(Mask(index, shape4, fill))
 
 

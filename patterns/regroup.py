@@ -26,30 +26,14 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from flashpass.roles import UNIT, Merged
+from flashpass.roles import role_name as _name
+
 from .chain import Step, rule
 from .common import Miss, where
 
-#: Role of a size-1 axis added by a reshape or broadcast.
-UNIT = "unit"
-
 #: Primitives read here, on the score chain and on the probabilities.
 PRIMS = ("reshape", "squeeze", "broadcast_in_dim")
-
-
-@dataclasses.dataclass(frozen=True)
-class Merged:
-    """Role of an axis that holds several batch/group roles, major first."""
-
-    parts: tuple  # ((role, size), ...), every size > 1
-
-    def __str__(self) -> str:
-        return "×".join(_name(r) for r, _ in self.parts)
-
-
-def _name(role) -> str:
-    if isinstance(role, tuple):
-        return f"batch axis {role[1]}"
-    return {"G": "query group", "T": "query", "S": "key"}.get(role, str(role))
 
 
 def _order(role) -> float:

@@ -5,7 +5,6 @@ import os
 # fallback.  Tests of the non-strict behaviour say so explicitly.
 os.environ.setdefault("FLASHPASS_STRICT", "1")
 
-import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
@@ -23,7 +22,3 @@ def pytest_addoption(parser):
 @pytest.fixture
 def rng():
     return np.random.default_rng(0)
-
-
-def normal(rng, shape, dtype=np.float32):
-    return jax.numpy.asarray(rng.standard_normal(shape).astype(np.float32)).astype(dtype)

@@ -350,7 +350,7 @@ def hf_attention_bias(q, k, v, attention_mask):
 POSITIVE["hf_attention_bias"] = (hf_attention_bias, _padded_rows_args)
 
 
-# ---------------------------------------------------------------- structured masks (#18)
+# ---------------------------------------------------------------- structured masks
 #
 # Each becomes an O(T) descriptor (Window, Chunk, Prefix, Segments) instead of
 # a dense mask: tests/test_structured_masks.py checks the descriptors.
@@ -358,6 +358,7 @@ POSITIVE["hf_attention_bias"] = (hf_attention_bias, _padded_rows_args)
 WINDOW = 4  # keys i - 3 .. i
 CHUNK = 4
 PREFIX = 5
+SINK_TOKENS = 2
 
 
 def _positions(n):
@@ -424,6 +425,14 @@ def prefix_lm(q, k, v):
     return jax.nn.softmax(s, -1) @ v
 
 
+def streaming_llm(q, k, v):
+    # StreamingLLM: the first SINK_TOKENS keys always, the rest in a causal window
+    i, j = _positions(q.shape[2])[:, None], _positions(k.shape[2])[None, :]
+    keep = (j < SINK_TOKENS) | ((j <= i) & (j > i - WINDOW))
+    s = jnp.where(keep, q @ k.swapaxes(-1, -2) * 0.3, -jnp.inf)
+    return jax.nn.softmax(s, -1) @ v
+
+
 def packed_segments(q, k, v, segment_ids):
     # MaxText-style packed documents: same segment and causal
     same = segment_ids[:, :, None] == segment_ids[:, None, :]
@@ -470,6 +479,7 @@ STRUCTURED = {
     "window_bidirectional": (window_bidirectional, bnth, ("Window(2, 2)",)),
     "llama4_chunked": (llama4_chunked, bnth, ("Chunk(4)", "Causal(0)")),
     "prefix_lm": (prefix_lm, bnth, ("Prefix(5)",)),
+    "streaming_llm": (streaming_llm, bnth, ("SinkWindow(2, 4)",)),
     "packed_segments": (packed_segments, _segment_args, ("Segments", "Causal(0)")),
     "packed_eos_cumsum": (packed_eos_cumsum, _token_args, ("Segments",)),
 }
@@ -477,7 +487,7 @@ POSITIVE.update({name: (fn, make) for name, (fn, make, _) in STRUCTURED.items()}
 CAUSAL.update({"window_iota", "window_positions_int_min", "llama4_chunked", "packed_segments"})
 
 
-# ---------------------------------------------------------------- newer libraries (issue 20)
+# ---------------------------------------------------------------- newer libraries
 def remasked_conjunction(q, k, v, mask):
     # keras-hub's Gemma: where(m, softmax(where(m, s, -1e9)), 0) with m = padding & causal,
     # split into factors on the scores and re-applied whole to the probabilities
@@ -518,7 +528,7 @@ POSITIVE.update(
 CAUSAL.add("remasked_conjunction")
 
 
-# ---------------------------------------------------------------- regrouped scores (#20)
+# ---------------------------------------------------------------- regrouped scores
 
 
 def gemma_gqa(q, k, v):
@@ -579,7 +589,7 @@ if UNIT_AXIS_MATMUL:
 CAUSAL.update({"gemma_gqa", "gemma_mqa"})
 
 
-# ---------------------------------------------------------------- attention sinks (#18, #20)
+# ---------------------------------------------------------------- attention sinks
 
 
 def attention_sinks(q, k, v, sinks):

@@ -166,7 +166,7 @@ def test_unhashable_static_arguments_say_how_to_fix(qkv):
 
 @pytest.mark.parametrize("spec", [{"static_argnames": "n_heads"}, {"static_argnums": 3}])
 def test_static_arguments_passed_by_keyword(spec, qkv):
-    """Was BUG4: a static parameter that has a position had to be passed
+    """A static parameter that has a position may be passed by keyword or
     positionally.  Either form works (as with ``jax.jit``) and both share one
     cache entry; another value is another entry."""
     opt = flashpass.optimize(with_heads, kernel="reference", **spec)

@@ -1,4 +1,4 @@
-"""Chunked prefill (#17): a chunk of queries appended to a KV cache at per-row
+"""Chunked prefill: a chunk of queries appended to a KV cache at per-row
 offsets, each query seeing the keys up to its own position.
 
 The mask ``k_pos[None, None, :] <= q_pos[:, :, None]`` with ``q_pos =

@@ -416,8 +416,166 @@ def test_exported_from_module_and_vjp():
         np.testing.assert_allclose(round_trip.call(x, y), exp.call(x, y))
 
 
+# --------------------------------------------------------------------------- more entry points
+
+
+def _in_shard_map(body):
+    """``body(x)`` traced inside a one-device ``shard_map`` over axis "x"."""
+    from jax.sharding import Mesh
+    from jax.sharding import PartitionSpec as P
+
+    mesh = Mesh(np.array(jax.devices()[:1]), ("x",))
+    fn = compat.shard_map(
+        body, mesh=mesh, in_specs=(P("x"),), out_specs=P("x"), axis_names={"x"}, check_vma=True
+    )
+    return jax.make_jaxpr(fn)(jnp.ones(4))
+
+
+def test_vary_like_and_vary_over():
+    with uses("jax.lax.pcast(..., to='varying') (varying manual axes)"):
+        seen: dict = {}
+
+        def body(x):
+            zero = jnp.zeros(4)
+            seen["before"] = compat.varying_axes(zero)
+            seen["over"] = compat.varying_axes(compat.vary_over(zero, frozenset({"x"})))
+            seen["like"] = compat.varying_axes(compat.vary_like(zero, x))
+            return x + compat.vary_like(zero, x)
+
+        _in_shard_map(body)
+        assert seen == {"before": frozenset(), "over": {"x"}, "like": {"x"}}
+        assert compat.vary_over(jnp.ones(2), frozenset()).shape == (2,)  # nothing to add
+
+
+def test_without_varying_and_aval_key():
+    with uses("ShapedArray.vma / .mat (varying manual axes of a type)"):
+        seen: dict = {}
+
+        def body(x):
+            seen["aval"] = jax.typeof(x)
+            return x
+
+        _in_shard_map(body)
+        varying = seen["aval"]
+        plain = compat.without_varying(varying)
+        assert plain.shape == varying.shape and plain.dtype == varying.dtype
+        assert compat.aval_key(plain) != compat.aval_key(varying)  # str() alone is equal
+        assert compat.aval_key(compat.without_varying(plain)) == compat.aval_key(plain)
+
+
+def test_axis_env_and_only_axis_effects():
+    with uses("jax._src.core.extend_axis_env_nd / NamedAxisEffect"):
+        with compat.axis_env({"i": 4}):
+            closed = jax.make_jaxpr(lambda x: jax.lax.all_gather(x, "i", tiled=True))(jnp.ones(2))
+        [eqn] = compat.closed_parts(closed)[0].eqns
+        assert eqn.outvars[0].aval.shape == (8,)
+        assert compat.only_axis_effects(eqn.effects) and compat.only_axis_effects(set())
+        printing = jax.make_jaxpr(lambda x: jax.debug.print("{}", x))(1.0)
+        effects = compat.closed_parts(printing)[0].eqns[0].effects
+        assert effects and not compat.only_axis_effects(effects)
+
+
 def test_is_tracer():
     with uses("jax.core.Tracer"):
         seen = []
-        jax.jit(lambda x: seen.append(compat.is_tracer(x)) or x)(1.0)
-        assert seen == [True] and not compat.is_tracer(np.ones(2))
+        jax.make_jaxpr(lambda x: seen.append(compat.is_tracer(x)) or x)(1.0)
+        assert seen == [True] and not compat.is_tracer(jnp.ones(2))
+
+
+def test_threefry2x32():
+    with uses("jax.extend.random.threefry2x32_p"):
+        # Threefry-2x32 (20 rounds), the known-answer test of the Random123 suite.
+        hi, lo = compat.threefry2x32(
+            np.uint32(0x13198A2E), np.uint32(0x03707344),
+            jnp.uint32(0x243F6A88), jnp.uint32(0x85A308D3),
+        )  # fmt: skip
+        assert (int(hi), int(lo)) == (0xC4923A9C, 0x483DF7A0)
+
+
+def test_key_internals():
+    with uses("PRNG key dtypes (._impl.name) and random_wrap params"):
+        key = jax.random.key(3)
+        assert compat.is_key_dtype(key.dtype) and not compat.is_key_dtype(jnp.uint32)
+        assert compat.prng_impl_name(key.dtype) == "threefry2x32"
+        np.testing.assert_array_equal(compat.raw_key_data(key), jax.random.key_data(key))
+        raw = jnp.array([0, 3], jnp.uint32)
+        np.testing.assert_array_equal(compat.raw_key_data(raw), raw)
+        closed = jax.make_jaxpr(jax.random.wrap_key_data)(raw)
+        [eqn] = compat.closed_parts(closed)[0].eqns
+        assert compat.wrap_impl_name(eqn.params) == "threefry2x32"
+        assert compat.threefry_partitionable() is bool(jax.config.jax_threefry_partitionable)
+
+
+def test_traced_with_enters_the_context_in_every_rule():
+    entered = []
+
+    @contextlib.contextmanager
+    def context():
+        entered.append(True)
+        yield
+
+    fn = compat.traced_with(jnp.sin, context)
+    value, grad = jax.value_and_grad(fn)(0.5)
+    assert np.isclose(value, np.sin(0.5)) and np.isclose(grad, np.cos(0.5))
+    assert len(entered) == 2  # the forward rule and the backward rule
+    jax.jit(fn)(0.5)
+    assert len(entered) == 3  # the primal
+    tpu = compat.pallas_tpu_traced(jnp.sin, interpret=False)
+    assert np.isclose(jax.grad(tpu)(0.5), np.cos(0.5))
+
+
+def test_tpu_paged_attention_module():
+    with uses("jax.experimental.pallas.ops.tpu.paged_attention"):
+        module = compat.tpu_paged_attention_module()
+        params = inspect.signature(module.paged_attention).parameters
+        assert {"q", "k_pages", "v_pages", "lengths", "page_indices"} <= set(params), params
+
+
+def test_splash_private_entry_points():
+    with uses("splash_attention_kernel._splash_attention_bwd / ChunkedCausalMask"):
+        from jax.experimental.pallas.ops.tpu.splash_attention import (
+            splash_attention_kernel as sk,
+        )
+
+        names = list(inspect.signature(sk._splash_attention_bwd).parameters)
+        assert names == [
+            "save_residuals",
+            "mask_value",
+            "is_mqa",
+            "block_sizes",
+            "residual_checkpoint_name",
+            "mask_function",
+            "attn_logits_soft_cap",
+            "interpret",
+            "res",
+            "do",
+        ]  # fmt: skip  (the order `compat.splash_backward` passes them in)
+        mask = compat.splash_chunked_causal_mask((8, 8), 4)
+        dense = np.asarray(mask[:, :])
+        assert dense[5, 4] and not dense[5, 3] and not dense[4, 5]
+
+
+def test_pallas_gpu_private_entry_points():
+    with uses("pallas gpu attention mha(return_residuals=...) / _mha_backward"):
+        module = compat.gpu_attention_module()
+        assert "return_residuals" in inspect.signature(module.mha).parameters
+        names = list(inspect.signature(module._mha_backward).parameters)
+        assert names == [
+            "sm_scale",
+            "causal",
+            "block_sizes",
+            "backward_pass_impl",
+            "num_warps",
+            "num_stages",
+            "grid",
+            "interpret",
+            "debug",
+            "return_residuals",
+            "res",
+            "do",
+        ]  # fmt: skip  (the order `compat.gpu_attention_backward` passes them in)
+
+
+def test_tokamax_module():
+    module = compat.tokamax_module()
+    assert module is None or hasattr(module, "dot_product_attention")

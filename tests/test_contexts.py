@@ -1,4 +1,4 @@
-"""The same rewrite in every context of the first call (issue: contexts).
+"""The same rewrite in every context of the first call.
 
 Users call an optimized function as ``jax.jit(opt)(...)``, from inside their
 own ``jit``, ``eval_shape``, ``grad``, ``vmap``, a ``scan`` body,

@@ -1,4 +1,4 @@
-"""Decode steps (#17): per-row kv lengths, the decode path, the cost-based choice.
+"""Decode steps: per-row kv lengths, the decode path, the cost-based choice.
 
 * `KvLengths` is recognised from the ways a KV cache's valid lengths are
   written, with the right shift, and near misses stay dense masks; either way

@@ -1,4 +1,4 @@
-"""Exact attention dropout (issue 16): the rewrite draws the program's own keep-mask.
+"""Exact attention dropout: the rewrite draws the program's own keep-mask.
 
 Under partitionable Threefry a keep-mask tile is a function of the key and the
 flat indices only; the kernels regenerate it per tile, forward and backward.

@@ -11,6 +11,8 @@ version that wrote them.
 
 import pathlib
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -65,3 +67,17 @@ def test_golden_text_has_no_source_info():
     fn, make = spellings.POSITIVE["causal_tril_where"]
     text = golden_text(flashpass.optimize(fn, kernel="blockwise"), *make(np.random.default_rng(0)))
     assert "spellings.py" not in text and "flashpass_blockwise(" in text
+
+
+def test_golden_training_step():
+    """A training step: the site's forward and its backward are both rewritten
+    (one kernel call and its vjp), the gradients read from the kernel's."""
+    fn, make = spellings.POSITIVE["causal_tril_where"]
+    args = make(np.random.default_rng(0))
+
+    def step(q, k, v):
+        return jax.value_and_grad(lambda *a: jnp.sum(fn(*a)), argnums=(0, 1, 2))(q, k, v)
+
+    opt = flashpass.optimize(step, kernel="blockwise")
+    assert [r.passes for r in opt.explain(*args).rewrites] == ["forward+backward"]
+    assert_golden(opt, *args, path=GOLDEN / "training_step.txt")

@@ -14,33 +14,9 @@ import pytest
 
 import flashpass
 from flashpass.kernels import Causal
+from flashpass.testing import assert_same_function
 
 import spellings
-
-
-def _tol(dtype):
-    return (2e-2, 2e-2) if jnp.dtype(dtype) == jnp.bfloat16 else (2e-5, 2e-5)
-
-
-def _check_same_function(fn, opt, args, diff_argnums=(0, 1, 2)):
-    ref = fn(*args)
-    out = opt(*args)
-    assert out.shape == ref.shape and out.dtype == ref.dtype
-    rtol, atol = _tol(ref.dtype)
-    np.testing.assert_allclose(
-        np.asarray(out, np.float32), np.asarray(ref, np.float32), rtol=rtol, atol=atol
-    )
-    ct = jnp.asarray(np.random.default_rng(1).standard_normal(ref.shape), ref.dtype)
-
-    def loss(f):
-        return lambda *a: jnp.sum((f(*a) * ct).astype(jnp.float32))
-
-    g_ref = jax.grad(loss(fn), argnums=diff_argnums)(*args)
-    g_opt = jax.grad(loss(opt), argnums=diff_argnums)(*args)
-    for a, b in zip(g_opt, g_ref, strict=True):
-        np.testing.assert_allclose(
-            np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=rtol * 5, atol=atol * 5
-        )
 
 
 @pytest.mark.parametrize("name", sorted(spellings.POSITIVE))
@@ -56,7 +32,7 @@ def test_spelling_is_rewritten_exactly(name, rng):
     assert rewrite.location and "spellings.py:" in rewrite.location
     assert rewrite.causal == (name in spellings.CAUSAL), rewrite.spec
     diff = tuple(i for i, a in enumerate(args) if jnp.issubdtype(a.dtype, jnp.floating))
-    _check_same_function(fn, opt, args, diff_argnums=diff)
+    assert_same_function(fn, opt, *args, argnums=diff)
 
 
 def test_scale_is_recorded(rng):
@@ -106,7 +82,7 @@ def test_constant_non_causal_mask_is_a_mask(rng):
     opt = flashpass.optimize(fn, kernel="reference")
     report = opt.explain(*args)
     assert report.rewrites[0].causal is False and report.rewrites[0].mask == "boolean"
-    _check_same_function(fn, opt, args)
+    assert_same_function(fn, opt, *args, argnums=(0, 1, 2))
 
 
 def test_weak_fill_causal_mask_keeps_literal_semantics(rng):
@@ -120,7 +96,7 @@ def test_weak_fill_causal_mask_keeps_literal_semantics(rng):
     opt = flashpass.optimize(fn, kernel="reference")
     spec = opt.explain(*args).rewrites[0].spec
     assert not any(op["op"] == "causal" for op in spec["score_ops"])
-    _check_same_function(fn, opt, args)
+    assert_same_function(fn, opt, *args, argnums=(0, 1, 2))
 
 
 def test_causal_spec_roundtrip(rng):
@@ -140,7 +116,7 @@ def test_two_sites_in_one_function(rng):
     args = spellings.bnth(rng)
     opt = flashpass.optimize(two, kernel="reference")
     assert len(opt.explain(*args).rewrites) == 2
-    _check_same_function(two, opt, args)
+    assert_same_function(two, opt, *args, argnums=(0, 1, 2))
 
 
 def test_softcap_after_causal_mask_is_not_skippable(rng):
@@ -155,7 +131,7 @@ def test_softcap_after_causal_mask_is_not_skippable(rng):
     opt = flashpass.optimize(fn, kernel="reference")
     spec = opt.explain(*args).rewrites[0].spec
     assert [op["op"] for op in spec["score_ops"]] == ["mask", "softcap"]
-    _check_same_function(fn, opt, args)
+    assert_same_function(fn, opt, *args, argnums=(0, 1, 2))
 
 
 def test_causal_mask_beyond_the_fold_limit(monkeypatch, rng):
@@ -215,4 +191,4 @@ def test_hf_constant_causal_bias_becomes_causal(rng):
     opt = flashpass.optimize(fn, kernel="reference")
     spec = opt.explain(*args).rewrites[0].spec
     assert [op["op"] for op in spec["score_ops"]] == ["causal"]
-    _check_same_function(fn, opt, args)
+    assert_same_function(fn, opt, *args, argnums=(0, 1, 2))

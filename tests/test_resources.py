@@ -229,8 +229,8 @@ class _SlottedLayer:
 
 @pytest.mark.parametrize("cls", [_Layer, _UnhashableLayer, _ValueEqualLayer])
 def test_decorated_methods_do_not_retain_instances(cls):
-    """Was BUG3: the per-instance cache held its instance (and the instance's
-    arrays) forever.  It holds it weakly and is dropped with it."""
+    """The per-instance cache must not hold its instance (and the instance's
+    arrays) forever: it holds it weakly and is dropped with it."""
     refs = []
     for i in range(5):
         layer = cls(0.1 * (i + 1))
@@ -361,7 +361,7 @@ def _check_decode_memory(shapes, cache_size, b, h, d, s0, ds, limit_mib):
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc, /proc/self/status")
 def test_decode_step_memory_is_bounded_across_shapes():
-    """#17: a served decode step called on new shapes, in a subprocess, with a
+    """A served decode step called on new shapes, in a subprocess, with a
     small cache: resident memory grows well below plain ``jax.jit``'s."""
     _check_decode_memory(12, 2, b=2, h=2, d=16, s0=64, ds=8, limit_mib=64)
 

@@ -1,4 +1,4 @@
-"""Structured masks as O(T) descriptors (#18): windows, chunks, prefix-LM, segment ids.
+"""Structured masks as O(T) descriptors: windows, chunks, prefix-LM, segment ids.
 
 * every spelling of `spellings.STRUCTURED` becomes exactly its descriptors
   (no dense mask), computes the original forward and gradient, and hands the
@@ -29,6 +29,7 @@ import flashpass
 from flashpass import compat
 from flashpass.kernels.blockwise import BlockwiseKernel
 from flashpass.kernels.reference import reference_attention
+from flashpass.ops import KINDS, SinkWindow
 from flashpass.spec import (
     AttentionSpec,
     Bias,
@@ -48,6 +49,9 @@ from spellings import bnth
 _IDS = {"index", "q_index", "kv_index", "fill", "shape", "same"}
 
 
+_NAMES = {kind.__name__.lower(): kind.__name__ for kind in KINDS}
+
+
 def _described(spec: dict) -> list[str]:
     """``Window(3, None)``-style names of a reported spec's non-scale ops."""
     out = []
@@ -55,7 +59,7 @@ def _described(spec: dict) -> list[str]:
         if op["op"] == "scale":
             continue
         args = [str(v) for k, v in op.items() if k != "op" and k not in _IDS]
-        name = op["op"].capitalize() if op["op"] != "kvlengths" else "KvLengths"
+        name = _NAMES[op["op"]]
         out.append(f"{name}({', '.join(args)})" if args else name)
     return out
 
@@ -96,8 +100,9 @@ def test_spelling_becomes_descriptors(name, rng):
     got = _described(report.rewrites[0].spec)
     assert sorted(got) == sorted(want), got
     # The report's mask column names the descriptors, in a fixed order.
-    words = [w for w in ("Causal", "Window", "Chunk", "Prefix", "Segments") if w in str(want)]
-    assert report.rewrites[0].mask == "+".join(w.lower() for w in words)
+    named = {w.split("(")[0] for w in want}
+    words = [kind.word for kind in KINDS if kind.__name__ in named]
+    assert report.rewrites[0].mask == "+".join(words)
     # No T x S kernel input: nothing but q/k/v has two sequence-long axes.
     t = spellings.T
     for shape in _kernel_inputs(opt.rewritten_jaxpr(*args)):
@@ -167,6 +172,38 @@ def _prefix_shifted(q, k, v):
     return jax.nn.softmax(jnp.where(keep, q @ k.swapaxes(-1, -2), -1e9), -1) @ v
 
 
+def _sink_window_flipped(q, k, v):
+    # ``j > n``: the keys after the sinks, not the sinks
+    pos = jnp.arange(q.shape[2])
+    i, j = pos[:, None], pos[None, :]
+    keep = (j > 2) | ((j <= i) & (j > i - 4))
+    return jax.nn.softmax(jnp.where(keep, q @ k.swapaxes(-1, -2), -1e9), -1) @ v
+
+
+def _sink_window_anticausal(q, k, v):
+    # the window looks ahead (``j >= i``): not StreamingLLM's causal window
+    pos = jnp.arange(q.shape[2])
+    i, j = pos[:, None], pos[None, :]
+    keep = (j < 2) | ((j >= i) & (j < i + 4))
+    return jax.nn.softmax(jnp.where(keep, q @ k.swapaxes(-1, -2), -1e9), -1) @ v
+
+
+def _sink_window_on_queries(q, k, v):
+    # the first queries see everything: a bound on i, not on the keys
+    pos = jnp.arange(q.shape[2])
+    i, j = pos[:, None], pos[None, :]
+    keep = (i < 2) | ((j <= i) & (j > i - 4))
+    return jax.nn.softmax(jnp.where(keep, q @ k.swapaxes(-1, -2), -1e9), -1) @ v
+
+
+def _sink_window_shifted(q, k, v):
+    # a causal edge one past the diagonal: not the op as defined
+    pos = jnp.arange(q.shape[2])
+    i, j = pos[:, None], pos[None, :]
+    keep = (j < 2) | ((j <= i + 1) & (j > i - 4))
+    return jax.nn.softmax(jnp.where(keep, q @ k.swapaxes(-1, -2), -1e9), -1) @ v
+
+
 MAXTEXT_FILL = -0.7 * float(np.finfo(np.float32).max)
 
 
@@ -213,6 +250,10 @@ NEAR_MISSES = {
     "segments_float": (_segments_float, _with_ids, ["Mask"]),
     "chunk_mismatched": (_chunk_mismatched, bnth, ["Segments"]),
     "prefix_shifted": (_prefix_shifted, bnth, ["Mask"]),
+    "sink_window_flipped": (_sink_window_flipped, bnth, ["Mask"]),
+    "sink_window_anticausal": (_sink_window_anticausal, bnth, ["Mask"]),
+    "sink_window_on_queries": (_sink_window_on_queries, bnth, ["Mask"]),
+    "sink_window_shifted": (_sink_window_shifted, bnth, ["Mask"]),
     "additive_ids_inverted": (_additive_ids_inverted, _with_ids, ["Mask"]),
     "additive_ids_traced_threshold": (
         _additive_ids_traced_threshold,
@@ -282,6 +323,10 @@ KERNEL_CASES = {
     "segments_inf": lambda t, s: [Segments(0, 1, -math.inf)],
     "segments_softcap": lambda t, s: [Segments(0, 1, -1e9), Softcap(5.0)],
     "window_then_softcap": lambda t, s: [Window(3, None, -1e9), Causal(0, -1e9), Softcap(3.0)],
+    # (40 rows in tiles of 8: the later query blocks visit the sink tile, skip a gap.)
+    "sink_window": lambda t, s: [Scale(0.3), SinkWindow(3, 6, -1e9)],
+    "sink_window_inf": lambda t, s: [SinkWindow(3, 6, -math.inf)],
+    "sink_window_softcap": lambda t, s: [SinkWindow(10, 5, -1e9), Softcap(3.0)],
 }
 
 
@@ -324,6 +369,13 @@ def test_blockwise_skips_what_descriptors_exclude():
     assert causal.tiles_computed() == 16 * 17 // 2
     assert window.tiles_computed() == 16 + 15  # the diagonal tile and the one before
     assert chunk.tiles_computed() == 8 * 3  # per chunk: 2 diagonal tiles, 1 full
+    # Sink tokens and a window: the sink tile, then the window's two tiles;
+    # the tiles between are skipped (from query block 3 on).
+    sinks = kernel.plan(_spec(t, s, [SinkWindow(4, 128, -math.inf)]))
+    assert sinks.tiles_computed() == 1 + 2 + 3 + 13 * 3
+    assert sinks.khead == (0, 0, 0) + (1,) * 13
+    assert sinks.kstart[3:] == tuple(range(2, 15)) and sinks.kend[3:] == tuple(range(4, 17))
+    assert sinks.qstart[0] == 0 and sinks.qend[0] == 16  # every query sees the sinks
     # Window tiles entirely inside the band run without a mask.
     plan = kernel.plan(_spec(t, s, [Window(300, 300, -math.inf)]))
     assert any(e > f for f, e in zip(plan.kfs, plan.kfull, strict=True))

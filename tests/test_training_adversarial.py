@@ -1,4 +1,4 @@
-"""Adversarial soundness tests for training steps (#15): programs a user could write.
+"""Adversarial soundness tests for training steps: programs a user could write.
 
 Every case compares ``jax.jit(optimize(f, kernel="blockwise"))`` against
 ``jax.jit(f)`` (forward values and gradients) and checks the report:

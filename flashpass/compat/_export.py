@@ -127,11 +127,6 @@ def func_dialect():
     return func
 
 
-def is_tracer(x) -> bool:
-    """Whether ``x`` is a JAX tracer (a value of the program being traced)."""
-    return isinstance(x, jax.core.Tracer)
-
-
 def ir_element_type(dtype):
     """The MLIR element type of a numpy/JAX dtype (must be called inside a context)."""
     from jax._src.interpreters import mlir as jax_mlir

@@ -44,6 +44,11 @@ def is_literal(atom) -> bool:
     return isinstance(atom, _core.Literal)
 
 
+def is_tracer(x) -> bool:
+    """Whether ``x`` is a tracer of some JAX trace (``jax.core.Tracer``)."""
+    return isinstance(x, jax.core.Tracer)
+
+
 def literal_value(atom):
     return atom.val
 

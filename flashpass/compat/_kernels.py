@@ -65,23 +65,7 @@ def pallas_tpu_traced(fn, *, interpret: bool = False):
     here in the primal, forward and backward rules.  ``fn`` takes and returns
     arrays only; the wrapper has reverse-mode AD only.
     """
-
-    @jax.custom_vjp
-    def call(*args):
-        with pallas_tpu_context(interpret):
-            return fn(*args)
-
-    def fwd(*args):
-        with pallas_tpu_context(interpret):
-            out, vjp = jax.vjp(fn, *args)
-        return out, vjp  # `vjp` is a pytree of residual arrays (a tree_util.Partial).
-
-    def bwd(vjp, cotangent):
-        with pallas_tpu_context(interpret):
-            return vjp(cotangent)
-
-    call.defvjp(fwd, bwd)
-    return call
+    return traced_with(fn, lambda: pallas_tpu_context(interpret))
 
 
 def lower_for_tpu(fn, *args) -> str:
@@ -139,7 +123,7 @@ def parse_stablehlo(text: str):
     return ir.Module.parse(text, context=context)
 
 
-# --- kernel adapters (issue 4)
+# --- kernel adapters
 
 
 @functools.cache

@@ -8,7 +8,7 @@ import jax
 
 from ._jaxpr import _siu, bind_equation, get_aval  # noqa: F401
 
-# --- sharding (issue 6)
+# --- sharding
 
 #: Primitives that only change a value's type (its varying manual axes inside
 #: ``shard_map``), never its value: constant folding looks through them.
@@ -97,10 +97,15 @@ def vary_like(x, *refs):
     """``x`` typed as varying over every manual mesh axis one of ``refs`` varies
     over (``lax.pcast(..., to="varying")``): a loop's zero accumulators must
     have the type of what the loop adds to them under ``check_vma``."""
-    axes = frozenset().union(*(varying_axes(r) for r in refs)) - varying_axes(x)
-    if not axes:
+    return vary_over(x, frozenset().union(*(varying_axes(r) for r in refs)))
+
+
+def vary_over(x, axes: frozenset):
+    """``x`` typed as varying over the manual mesh ``axes`` too."""
+    missing = tuple(sorted(frozenset(axes) - varying_axes(x)))
+    if not missing:
         return x
-    return jax.lax.pcast(x, tuple(sorted(axes)), to="varying")
+    return jax.lax.pcast(x, missing, to="varying")
 
 
 @contextlib.contextmanager

@@ -1,7 +1,7 @@
 """Which tiles the blockwise kernel visits: bounds from the structured score ops.
 
-The structured ops (`flashpass.spec.STRUCTURED`: causal, window, chunk,
-prefix, segment ids) exclude keys by position or segment.  Where they form one
+The structured ops (`ScoreOp.structured`: causal, window, chunk, prefix,
+segment ids) exclude keys by position or segment.  Where they form one
 run of ops with one fill, followed only by Scale/Softcap (`skip_run`), every
 excluded key ends with the same score ``c``, so a tile they exclude entirely
 need not be computed: its keys are folded in by a closed form (a no-op when
@@ -12,9 +12,11 @@ exactly, by interval arithmetic on the tile's row and column ranges: empty,
 partial (element masks needed) or full (the static ops keep every entry).
 Per query block the visited key tiles are one range, and so are the full ones
 (each op's kept keys per row are one interval whose ends grow with the row),
-and likewise per key block.  Segment ids are data: tiles in the visited range
-are skipped at run time when their query and key id ranges are disjoint, and
-run without the element mask when all their ids are one (`segments_case`).
+and likewise per key block; an op keeping a fixed first range of keys too
+(sink tokens) adds a head of key tiles from 0 before a query block's range.
+Segment ids are data: tiles in the visited range are skipped at run time
+when their query and key id ranges are disjoint, and run without the element
+mask when all their ids are one (`segments_case`).
 """
 
 from __future__ import annotations
@@ -24,19 +26,7 @@ import math
 import jax.numpy as jnp
 import numpy as np
 
-from flashpass.spec import (
-    STRUCTURED,
-    AttentionSpec,
-    Causal,
-    Chunk,
-    Dropout,
-    Prefix,
-    Scale,
-    Segments,
-    Sink,
-    Softcap,
-    Window,
-)
+from flashpass.spec import AttentionSpec, Segments
 
 
 def skip_run(spec: AttentionSpec) -> tuple[int, int] | None:
@@ -45,13 +35,13 @@ def skip_run(spec: AttentionSpec) -> tuple[int, int] | None:
     Scale/Softcap (or the non-score Dropout/Sink) after it (so every excluded
     key ends with one score)."""
     ops = spec.score_ops
-    at = [i for i, op in enumerate(ops) if isinstance(op, STRUCTURED)]
+    at = [i for i, op in enumerate(ops) if op.structured]
     if not at:
         return None
     first, last = at[0], at[-1]
     if last - first + 1 != len(at) or len({ops[i].fill for i in at}) != 1:
         return None
-    if not all(isinstance(op, Scale | Softcap | Dropout | Sink) for op in ops[last + 1 :]):
+    if not all(op.uniform for op in ops[last + 1 :]):
         return None
     c = spec.final_fill(last, ops[last].fill)
     if not (math.isfinite(c) or c == -math.inf):
@@ -63,28 +53,6 @@ def skip_run(spec: AttentionSpec) -> tuple[int, int] | None:
     return first, last
 
 
-def _op_state(op, r0, r1, c0, c1):
-    """(empty, full) boolean grids of one static op for tiles with real rows
-    ``[r0, r1]`` and keys ``[c0, c1]`` (broadcast numpy arrays)."""
-    if isinstance(op, Causal):
-        return c0 > r1 + op.offset, c1 <= r0 + op.offset
-    if isinstance(op, Window):
-        empty = c1 < r0 - op.left
-        full = c0 >= r1 - op.left
-        if op.right is not None:
-            empty = empty | (c0 > r1 + op.right)
-            full = full & (c1 <= r0 + op.right)
-        return empty, full
-    if isinstance(op, Chunk):
-        n = op.size
-        empty = (c1 // n < r0 // n) | (c0 // n > r1 // n)
-        full = (r0 // n == r1 // n) & (c0 // n == c1 // n) & (r0 // n == c0 // n)
-        return empty, full
-    if isinstance(op, Prefix):
-        return (c0 > r1) & (c0 >= op.length), (c1 <= r0) | (c1 < op.length)
-    raise TypeError(f"not a static structured op: {op!r}")
-
-
 def tile_table(static_ops, T: int, S: int, bq: int, bk: int, nq: int, nk: int):
     """``(empty, full)`` boolean ``[nq, nk]`` tables for ``static_ops``."""
     iq = np.arange(nq)[:, None]
@@ -94,16 +62,29 @@ def tile_table(static_ops, T: int, S: int, bq: int, bk: int, nq: int, nk: int):
     empty = np.zeros((nq, nk), bool)
     full = np.ones((nq, nk), bool)
     for op in static_ops:
-        e, f = _op_state(op, r0, r1, c0, c1)
+        e, f = op.tile_state(r0, r1, c0, c1)
         empty |= e
         full &= f
     return empty, full & ~empty
 
 
-def ranges(visited: np.ndarray, full: np.ndarray) -> tuple[int, int, int, int]:
+def ranges(visited: np.ndarray, full: np.ndarray, head: bool = False):
     """``(start, full_start, full_end, end)`` of one row of a tile table: tiles
-    ``[start, end)`` are visited, ``[full_start, full_end)`` of them full."""
+    ``[start, end)`` are visited, ``[full_start, full_end)`` of them full.
+    With ``head``, ``(head, start, ...)``: visited tiles in two runs, the
+    first from tile 0 (sink keys before a band), give tiles ``[0, head)``
+    (all edge tiles) and the second run; else ``head`` is 0."""
     idx = np.flatnonzero(visited)
+    first = 0
+    gaps = np.flatnonzero(np.diff(idx) > 1)
+    if head and gaps.size == 1 and idx[0] == 0:
+        first = int(idx[gaps[0]]) + 1
+        idx = idx[gaps[0] + 1 :]
+    found = _run(idx, full)
+    return (first, *found) if head else found
+
+
+def _run(idx: np.ndarray, full: np.ndarray) -> tuple[int, int, int, int]:
     if idx.size == 0:
         return 0, 0, 0, 0
     start, end = int(idx[0]), int(idx[-1]) + 1

@@ -28,9 +28,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from flashpass.ops import valid_lengths
 from flashpass.spec import AttentionSpec, Bias, Causal, KvLengths, Scale, Softcap, excludes
 
-from ..reference import kv_valid_lengths
 from . import flash
 from .cost import DECODE_DENSE_FRACTION, DECODE_MAX_Q
 from .plan import Plan, Plans, make_plan
@@ -103,7 +103,7 @@ def forward(dp: DecodePlan, q, k, v, extras):
     rows = spec.groups * spec.q_len
     q_rows = scaled_q(plan, q_tile(plan, grouped(plan, q), 0))  # [B, Hkv, G*T, D]
     ex5 = [extra5(spec, x, spec.q_len, S) for x in extras]
-    n = kv_valid_lengths(dp.lengths, extras[dp.lengths.index].reshape(-1), S)
+    n = valid_lengths(dp.lengths, extras[dp.lengths.index].reshape(-1), S)
     n = jnp.broadcast_to(n, (B,))
     # Chunks each row visits; a row with no valid key visits all (see module doc).
     chunks = jnp.where(n > 0, (n + bk - 1) // bk, nk)

@@ -23,7 +23,6 @@ from .. import _util
 from ..dropout import apply_dropout, keep_mask
 from ..reference import sink_cotangent
 from . import heads
-from .bounds import segments_case
 from .plan import Plan, Plans
 from .tiles import (
     add_at,
@@ -40,9 +39,11 @@ from .tiles import (
     q_tile,
     row_pos,
     scaled_q,
+    segmented,
     skipped_score_of,
     slice_s,
     slice_t,
+    tile_runs,
     tile_score_fn,
 )
 
@@ -136,35 +137,33 @@ def forward(plan: Plan, q, k, v, extras):
             n = jnp.asarray(jnp.minimum(bk, spec.kv_len - ik * bk)).astype(cdt)
             return fold(state, n, lax.dynamic_slice_in_dim(vblocks, ik, 1, axis=2))
 
-        def segmented(edge):
-            # Tiles whose query and key segment ids cannot meet are skipped at
-            # run time (their keys score c: folded in when c is finite), and
-            # tiles inside one segment run without the segment mask.
-            if plan.segments is None:
-                return kv_body(edge)
-            op = plan.segments
-            qids = ex_q[op.q_index]
-            branches = (skipped, kv_body(edge), kv_body(edge, one_segment=True))
-
-            def run(ik, state):
-                kids = slice_s(ex_q[op.kv_index], ik * bk, bk)
-                return lax.switch(segments_case(qids, kids), branches, ik, state)
-
-            return run
-
-        kstart, kfs = bound(plan.kstart, iq), bound(plan.kfs, iq)
-        kfull, kend = bound(plan.kfull, iq), bound(plan.kend, iq)
-        state = loop(kstart, kfs, segmented(True), state)
-        state = loop(kfs, kfull, segmented(False), state)
-        m, den, acc = loop(kfull, kend, segmented(True), state)
+        # Tiles whose query and key segment ids cannot meet are skipped at run
+        # time (their keys score c: folded in when c is finite), and tiles
+        # inside one segment run without the segment mask.
+        op = plan.segments
+        run = segmented(
+            plan,
+            kv_body,
+            skipped,
+            lambda ik: (ex_q[op.q_index], slice_s(ex_q[op.kv_index], ik * bk, bk)),
+        )
+        table = ("kstart", "kfs", "kfull", "kend")
+        m, den, acc = tile_runs(plan, table, iq, run, state, head="khead")
+        kstart, kend = bound(plan.kstart, iq), bound(plan.kend, iq)
         if plan.skipped_score is not None:
-            # The keys outside [kstart, kend) blocks: a prefix and a suffix.
+            # The keys outside the visited blocks: a suffix, and a prefix (or
+            # the gap after a head, `Plan.khead`).
             first, last = bound(plan.kstart_key, iq), bound(plan.kend_key, iq)
-            n = jnp.asarray(spec.kv_len - (last - first)).astype(cdt)
+            n = spec.kv_len - (last - first)
             vsum = lax.dynamic_slice_in_dim(vsuffix, kend, 1, axis=2)
             if any(plan.kstart):
-                before = vsuffix[:, :, :1] - lax.dynamic_slice_in_dim(vsuffix, kstart, 1, axis=2)
+                head = vsuffix[:, :, :1]
+                if plan.khead:
+                    n = n - bound(plan.khead_key, iq)
+                    head = lax.dynamic_slice_in_dim(vsuffix, bound(plan.khead, iq), 1, axis=2)
+                before = head - lax.dynamic_slice_in_dim(vsuffix, kstart, 1, axis=2)
                 vsum = vsum + before
+            n = jnp.asarray(n).astype(cdt)
             m, den, acc = fold((m, den, acc), n, vsum)
         out_t = (acc / den[..., None]).astype(spec.out_dtype)
         out = put_q_tile(plan, out, out_t, iq)
@@ -279,36 +278,26 @@ def backward(plan: Plan, q, k, v, extras, out, m, den, dout, wanted):
             dbias,
         )
 
-        def segmented(edge):
-            # As in the forward: tiles whose segment ids cannot meet are skipped
-            # (with a finite c their keys still get dV from the rows' weights),
-            # tiles inside one segment run without its mask.
-            if plan.segments is None:
-                return q_body(edge)
-            op = plan.segments
-            kids = ex_k[op.kv_index]
+        # As in the forward: tiles whose segment ids cannot meet are skipped
+        # (with a finite c their keys still get dV from the rows' weights),
+        # tiles inside one segment run without its mask.
+        def skipped(iq, state):
+            if not finite_c:
+                return state
+            dqt, dk_t, dv_t, dbias = state
+            w = jnp.exp(c - q_tile(plan, m, iq, -1)).astype(p_dtype).astype(cdt)
+            dv_rows = jnp.einsum("bht,bhtd->bhd", w, q_tile(plan, do_n, iq))
+            return dqt, dk_t, dv_t + dv_rows[:, :, None], dbias
 
-            def skipped(iq, state):
-                if not finite_c:
-                    return state
-                dqt, dk_t, dv_t, dbias = state
-                w = jnp.exp(c - q_tile(plan, m, iq, -1)).astype(p_dtype).astype(cdt)
-                dv_rows = jnp.einsum("bht,bhtd->bhd", w, q_tile(plan, do_n, iq))
-                return dqt, dk_t, dv_t + dv_rows[:, :, None], dbias
-
-            branches = (skipped, q_body(edge), q_body(edge, one_segment=True))
-
-            def run(iq, state):
-                qids = slice_t(ex_k[op.q_index], iq * bq, bq)
-                return lax.switch(segments_case(qids, kids), branches, iq, state)
-
-            return run
-
-        qstart, qfull = bound(plan.qstart, ik), bound(plan.qfull, ik)
-        qfe, qend = bound(plan.qfe, ik), bound(plan.qend, ik)
-        state = loop(qstart, qfull, segmented(True), state)
-        state = loop(qfull, qfe, segmented(False), state)
-        dqt, dk_t, dv_t, dbias = loop(qfe, qend, segmented(True), state)
+        op = plan.segments
+        run = segmented(
+            plan,
+            q_body,
+            skipped,
+            lambda iq: (slice_t(ex_k[op.q_index], iq * bq, bq), ex_k[op.kv_index]),
+        )
+        table = ("qstart", "qfull", "qfe", "qend")
+        dqt, dk_t, dv_t, dbias = tile_runs(plan, table, ik, run, state)
         dk = lax.dynamic_update_slice_in_dim(dk, dk_t, ik * bk, axis=2)
         dv = lax.dynamic_update_slice_in_dim(dv, dv_t, ik * bk, axis=2)
         return dqt, dk, dv, dbias
@@ -337,8 +326,9 @@ def backward(plan: Plan, q, k, v, extras, out, m, den, dout, wanted):
 def _skipped_dv(plan: Plan, m, inv_den, do5):
     """dV from skipped keys: every skipped key j of query row i has weight
     exp(c - m_i) / l_i, so dv[j] sums the weighted dO of every row whose block
-    skips j.  Query block iq skips the key blocks [kend[iq], nk): the sum is one
-    per key block, a static 0/1 matrix times the per-query-block sums."""
+    skips j.  Query block iq skips the key blocks outside [0, khead[iq]) and
+    [kstart[iq], kend[iq]): the sum is one per key block, a static 0/1 matrix
+    times the per-query-block sums."""
     spec, cdt = plan.spec, plan.cdt
     B, Hkv, G, Dv = spec.batch, spec.kv_heads, spec.groups, spec.v_head_dim
     c = skipped_score_of(plan, cdt)
@@ -346,8 +336,10 @@ def _skipped_dv(plan: Plan, m, inv_den, do5):
     w = w.reshape(B, Hkv, G, plan.nq, plan.bq)
     do = do5.astype(cdt).reshape(B, Hkv, G, plan.nq, plan.bq, Dv)
     per_block = jnp.einsum("bhgqt,bhgqtd->bhqd", w, do)
-    ends = list(zip(plan.kstart, plan.kend, strict=True))
-    skips = np.array([[float(not s <= jb < e) for s, e in ends] for jb in range(plan.nk)], cdt)
+    heads = plan.khead or (0,) * plan.nq
+    ends = list(zip(heads, plan.kstart, plan.kend, strict=True))
+    skips = [[float(not (jb < h or s <= jb < e)) for h, s, e in ends] for jb in range(plan.nk)]
+    skips = np.array(skips, cdt)
     per_key_block = jnp.einsum("jq,bhqd->bhjd", skips, per_block)
     dv = jnp.broadcast_to(per_key_block[:, :, :, None], (B, Hkv, plan.nk, plan.bk, Dv))
     return dv.reshape(B, Hkv, plan.nk * plan.bk, Dv)[:, :, : spec.kv_len]

@@ -13,21 +13,8 @@ import math
 import jax.numpy as jnp
 import numpy as np
 
-from flashpass.spec import (
-    STRUCTURED,
-    AttentionSpec,
-    Bias,
-    Causal,
-    Chunk,
-    Dropout,
-    KvLengths,
-    Mask,
-    Scale,
-    Segments,
-    Sink,
-    Softcap,
-    Window,
-)
+from flashpass.ops import KINDS, Positional, Scale
+from flashpass.spec import AttentionSpec
 
 from .. import _util
 from . import bounds
@@ -61,8 +48,6 @@ HEAD_LOOP_MIN_CAUSAL_LEN = 8192
 #: 1024-wide tiles (W=512 at S=8192: 128 x 128 tiles run 3x faster than the
 #: default, smaller ones lose to loop overhead; docs/benchmarks.md, "Masks").
 BAND_TILES, MIN_BAND_BLOCK = 4, 64
-
-_KNOWN_OPS = (Scale, Bias, Mask, Softcap, KvLengths, Dropout, Sink, *STRUCTURED)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,6 +138,10 @@ class Plan:
     skip_at: int | None = None
     segments: object = None
     segment_score: float | None = None
+    # Per query block, key tiles [0, khead) visited (as edge tiles) before
+    # [kstart, kend) when the tiles between are skipped (sink tokens before a
+    # window, `bounds.ranges`); empty when no block has such a head.
+    khead: tuple[int, ...] = ()
 
     @property
     def padded_k(self) -> bool:
@@ -168,10 +157,15 @@ class Plan:
         """First visited key position per query block."""
         return tuple(min(e * self.bk, self.spec.kv_len) for e in self.kstart)
 
+    @property
+    def khead_key(self) -> tuple[int, ...]:
+        """Keys visited before each query block's range (0 without a head)."""
+        return tuple(min(h * self.bk, self.spec.kv_len) for h in self.khead or (0,) * self.nq)
+
     def tiles_computed(self) -> int:
         """Number of (query tile, key tile) pairs the forward computes (at most:
         segment ids skip more at run time)."""
-        return sum(self.kend) - sum(self.kstart)
+        return sum(self.kend) - sum(self.kstart) + sum(self.khead)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -205,6 +199,7 @@ def default_blocks(
     the budget (at most `MAX_INNER_BLOCK`).  Many heads shrink the inner block,
     then the outer one, to `MIN_BLOCK`.
     """
+    require_known(spec)
     heads = spec.batch * spec.heads
     inner = min(_pow2_floor(TILE_ELEMENTS // (heads * outer)), MAX_INNER_BLOCK)
     if inner < MIN_BLOCK:
@@ -217,6 +212,13 @@ def default_blocks(
     return (inner, outer) if backward else (outer, inner)
 
 
+def require_known(spec: AttentionSpec) -> None:
+    """Raise TypeError for a score op that is none of `flashpass.ops.KINDS`."""
+    for op in spec.score_ops:
+        if not isinstance(op, KINDS):
+            raise TypeError(f"unknown score op {op!r}: the blockwise kernel does not implement it")
+
+
 def band_width(spec: AttentionSpec) -> int | None:
     """Most keys a query row keeps under the skippable window and chunk ops
     (`bounds.skip_run`), or None when they do not bound it (no such op, or a
@@ -224,24 +226,23 @@ def band_width(spec: AttentionSpec) -> int | None:
     run = bounds.skip_run(spec)
     if run is None:
         return None
+    # Each op's band of row 0 (`Positional.band`); an edge it leaves open is
+    # the nearest one an op bounding only that side gives (a causal edge).
     ops = spec.score_ops[run[0] : run[1] + 1]
-    causal = [op.offset for op in ops if isinstance(op, Causal)]
+    bands = [op.band(0) for op in ops if isinstance(op, Positional)]
+    bands = [b for b in bands if b is not None]
+    right = min((hi for lo, hi in bands if lo is None and hi is not None), default=None)
     widths = []
-    for op in ops:
-        if isinstance(op, Chunk):
-            widths.append(op.size)
-        elif isinstance(op, Window):
-            right = op.right if op.right is not None else min(causal, default=None)
-            if right is not None:
-                widths.append(op.left + right + 1)
+    for lo, hi in bands:
+        hi = right if hi is None else hi
+        if lo is not None and hi is not None:
+            widths.append(hi - lo)
     return min(widths, default=None)
 
 
 def make_plan(spec: AttentionSpec, block_q: int, block_k: int) -> Plan:
     """Tile sizes and the per-tile work lists for ``spec``."""
-    for op in spec.score_ops:
-        if not isinstance(op, _KNOWN_OPS):
-            raise TypeError(f"unknown score op {op!r}: the blockwise kernel does not implement it")
+    require_known(spec)
     T, S = spec.q_len, spec.kv_len
     bq, nq = split(T, block_q)
     bk, nk = split(S, block_k)
@@ -253,16 +254,16 @@ def make_plan(spec: AttentionSpec, block_q: int, block_k: int) -> Plan:
     ops = spec.score_ops
     run = bounds.skip_run(spec)
     skipped = ops[run[0] : run[1] + 1] if run is not None else ()
-    static = tuple(op for op in skipped if not isinstance(op, Segments))
+    static = tuple(op for op in skipped if isinstance(op, Positional))
     c = spec.final_fill(run[1], ops[run[1]].fill) if run is not None else None
     empty, full = bounds.tile_table(static, T, S, bq, bk, nq, nk)
     if padded:
         full[:, -1] = False  # the padded tile always needs the `where`
-    rows = [bounds.ranges(~empty[iq], full[iq]) for iq in range(nq)]
+    rows = [bounds.ranges(~empty[iq], full[iq], head=True) for iq in range(nq)]
     cols = [bounds.ranges(~empty[:, ik], full[:, ik]) for ik in range(nk)]
-    kstart, kfs, kfull, kend = (tuple(r[n] for r in rows) for n in range(4))
+    khead, kstart, kfs, kfull, kend = (tuple(r[n] for r in rows) for n in range(5))
     qstart, qfull, qfe, qend = (tuple(r[n] for r in cols) for n in range(4))
-    skips = any(e - s < nk for s, e in zip(kstart, kend, strict=True))
+    skips = any(h + e - s < nk for h, s, e in zip(khead, kstart, kend, strict=True))
     skipped_score = c if skips and c is not None and math.isfinite(c) else None
     segments = bounds.segment_ops(spec, run)
 
@@ -300,6 +301,7 @@ def make_plan(spec: AttentionSpec, block_q: int, block_k: int) -> Plan:
         kfs=kfs,
         qfe=qfe,
         qend=qend,
+        khead=khead if any(khead) else (),
         skip_at=run[1] if run is not None else None,
         segments=segments,
         segment_score=c if segments is not None else None,

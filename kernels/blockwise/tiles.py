@@ -15,9 +15,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from flashpass.ops import valid_lengths
 from flashpass.spec import AttentionSpec, Bias, KvLengths, Mask
 
-from ..reference import apply_score_ops, kv_valid_lengths
+from ..reference import apply_score_ops
+from .bounds import segments_case
 from .plan import Plan
 
 # --------------------------------------------------------------------------- loops
@@ -41,6 +43,40 @@ def loop(lo, hi, body, state):
         if hi == lo + 1:
             return body(lo, state)
     return lax.fori_loop(lo, hi, body, state)
+
+
+def tile_runs(plan, table, i, run, state, head=None):
+    """Run one block's row of the tile table: ``table`` names the plan's
+    ``(start, full_start, full_end, end)`` fields, and `loop` runs
+    ``run(True)`` (edge tiles) over ``[start, full_start)`` and
+    ``[full_end, end)``, ``run(False)`` over the full tiles between; with
+    ``head`` (a field) edge tiles ``[0, head)`` first."""
+    start, full_start, full_end, end = (bound(getattr(plan, name), i) for name in table)
+    if head is not None and any(getattr(plan, head)):
+        state = loop(0, bound(getattr(plan, head), i), run(True), state)
+    state = loop(start, full_start, run(True), state)
+    state = loop(full_start, full_end, run(False), state)
+    return loop(full_end, end, run(True), state)
+
+
+def segmented(plan, body, skipped, ids):
+    """``run(edge)`` for `tile_runs`: ``body(edge)`` per tile, or with segment
+    ids (``plan.segments``) a run-time switch per tile (`segments_case` of
+    ``ids(i)``, the tile's query and key ids): ``skipped`` when they cannot
+    meet, ``body(edge)``, or ``body(edge, one_segment=True)`` inside one
+    segment (the segment mask left out)."""
+
+    def run(edge):
+        if plan.segments is None:
+            return body(edge)
+        branches = (skipped, body(edge), body(edge, one_segment=True))
+
+        def step(i, state):
+            return lax.switch(segments_case(*ids(i)), branches, i, state)
+
+        return step
+
+    return run
 
 
 # --------------------------------------------------------------------------- layout
@@ -159,7 +195,7 @@ def tile_score_fn(
     def f(s, biases):
         ex = [extra_rows(plan, biases.get(i, x)) for i, x in enumerate(ex_tile)]
         for i, op in lengths.items():
-            n = kv_valid_lengths(op, ex[i], spec.kv_len)
+            n = valid_lengths(op, ex[i], spec.kv_len)
             ex[i] = k_pos[None, :] < n  # [.., 1, bk]: transposed with the others below
         if transposed:
             ex = [jnp.swapaxes(x, -1, -2) for x in ex]

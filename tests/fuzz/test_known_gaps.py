@@ -47,7 +47,7 @@ def _assert_rewritten(fn, *args):
 
 
 def test_softmax_in_bfloat16_with_a_float32_sum():
-    # Formerly G1: jnp.sum of bfloat16 accumulates in float32 (exp -> convert ->
+    # jnp.sum of bfloat16 accumulates in float32 (exp -> convert ->
     # reduce_sum -> convert back); the sum is recognised through the casts.
     def fn(q, k, v):
         return jax.nn.softmax(q @ jnp.swapaxes(k, -1, -2), axis=-1) @ v
@@ -67,7 +67,7 @@ def test_softmax_in_bfloat16_with_a_float32_sum():
 
 
 def test_log_softmax_in_bfloat16():
-    # Formerly G1: the float32 sum is cast back to bfloat16 before the log.
+    # The float32 sum is cast back to bfloat16 before the log.
     def fn(q, k, v):
         return jnp.exp(jax.nn.log_softmax(q @ jnp.swapaxes(k, -1, -2), axis=-1)) @ v
 
@@ -75,7 +75,6 @@ def test_log_softmax_in_bfloat16():
 
 
 def test_weak_typed_inputs():
-    # Formerly G1.
     # jnp.full(shape, 0.5) is weak-typed: jnp inserts weak->strong converts after exp
     def fn(q, k, v):
         e = jnp.exp(q @ jnp.swapaxes(k, -1, -2))
@@ -87,7 +86,6 @@ def test_weak_typed_inputs():
 
 
 def test_reciprocal_normalisation_with_softmax_axis_not_last():
-    # Formerly G2.
     def fn(q, k, v):
         s = jnp.einsum("bhtd,bhsd->bhst", q, k)  # keys on axis 2
         e = jnp.exp(s - s.max(axis=2, keepdims=True))
@@ -98,7 +96,7 @@ def test_reciprocal_normalisation_with_softmax_axis_not_last():
 
 
 def test_deferred_normalisation_to_a_bthd_output():
-    # Formerly G3: the P·V result is transposed before the division.
+    # The P·V result is transposed before the division.
     def fn(q, k, v):
         s = jnp.einsum("bhtd,bhsd->bhts", q, k)
         e = jnp.exp(s - lax.stop_gradient(s.max(-1, keepdims=True)))
@@ -109,7 +107,7 @@ def test_deferred_normalisation_to_a_bthd_output():
 
 
 def test_unstabilised_softmax_of_scores_minus_bias():
-    # Formerly G4: a shift that varies along the keys is a (negated) bias.
+    # A shift that varies along the keys is a (negated) bias.
     def fn(q, k, v, bias):
         e = jnp.exp(q @ jnp.swapaxes(k, -1, -2) - bias)
         return (e / e.sum(-1, keepdims=True)) @ v
@@ -124,7 +122,7 @@ def test_unstabilised_softmax_of_scores_minus_bias():
     not ap.UNIT_AXIS_MATMUL, strict=True, reason=f"G5 on this JAX: {ap.KNOWN_GAPS['G5']}"
 )
 def test_matmul_with_a_unit_batch_or_head_axis(shape):
-    # Formerly G5: jnp.matmul squeezes the unit axes before each product and
+    # jnp.matmul squeezes the unit axes before each product and
     # broadcasts them back (patterns/regroup.py).
     def fn(q, k, v):
         return jax.nn.softmax(q @ jnp.swapaxes(k, -1, -2), axis=-1) @ v
@@ -138,7 +136,7 @@ def test_matmul_with_a_unit_batch_or_head_axis(shape):
     not ap.UNIT_AXIS_MATMUL, strict=True, reason=f"G5 on this JAX: {ap.KNOWN_GAPS['G5']}"
 )
 def test_unit_axis_squeezed_by_one_product_only(shape, matmul_for):
-    # Formerly G6: jnp.matmul squeezes the unit axis for one product only; the
+    # jnp.matmul squeezes the unit axis for one product only; the
     # other (an einsum) keeps it.  A unit axis P·V batches over that the scores
     # never had stays a size-1 axis of v and the output; a score role P·V never
     # gets back is a size-1 axis absent from them (patterns/regroup.py).

@@ -176,7 +176,7 @@ def _in_region(region: str):
 @examples(0.2)
 @given(program=_in_region("mask_in_a_call_then_softcap"))
 def test_constant_additive_mask_in_a_call_then_softcap(program):
-    """Was BUG1.  Reproducer::
+    """A constant additive mask in a call, then a soft-cap.  Reproducer::
 
     def f(q, k, v):  # q = k = v = jnp.ones((2, 2, 4, 4))
         s = q @ jnp.swapaxes(k, -1, -2)
@@ -229,7 +229,7 @@ def test_values_read_from_inside_a_call():
 @examples(0.2)
 @given(program=_in_region("unstabilised_softmax_out_of_range"))
 def test_unstabilised_softmax_is_rewritten_to_the_stable_softmax(program):
-    """Was BUG2; the behaviour is documented in docs/patterns.md.
+    """The behaviour is documented in docs/patterns.md.
 
     ``exp(s) / sum(exp(s))`` is rewritten like ``exp(s - max) / sum``: where
     the scores stay in exp's range the two agree (the main properties draw

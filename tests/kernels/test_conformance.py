@@ -65,6 +65,7 @@ from flashpass.kernels.pallas_gpu import PallasGpuKernel
 from flashpass.kernels.pallas_tpu import PallasTpuKernel
 from flashpass.kernels.splash import SplashKernel
 from flashpass.kernels.tokamax import TokamaxKernel
+from flashpass.ops import SinkWindow
 from flashpass.spec import (
     DESCRIPTORS,
     FLOAT_DTYPES,
@@ -142,7 +143,7 @@ def _softcap(dtype):
 
 
 def _window(dtype):
-    """A causal sliding window (#18): several key tiles skipped per query tile."""
+    """A causal sliding window: several key tiles skipped per query tile."""
     ops = [Scale(0.25), Causal(0, -1e9), Window(5, None, -1e9)]
     return spec_of(t=40, dtype=dtype, ops=ops), []
 
@@ -189,6 +190,12 @@ def _sinks(dtype):
     return spec, [2 * normal((1, 4, 1, 1), 6, dtype), jnp.asarray(keep)]
 
 
+def _sink_window(dtype):
+    """Sink tokens and a causal window (StreamingLLM): with 16-wide tiles the
+    last query tiles visit the sink tile and skip the tiles before the window."""
+    return spec_of(t=64, dtype=dtype, ops=[Scale(0.25), SinkWindow(3, 5, -1e9)]), []
+
+
 CASES = {
     "causal": _causal,
     "bool_mask": _bool_mask,
@@ -205,6 +212,7 @@ CASES = {
     "segments": _segments,
     "kv_lengths": _kv_lengths,
     "sinks": _sinks,
+    "sink_window": _sink_window,
 }
 DTYPES = {"f32": F32, "bf16": BF16}
 #: `check` is also asked about these (no numerics).
@@ -277,6 +285,7 @@ WORDS = {
     "segments": "segment",
     "kv_lengths": "kv lengths",
     "sinks": "sink",
+    "sink_window": "sink tokens",
 }
 
 
@@ -302,7 +311,12 @@ def declared(adapter: str, case: str, dtype: str) -> list[str]:
 #: each new adapter on every feature it supports at least once, and the
 #: fully masked rows of the padding case on the older adapters.
 DEFAULT_NUMERICS = {
-    "blockwise": {("padding", "bf16"), ("sinks", "f32"), ("sinks", "bf16")},
+    "blockwise": {
+        ("padding", "bf16"),
+        ("sinks", "f32"),
+        ("sinks", "bf16"),
+        ("sink_window", "bf16"),
+    },
     "blockwise_heads": {(c, "f32") for c in CASES} | {("gqa", "bf16"), ("bias", "bf16")},
     "pallas_tpu": {("padding", "f32"), ("segments", "f32")},
     "splash": {

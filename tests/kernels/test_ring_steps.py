@@ -1,4 +1,4 @@
-"""Ring steps (`Kernel.ring_step`, `flashpass.ring_steps`) on one device.
+"""Ring steps (`Kernel.ring_step`, `flashpass.ring.cases`) on one device.
 
 A ring of two devices seen from device 1: its query block (rows ``L..2L-1``)
 meets key block 0 (``d = L``: whole for a causal mask) and its own block 1
@@ -17,12 +17,12 @@ import numpy as np
 import pytest
 from kernel_testing import BF16, F32, normal, rel_err, spec_of
 
-from flashpass import ring_steps
 from flashpass.kernels import Causal, CheckContext, Scale, Softcap
 from flashpass.kernels.blockwise import BlockwiseKernel
 from flashpass.kernels.pallas_gpu import PallasGpuKernel
 from flashpass.kernels.reference import reference_attention
 from flashpass.kernels.splash import SplashKernel
+from flashpass.ring import cases as ring_steps
 from flashpass.spec import Chunk, Dropout, KvLengths, Prefix, Segments, Sink, Window
 
 L = 32  # block length: the global sequence is 2L
@@ -223,10 +223,39 @@ def test_plan_steps_per_case():
     assert not kept[1][1].skip and kept[1][1].kernel is None
 
 
+class _BrokenSteps(BlockwiseKernel):
+    """A kernel whose ring step fails to trace."""
+
+    name = "broken_steps"
+
+    def step_forward(self, spec, q, k, v, extras=(), *, interpret=False):
+        raise RuntimeError("no step here")
+
+
+def test_a_step_kernel_that_fails_to_trace_is_probed_out():
+    """Step kernels are chosen as a site's kernel is (`select.choose`): a step
+    that fails to trace rejects that kernel for the case, with the error, and
+    the next kernel (or the plain step) runs it; zig-zag is not used."""
+    from flashpass.ring import zigzag
+
+    blockwise, broken = BlockwiseKernel(), _BrokenSteps()
+    ctx = CheckContext("cpu", explicit=True)
+    spec = spec_of(t=L, ops=[Scale(0.25), Causal(0, -1e9)])
+    steps = ring_steps.plan_steps(spec, 2, True, True, [broken, blockwise], ctx)
+    assert ring_steps.describe(steps) == "blockwise"
+    alone = ring_steps.plan_steps(spec, 2, True, True, [broken], ctx)
+    assert ring_steps.describe(alone) == ring_steps.PLAIN
+    assert "broken_steps: raised RuntimeError while tracing a ring step: no step here" in (
+        alone[0][0].why
+    )
+    assert zigzag.plan(spec, 2, True, [broken], ctx) is None
+    assert zigzag.plan(spec, 2, True, [broken, blockwise], ctx).kernel is blockwise
+
+
 def test_zigzag_plan_and_its_reasons():
-    """A causal ring is balanced (`flashpass.zigzag`) with four static block
+    """A causal ring is balanced (`flashpass.ring.zigzag`) with four static block
     specs one kernel takes; other rings keep the contiguous order, saying why."""
-    from flashpass import zigzag
+    from flashpass.ring import zigzag
 
     blockwise = BlockwiseKernel()
     ctx = CheckContext("cpu", explicit=True)

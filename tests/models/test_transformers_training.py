@@ -1,4 +1,4 @@
-"""Hugging Face Flax BERT and GPT-2 in training mode: attention dropout on (#16).
+"""Hugging Face Flax BERT and GPT-2 in training mode: attention dropout on.
 
 ``train=True`` turns every dropout in the model on: the attention
 probabilities' (flax ``dot_product_attention_weights``, its keep-mask

@@ -45,6 +45,6 @@ def test_ring_across_two_processes():
         assert p.returncode == 0, out[-6000:]
         (line,) = [x for x in out.splitlines() if x.startswith("RESULT ")]
         _, out_err, grad_err, kernels = line.split()
-        # The causal ring, load-balanced across the processes (flashpass/zigzag.py).
+        # The causal ring, load-balanced across the processes (flashpass/ring/zigzag.py).
         assert kernels == "ring[blockwise,_zig-zag]", out[-3000:]
         assert float(out_err) < 2e-5 and float(grad_err) < 1e-4, line

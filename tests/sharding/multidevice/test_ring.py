@@ -1,4 +1,4 @@
-"""Sequence-sharded attention runs as a ring (flashpass/ring.py), 8 CPU devices.
+"""Sequence-sharded attention runs as a ring (flashpass/ring/), 8 CPU devices.
 
 With Explicit mesh axes, code attending a sequence-sharded q to k/v gathers
 k and v itself (``jax.sharding.reshard(k, P())``): the original program
@@ -66,7 +66,7 @@ def _full_length_gathers(hlo: str, elements: int) -> int:
 def test_sequence_sharded_site_runs_as_a_ring(causal, mesh_shape, names, spec, kernel):
     """Every step in the ring's plain JAX (``reference`` declares no ring
     steps), or every step the blockwise kernel's (``Kernel.ring_step``); a
-    causal ring with kernel steps is load-balanced (`flashpass.zigzag`)."""
+    causal ring with kernel steps is load-balanced (`flashpass.ring.zigzag`)."""
     m = mesh(mesh_shape, names)
     shape = (2, 64, 4, 16)
     args = [put(m, spec, normal(i, shape)) for i in range(3)]
@@ -232,6 +232,15 @@ def _bidirectional(q, k, v):
     return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1), v)
 
 
+def _streaming(q, k, v):
+    """StreamingLLM: 4 sink keys and a causal window of 12 (a `SinkWindow`)."""
+    t = q.shape[1]
+    i, j = jnp.arange(t)[:, None], jnp.arange(t)[None, :]
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, k) * 0.25
+    s = jnp.where((j < 4) | ((j <= i) & (j > i - 12)), s, -jnp.inf)
+    return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1), v)
+
+
 def _padded(q, k, v, lengths):
     keep = jnp.arange(k.shape[1])[None, :] < lengths[:, None]
     s = jnp.einsum("bqhd,bkhd->bhqk", q, k) * 0.25
@@ -287,7 +296,7 @@ def _key_masked(q, k, v, keep, mask):
     return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1), v)
 
 
-#: The kernels a blockwise ring's steps run per case (`flashpass.ring_steps`):
+#: The kernels a blockwise ring's steps run per case (`flashpass.ring.cases`):
 #: a window of 12 over blocks of 8 has steps whose lower edge lies above the
 #: diagonal (plain JAX); packed documents with two id arrays may leave a row no
 #: key, so the later blocks a causal mask excludes still run (plain JAX); the
@@ -298,12 +307,24 @@ BLOCKWISE_STEPS = {
     "softcap": "blockwise, plain JAX",
     "sinks": "blockwise, plain JAX",
     "packed": "blockwise, plain JAX",
+    "streaming": "plain JAX",
 }
 
 
 @pytest.mark.parametrize("kernel", ["reference", "blockwise"])
 @pytest.mark.parametrize(
-    "case", ["window", "bidirectional", "padded", "sinks", "softcap", "packed", "bias", "masks"]
+    "case",
+    [
+        "window",
+        "bidirectional",
+        "padded",
+        "sinks",
+        "softcap",
+        "packed",
+        "bias",
+        "masks",
+        "streaming",
+    ],
 )
 def test_windowed_and_padded_rings(case, kernel):
     """Window masks skip the steps outside the window; kv lengths (a padded
@@ -322,6 +343,8 @@ def test_windowed_and_padded_rings(case, kernel):
         attend, extra = _windowed, []
     elif case == "bidirectional":  # wrapped blocks the window reaches: kernel steps too
         attend, extra = _bidirectional, []
+    elif case == "streaming":  # sink keys on device 0: every step whose block they hold runs
+        attend, extra = _streaming, []
     elif case == "padded":
         attend, extra = _padded, [put(m, P(), np.array([40, 0], np.int32))]
     elif case == "softcap":
@@ -634,21 +657,19 @@ def test_steps_run_over_query_chunks(monkeypatch):
 @pytest.mark.parametrize(
     "platform, kernel", [("tpu", "splash"), ("gpu", "pallas_gpu")], ids=["splash", "pallas_gpu"]
 )
-def test_ring_steps_run_the_platform_kernel(platform, kernel, balanced, monkeypatch):
+def test_ring_steps_run_the_platform_kernel(platform, kernel, balanced):
     """Selecting for TPU or GPU, a causal ring's blocks run that platform's
     kernel (here in interpret mode), load-balanced (zig-zag) or, with the
-    balancing switched off here, in the contiguous order: its logsumexp merges
+    balancing switched off (``zigzag=False``), in the contiguous order: its logsumexp merges
     the blocks, its own backward kernels take the global statistics; outputs
     and gradients match the unsharded original, with collective-permutes and
     no full-length gather."""
-    from flashpass import zigzag
-
-    if not balanced:
-        monkeypatch.setattr(zigzag, "ENABLED", False)
     m = mesh((4,), ("seq",))
     shape = (1, 64, 2, 16)
     args = [put(m, P(None, "seq"), normal(i, shape)) for i in range(3)]
-    opt = flashpass.optimize(gathering(True), kernel=kernel, platform=platform, interpret=True)
+    opt = flashpass.optimize(
+        gathering(True), kernel=kernel, platform=platform, interpret=True, zigzag=balanced
+    )
     with jax.set_mesh(m):
         report = opt.explain(*args)
         got = run(opt, args)

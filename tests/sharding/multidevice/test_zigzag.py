@@ -1,4 +1,4 @@
-"""The zig-zag layout of a load-balanced causal ring (flashpass/zigzag.py), 8 CPU devices.
+"""The zig-zag layout of a load-balanced causal ring (flashpass/ring/zigzag.py), 8 CPU devices.
 
 The site moves each half-block of q, k and v to its zig-zag device and the
 output back; here the moves themselves: device ``j`` must hold chunks ``j``
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from sharded_testing import P, mesh, put
 
-from flashpass import zigzag
+from flashpass.ring import zigzag
 
 pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 devices (see conftest)")
 

@@ -19,7 +19,7 @@ as it is: the site moves each half-block of q, k and v to its zig-zag device
 with two ``ppermute``s (a fixed permutation of chunks, ``O(T/n)`` per device,
 like one ring step's K/V) and the output back the same way; JAX transposes
 those permutes for the backward.  Each block runs a kernel declaring
-`Kernel.ring_step` with a static spec, as `ring_steps` does for the plain
+`Kernel.ring_step` with a static spec, as `cases` does for the plain
 ring.
 
 Applied to sequence-sharded self-attention whose only mask is ``Causal(0)``
@@ -38,13 +38,9 @@ from jax import lax
 
 from flashpass.kernels.base import CheckContext, Kernel
 
-from . import ring_steps
-from .spec import AttentionSpec, Causal, Scale, Softcap
-
-#: Whether causal rings are balanced where they can be; False keeps every ring
-#: in the contiguous order (read when a function is traced, as the other
-#: planning constants are).
-ENABLED = True
+from ..select import choose
+from ..spec import AttentionSpec, Causal
+from . import merge
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,7 +69,7 @@ def reason(spec: AttentionSpec, n: int, q_global: bool) -> str | None:
     if spec.extras:
         return "the site reads bias, mask or id arrays"
     causal = [op for op in spec.score_ops if isinstance(op, Causal)]
-    others = [op for op in spec.score_ops if not isinstance(op, Causal | Scale | Softcap)]
+    others = [op for op in spec.score_ops if not (isinstance(op, Causal) or op.uniform)]
     if others or len(causal) != 1 or causal[0].offset != 0:
         return "only a causal mask (offset 0) with scales and soft-caps is balanced"
     return None
@@ -82,8 +78,8 @@ def reason(spec: AttentionSpec, n: int, q_global: bool) -> str | None:
 def plan(spec: AttentionSpec, n: int, q_global: bool, kernels, ctx: CheckContext | None):
     """The `Zigzag` of a ring, or None where it keeps the contiguous order:
     `reason`, or no kernel (of ``kernels``, in order) declaring ring steps
-    takes every block spec."""
-    if not ENABLED or reason(spec, n, q_global) is not None or ctx is None:
+    takes every block spec (each checked and probed, `select.choose`)."""
+    if reason(spec, n, q_global) is not None or ctx is None:
         return None
     c = spec.q_len // 2
 
@@ -100,12 +96,9 @@ def plan(spec: AttentionSpec, n: int, q_global: bool, kernels, ctx: CheckContext
 
     specs = (block(c, c, 0), block(c, 2 * c, c), block(2 * c, c, None), block(c, 2 * c, None))
     for kernel in kernels:
-        if (
-            kernel.ring_step
-            and kernel.grad
-            and not any(list(kernel.check(s, ctx)) + list(kernel.step_reasons(s)) for s in specs)
-        ):
-            return Zigzag(kernel, *specs)
+        if kernel.ring_step and kernel.grad:
+            if all(choose(s, [kernel], ctx, step=True)[0] is kernel for s in specs):
+                return Zigzag(kernel, *specs)
     return None
 
 
@@ -190,7 +183,7 @@ def _ring(spec: AttentionSpec, axis_name, n: int, zz: Zigzag, interpret):
                     o_b, m_b, den_b = kernel.step_forward(
                         sub, rows_of(q, rows), kb[:, :, keys], vb[:, :, keys], interpret=interpret
                     )
-                    a_r, m_r, t_r = ring_steps.merge_block(
+                    a_r, m_r, t_r = merge.merge_block(
                         acc[..., rows, :], m[..., rows], total[..., rows],
                         *(grouped(x) for x in (o_b, m_b, den_b)),
                     )  # fmt: skip
@@ -208,7 +201,7 @@ def _ring(spec: AttentionSpec, axis_name, n: int, zz: Zigzag, interpret):
     def backward(res, dout):
         q, k, v, o, m, total = res
         rows4 = (spec.batch, spec.heads, 2 * c)
-        o_out, m_out, den_out = ring_steps.global_stats(o, m, total, rows4)
+        o_out, m_out, den_out = merge.global_stats(o, m, total, rows4)
         dq = jnp.zeros(q.shape, jnp.float32)
         dkb, dvb = jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32)
         kb, vb = k, v

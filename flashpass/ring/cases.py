@@ -27,24 +27,9 @@ import jax.numpy as jnp
 
 from flashpass.kernels.base import CheckContext, Kernel
 
-from .spec import (
-    AttentionSpec,
-    Bias,
-    Causal,
-    Dropout,
-    ExtraSpec,
-    KvLengths,
-    Mask,
-    Scale,
-    Segments,
-    Sink,
-    Softcap,
-    Window,
-)
-
-#: Score ops a kernel step takes as they are (bias and mask arrays sliced to
-#: the visiting block, kv lengths shifted to it).
-_AS_THEY_ARE = (Scale, Softcap, Bias, Mask, KvLengths, Segments)
+from ..ops import EXCLUDED, KvLengths, step_shape
+from ..select import choose
+from ..spec import AttentionSpec, ExtraSpec
 
 #: What the step runs when no kernel takes it: the ring's own plain-JAX step.
 PLAIN = "plain JAX"
@@ -67,48 +52,19 @@ class StepCase:
 
 def local_ops(spec: AttentionSpec, d: int):
     """The score ops of a step whose query block starts ``d`` positions after
-    its key block, in local positions: a tuple, ``"excluded"`` when they
+    its key block, in local positions: a tuple, `EXCLUDED` when they
     exclude every key, or a string saying why no static spec states them."""
     t, s = spec.q_len, spec.kv_len
     ops, why = [], None  # (an op that excludes the block wins over one not stated)
     for op in spec.score_ops:
-        if isinstance(op, Sink):
-            continue  # the ring's statistics start from the sink logit, once
-        if isinstance(op, Segments):
-            ops.append(dataclasses.replace(op, same=op.same and d == 0))
-        elif isinstance(op, Bias | Mask):
-            ops.append(dataclasses.replace(op, shape=_step_shape(op.shape, t, s)))
-        elif isinstance(op, _AS_THEY_ARE):
-            ops.append(op)
-        elif isinstance(op, Causal):
-            edge = d + op.offset  # keys c <= r + edge
-            if edge < -(t - 1):
-                return "excluded"
-            if edge < s - 1:
-                if edge < 0:
-                    why = why or "a causal edge below the diagonal"
-                ops.append(Causal(edge, op.fill))
-        elif isinstance(op, Window):
-            upper = None if op.right is None else d + op.right
-            lower = d - op.left  # keys c >= r + lower
-            if (upper is not None and upper < -(t - 1)) or lower > s - 1:
-                return "excluded"
-            if upper is not None and upper >= s - 1:
-                upper = None
-            if lower > 0 or (upper is not None and upper < 0):
-                why = why or "a window edge off the diagonal's side"
-            elif lower > -(t - 1) or upper is not None:
-                ops.append(Window(-lower, upper, op.fill))
-        elif isinstance(op, Dropout):
-            why = why or "dropout (its keep-mask is drawn at global positions)"
-        else:
-            why = why or f"{type(op).__name__} masks depend on the device's position"
+        local = op.at_offset(d, t, s)
+        if local is EXCLUDED:
+            return EXCLUDED
+        if isinstance(local, str):
+            why = why or local
+        elif local is not None:
+            ops.append(local)
     return why or tuple(ops)
-
-
-def _step_shape(shape, t: int, s: int) -> tuple:
-    b, h, rows, cols = shape
-    return (b, h, t if rows > 1 else 1, s if cols > 1 else 1)
 
 
 def step_spec(spec: AttentionSpec, ops: tuple) -> AttentionSpec:
@@ -118,7 +74,7 @@ def step_spec(spec: AttentionSpec, ops: tuple) -> AttentionSpec:
     lengths = {op.index for op in ops if isinstance(op, KvLengths)}
     extras = tuple(
         ExtraSpec(
-            _step_shape(e.shape, spec.q_len, spec.kv_len),
+            step_shape(e.shape, spec.q_len, spec.kv_len),
             "int32" if i in lengths else e.dtype,
         )
         if len(e.shape) == 4
@@ -141,7 +97,7 @@ def plan_steps(
     ``skippable``: the ring may skip a block the masks exclude (no kv lengths
     or boolean masks that would leave a row with no key at all).  ``kernels``
     are tried in order for each case (those declaring `Kernel.ring_step`,
-    accepted by their ``check``)."""
+    chosen as a site's kernel is, `select.choose`: checked and probed)."""
     steppers = [k for k in kernels if k.ring_step and k.grad]
     steps = []
     for step in range(n):
@@ -158,7 +114,7 @@ def _case(spec, d, q_global, skippable, steppers, ctx) -> StepCase:
     if spec.q_len != spec.kv_len:
         return StepCase(why="query and key blocks differ in length")
     ops = local_ops(spec, d)
-    if ops == "excluded":
+    if ops is EXCLUDED:
         if skippable:
             return StepCase(skip=True)
         return StepCase(why="a block the masks exclude that a row may still need")
@@ -167,39 +123,10 @@ def _case(spec, d, q_global, skippable, steppers, ctx) -> StepCase:
     if not steppers or ctx is None:
         return StepCase(why="no kernel declares ring steps here")
     local = step_spec(spec, ops)
-    why = []
-    for kernel in steppers:
-        reasons = list(kernel.check(local, ctx)) + list(kernel.step_reasons(local))
-        if not reasons:
-            return StepCase(kernel=kernel, spec=local)
-        why.append(f"{kernel.name}: {'; '.join(reasons)}")
-    return StepCase(why=" | ".join(why))
-
-
-def merge_block(acc, m, total, o_b, m_b, den_b):
-    """The running ``(acc, m, total)`` of some query rows (unnormalised
-    output ``[.., t, Dv]``, row max and row sum ``[.., t]``, float32) merged
-    with a kernel block's normalised output ``o_b`` and row statistics
-    ``m_b``, ``den_b`` (`Kernel.step_forward`, laid out alike): the online
-    softmax in float32.  A block row of no weight (``-inf`` statistics) adds
-    nothing, whatever its output."""
-    m_b, den_b = m_b.astype(jnp.float32), den_b.astype(jnp.float32)
-    m_new = jnp.maximum(m, m_b)
-    base = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
-    old = jnp.where(jnp.isfinite(m), jnp.exp(m - base), 0.0)
-    w = jnp.where(jnp.isfinite(m_b), jnp.exp(m_b - base), 0.0) * den_b
-    o_b = jnp.where(w[..., None] > 0, o_b.astype(jnp.float32) * w[..., None], 0.0)
-    return acc * old[..., None] + o_b, m_new, total * old + w
-
-
-def global_stats(o, m, total, rows: tuple):
-    """What a kernel step's backward reads (`Kernel.step_backward`): the
-    global output ``[*rows, Dv]``, row max and row sum ``rows``, from the
-    ring's normalised output and statistics.  A row every key of which
-    ``-inf`` excluded gets max 0 and sum 1, so its weights are 0."""
-    m_out = jnp.where(jnp.isfinite(m), m, 0.0).reshape(rows)
-    den_out = jnp.where(total > 0, total, 1.0).reshape(rows)
-    return o.reshape(*rows, o.shape[-1]), m_out, den_out
+    kernel, rejections = choose(local, steppers, ctx, step=True)
+    if kernel is not None:
+        return StepCase(kernel=kernel, spec=local)
+    return StepCase(why=" | ".join(f"{k}: {'; '.join(r)}" for k, r in rejections.items()))
 
 
 def shifted_lengths(lengths, k0, bound: int):

@@ -1,0 +1,197 @@
+"""The protocol every score op follows: its semantics, stated once.
+
+A score op is a frozen dataclass (the spec's contract, `flashpass.spec`) that
+also answers, for every consumer, what it means:
+
+* `ScoreOp.apply`: the op on a block of scores (the reference, blockwise tiles);
+* `KeepOp.keep`: which (query, key) entries a key-excluding op keeps;
+* `Positional.key_ranges`: the keys a row keeps as half-open ranges, from
+  which `tile_state` (which tiles are empty or full) follows;
+* `ScoreOp.at_offset`: the op in the local positions of a ring step;
+* `ScoreOp.localized`: the op on one shard (batch and heads divided);
+* `ScoreOp.extras_read`, `ScoreOp.final_score`, and class attributes for the
+  descriptor names, report word and decline-reason words.
+
+Consumers loop over ``spec.score_ops`` and ask; none switches on the kind.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar
+
+import jax.numpy as jnp
+
+#: `ScoreOp.at_offset`'s answer for an op that excludes every key of the block.
+EXCLUDED = "excluded"
+
+
+class Positions:
+    """The query and key positions of a score block ``[..., rows, cols]``.
+
+    ``q``/``k`` are 1-D (made on first use, unless given); `grid` broadcasts
+    them.  ``transposed``: the block is ``[..., keys, queries]`` and the
+    positions come as the blockwise backward passes them (rows ``-k_pos``,
+    columns ``-q_pos``, see `flashpass.kernels.blockwise.tiles.tile_score_fn`).
+    """
+
+    def __init__(self, shape, q_pos=None, k_pos=None, transposed=False, kv_len=None):
+        self.shape, self._q, self._k = shape, q_pos, k_pos
+        self.transposed, self.kv_len = transposed, kv_len
+
+    @property
+    def q(self):
+        if self._q is None:
+            self._q = jnp.arange(self.shape[-2])
+        return self._q
+
+    @property
+    def k(self):
+        if self._k is None:
+            self._k = jnp.arange(self.shape[-1])
+        return self._k
+
+    def grid(self):
+        """``(qi, kj)``: each entry's query and key position, broadcastable."""
+        q, k = self.q, self.k
+        if self.transposed:  # rows are keys at -k, columns queries at -q
+            return -k[None, :], -q[:, None]
+        return q[:, None], k[None, :]
+
+
+class ScoreOp:
+    """Base of every score-op kind (`flashpass.ops.KINDS`); the defaults are
+    those of an op that changes no score and reads nothing."""
+
+    #: Descriptor names this kind may report (`AttentionSpec.descriptors`), with
+    #: the words docs/kernels.md shows; `descriptor` picks one per op.
+    descriptors_doc: ClassVar[dict[str, str]] = {}
+    #: The word naming it in a rewrite's ``mask`` report field (None: not a mask).
+    word: ClassVar[str | None] = None
+    #: How a kernel's decline reason names it (structured kinds).
+    reason_words: ClassVar[str | None] = None
+    #: Excludes keys by position or segment id (`flashpass.spec.STRUCTURED`), so
+    #: a kernel may skip whole blocks it excludes.
+    structured: ClassVar[bool] = False
+    #: Maps every score alike (Scale, Softcap) or leaves the scores alone
+    #: (Dropout, Sink): keys excluded before it still share one final score.
+    uniform: ClassVar[bool] = False
+
+    def descriptor(self, spec) -> str | None:
+        """The descriptor this op gives ``spec`` (None: plain attention)."""
+        return next(iter(self.descriptors_doc), None)
+
+    def extras_read(self) -> tuple[int, ...]:
+        """Indices of the extras the op reads."""
+        return ()
+
+    def final_score(self, value: float) -> float:
+        """What the op makes of an excluded key's score ``value`` (float64 numpy):
+        the step of `flashpass.spec.fill_after`."""
+        return value
+
+    def apply(self, s, extras, at: Positions):
+        """The op on scores ``s`` (``extras`` block-sliced, ``at`` their positions)."""
+        return s
+
+    def at_offset(self, d: int, t: int, s: int):
+        """The op in a ring step's local positions, its query block (``t`` rows)
+        starting ``d`` after its key block (``s`` keys): an op, None (it keeps
+        every key there), `EXCLUDED`, or a string saying why no static spec
+        states it."""
+        return self
+
+    def localized(self, shape4):
+        """The op on one shard; ``shape4`` maps an extra's global shape to its
+        shard's (batch and heads divided)."""
+        return self
+
+
+class KeepOp(ScoreOp):
+    """An op that replaces the scores of the keys it excludes by ``fill``."""
+
+    def keep(self, qi, kj, extras, kv_len=None):
+        """The keep-mask at query positions ``qi`` and key positions ``kj``
+        (broadcastable to the block); ``kv_len`` bounds key positions."""
+        raise NotImplementedError
+
+    def apply(self, s, extras, at: Positions):
+        qi, kj = at.grid()
+        keep = self.keep(qi, kj, extras, at.kv_len)
+        return jnp.where(keep, s, jnp.asarray(self.fill, s.dtype))
+
+
+class Positional(KeepOp):
+    """A mask by position, in one normal form: the keys row ``qi`` keeps are
+    the union of `key_ranges`, half-open ``[lo, hi)`` ranges (None: unbounded)
+    whose ends never fall as the row grows, whose ``lo`` never jumps past the
+    previous row's ``hi``, and that keep a key in every row (as tokamax's
+    ``Mask`` states its ``k_start``/``k_end`` per row)."""
+
+    structured = True
+
+    def key_ranges(self, qi):
+        """The ``(lo, hi)`` ranges of keys row(s) ``qi`` keep."""
+        raise NotImplementedError
+
+    def band(self, qi):
+        """The one key range of row ``qi`` that moves with the row (None: the
+        op keeps more than one), which sizes a kernel's tiles."""
+        ranges = self.key_ranges(qi)
+        return ranges[0] if len(ranges) == 1 else None
+
+    def keep(self, qi, kj, extras, kv_len=None):
+        keep = None
+        for lo, hi in self.key_ranges(qi):
+            inside = _both(None if lo is None else kj >= lo, None if hi is None else kj < hi)
+            inside = kj == kj if inside is None else inside  # (an unbounded range)
+            keep = inside if keep is None else keep | inside
+        return keep
+
+    def meets(self, r0, r1, c0, c1):
+        """Whether rows ``[r0, r1]`` keep some key of ``[c0, c1]`` (numpy or
+        traced).  Monotone, gap-free ends: a row meets the tile iff the first
+        row's range starts by ``c1`` and the last row's ends after ``c0``."""
+        meets = True
+        for lo_first, _, _, hi_last in self._ends(r0, r1):
+            inside = _both(
+                None if lo_first is None else lo_first <= c1,
+                None if hi_last is None else hi_last > c0,
+            )
+            if inside is None:
+                return True
+            meets = inside if meets is True else meets | inside
+        return meets
+
+    def tile_state(self, r0, r1, c0, c1):
+        """``(empty, full)`` of tiles with rows ``[r0, r1]`` and keys ``[c0, c1]``
+        (broadcast arrays).  Exact for one range; with several, a tile two of
+        them cover only together counts as not full."""
+        full = False
+        for _, lo_last, hi_first, _ in self._ends(r0, r1):
+            covers = _both(
+                None if lo_last is None else lo_last <= c0,
+                None if hi_first is None else hi_first > c1,
+            )
+            full = full | (True if covers is None else covers)
+        meets = self.meets(r0, r1, c0, c1)
+        return (False if meets is True else ~meets), full
+
+    def _ends(self, r0, r1):
+        first, last = self.key_ranges(r0), self.key_ranges(r1)
+        return [(a[0], b[0], a[1], b[1]) for a, b in zip(first, last, strict=True)]
+
+    def at_offset(self, d: int, t: int, s: int):
+        return f"{type(self).__name__} masks depend on the device's position"
+
+
+def _both(a, b):
+    """``a & b`` where None stands for "always true"."""
+    if a is None:
+        return b
+    return a if b is None else a & b
+
+
+def with_shape(op, shape4):
+    """``op`` with its extra's shape mapped by ``shape4``."""
+    return dataclasses.replace(op, shape=shape4(op.shape))
