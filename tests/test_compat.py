@@ -425,6 +425,67 @@ def test_platform_guard():
         jax.jit(lambda x: compat.platform_guard(x, elsewhere, refused))(x)
 
 
+# --------------------------------------------------------------------------- StableHLO, Exported
+
+
+def _small_export():
+    return jax.export.export(jax.jit(lambda x, y: jnp.sin(x) @ y))(
+        jax.ShapeDtypeStruct((2, 3), jnp.float32), jax.ShapeDtypeStruct((3, 4), jnp.float32)
+    )
+
+
+def test_export_mlir_context_and_parsing():
+    exp = _small_export()
+    with uses("jax._src.interpreters.mlir.make_ir_context / jax.extend.mlir"):
+        context = compat.mlir_context()
+        from_text = compat.parse_module(exp.mlir_module(), context)
+        from_artifact = compat.parse_module(exp.mlir_module_serialized, context)
+        from_bytecode = compat.parse_module(compat.module_bytecode(from_text), context)
+        for module in (from_text, from_artifact, from_bytecode):
+            assert "stablehlo.dot_general" in str(module)
+
+
+def test_export_dialect_bindings():
+    exp = _small_export()
+    with uses("jax.extend.mlir.dialects.stablehlo / jaxlib.mlir.dialects.func"):
+        ir, sh = compat.ir_module(), compat.stablehlo_dialect()
+        module = compat.parse_module(exp.mlir_module(), compat.mlir_context())
+        main = next(iter(module.body.operations))
+        dot = next(op for op in main.regions[0].blocks[0] if op.name == "stablehlo.dot_general")
+        numbers = sh.DotDimensionNumbers(dot.attributes["dot_dimension_numbers"])
+        assert list(numbers.lhs_contracting_dimensions) == [1]
+        assert isinstance(ir.RankedTensorType(dot.results[0].type).shape, list)
+        assert compat.func_dialect().ReturnOp is not None
+
+
+def test_export_module_to_artifact():
+    exp = _small_export()
+    with uses("jax._src.export._export._module_to_bytecode"):
+        module = compat.parse_module(exp.mlir_module(), compat.mlir_context())
+        data = compat.module_to_artifact(module)
+        assert data.startswith(b"ML\xefR")
+        assert "stablehlo.sine" in str(compat.parse_module(data, compat.mlir_context()))
+
+
+def test_exported_from_module_and_vjp():
+    exp = _small_export()
+    with uses("dataclasses.replace on jax.export.Exported (its private fields)"):
+        built = compat.exported_from_module(
+            exp.mlir_module_serialized,
+            fun_name="built",
+            in_avals=exp.in_avals,
+            out_avals=exp.out_avals,
+            platforms=exp.platforms,
+        )
+        x, y = jnp.ones((2, 3)), jnp.ones((3, 4))
+        np.testing.assert_allclose(built.call(x, y), exp.call(x, y))
+        assert not built.has_vjp()
+        paired = compat.exported_with_vjp(built, lambda e: _small_export())
+        assert paired.has_vjp() and paired.vjp().fun_name == exp.fun_name
+        round_trip = jax.export.deserialize(built.serialize())
+        np.testing.assert_allclose(round_trip.call(x, y), exp.call(x, y))
+
+
 # --------------------------------------------------------------------------- more entry points
 
 
