@@ -44,6 +44,9 @@ def check_arrays(kernel: str, spec: AttentionSpec, q, k, v, extras=None) -> None
             raise ValueError(f"{kernel}: {label} has shape {tuple(x.shape)}, the spec says {want}")
     if extras is None:
         return
+    for op in spec.score_ops:
+        if not callable(getattr(op, "extras_read", None)):
+            raise TypeError(f"{kernel}: unknown score op {op!r}: not a flashpass.ops score op")
     used = [i for op in spec.score_ops for i in op.extras_read()]
     if used and max(used) >= len(extras):
         raise ValueError(
