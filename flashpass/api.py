@@ -18,9 +18,9 @@ from typing import Any
 import jax
 import numpy as np
 
-from flashpass.kernels import Kernel
+from flashpass.kernels import Kernel, get_kernel
 
-from . import compat, errors, pipeline
+from . import compat, errors, nnx_state, pipeline
 from .report import Report
 from .select import current_platform, resolve_order
 
@@ -42,6 +42,7 @@ class _Entry:
     rewritten: Any  # ClosedJaxpr after the pass
     out_tree: Any
     report: Report
+    logged: bool = False  # whether the report was logged (when the program is staged)
 
 
 class Optimized:
@@ -109,13 +110,23 @@ class Optimized:
         self.traces = 0  # number of trace+match+rewrite runs (for tests and tuning)
         # Decorated methods: id(instance) -> (weakref to it, its Optimized).
         self._instances: dict[int, tuple[weakref.ref, Optimized]] = {}
+        self._graph: Optimized | None = None  # for calls with Flax NNX modules (`_route`)
+        self._routes = True  # False for that one: its arguments are pure state
         # Not its __dict__: an optimized function passed in must keep its own state.
         functools.update_wrapper(self, fn, updated=())
 
         this = weakref.ref(self)  # no cycle: the jit below lives in self
 
         def staged(*args, **kwargs):
-            entry, leaves = this()._entry(args, kwargs)
+            opt = this()
+            entry, leaves = opt._entry(args, kwargs)
+            if not entry.logged:  # the rewritten program is being staged: now it runs
+                entry.logged = True
+                pipeline.log_report(entry.report, opt._name())
+            error = opt._platform_errors(entry.report)
+            if error is not None and leaves:  # lowered for a platform its kernels miss: say so
+                runs_on = tuple(p for p in PLATFORMS if error.runs_on(p))
+                leaves = [compat.platform_guard(leaves[0], runs_on, error), *leaves[1:]]
             outs = compat.jaxpr_as_fun(entry.rewritten)(*leaves)
             return jax.tree_util.tree_unflatten(entry.out_tree, outs)
 
@@ -131,9 +142,23 @@ class Optimized:
     # ------------------------------------------------------------------ calling
 
     def __call__(self, *args, **kwargs):
+        target, args, kwargs, split = self._route(args, kwargs)
+        if target is not self:  # Flax NNX graph nodes among the arguments
+            out, state = target(*args, **kwargs)
+            nnx_state.write_back(split, state)
+            return out
+        foreign = self._platform is not None and self._platform != current_platform()
+        if foreign and not _traced(args, kwargs):  # it would run here, now: check first
+            self._check_runs_here(args, kwargs)
         try:
             return self._jitted(*args, **kwargs)
-        except (TypeError, ValueError, OverflowError) as err:
+        except errors.PlatformError:
+            raise
+        except Exception as err:
+            if foreign:  # lowering a kernel of the other platform here failed
+                self._check_runs_here(args, kwargs, cause=err)
+            if not isinstance(err, TypeError | ValueError | OverflowError):
+                raise
             # ``jit`` rejected the arguments, or the function raised: say which
             # argument is wrong and how to pass it, when that is the cause.
             problem = self._input_problem(args, kwargs)
@@ -143,15 +168,61 @@ class Optimized:
 
     def explain(self, *args, **kwargs) -> Report:
         """The rewrite `Report` for these arguments (nothing is executed)."""
-        return self._entry(args, kwargs)[0].report
+        target, args, kwargs, _ = self._route(args, kwargs)
+        return target._entry(args, kwargs)[0].report
 
     def rewritten_jaxpr(self, *args, **kwargs):
         """The rewritten ``ClosedJaxpr`` for these arguments."""
-        return self._entry(args, kwargs)[0].rewritten
+        target, args, kwargs, _ = self._route(args, kwargs)
+        return target._entry(args, kwargs)[0].rewritten
 
     def original_jaxpr(self, *args, **kwargs):
         """The ``ClosedJaxpr`` of the original function for these arguments."""
-        return self._entry(args, kwargs)[0].original
+        target, args, kwargs, _ = self._route(args, kwargs)
+        return target._entry(args, kwargs)[0].original
+
+    def _check_runs_here(self, args, kwargs, cause=None) -> None:
+        """Raise `errors.PlatformError` when a kernel of the program built for
+        ``platform=`` cannot run on this host."""
+        errors_for = self._platform_errors(self._entry(args, kwargs)[0].report)
+        error = None if errors_for is None else errors_for(current_platform())
+        if error is not None:
+            raise error from cause
+
+    def _platform_errors(self, report: Report):
+        """``error(platform)``: the `errors.PlatformError` for running this
+        report's program on ``platform`` (None where it runs); None when the
+        program runs everywhere or no ``platform=`` was named."""
+        if self._platform is None:
+            return None
+        kernels = [get_kernel(r.kernel) for r in report.rewrites if r.kernel != "ring"]
+        if all(set(PLATFORMS) <= set(k.platforms) for k in kernels):
+            return None
+        return _PlatformErrors(self._name(), self._platform, self._interpret, tuple(kernels))
+
+    def _route(self, args, kwargs):
+        """``(optimized, args, kwargs, split)``: ``self`` and the arguments as
+        given, or, when they hold Flax NNX modules or optimizers, the optimized
+        pure function of their state and its arguments (`flashpass.nnx_state`)."""
+        if not self._routes:
+            return self, args, kwargs, None
+        split = nnx_state.split_call(args, kwargs, self._static_argnums, self._static_argnames)
+        if split is None:
+            return self, args, kwargs, None
+        with self._lock:
+            if self._graph is None:
+                self._graph = Optimized(
+                    nnx_state.pure_function(self._fn),
+                    kernel=self._kernel,
+                    platform=self._platform,
+                    interpret=self._interpret,
+                    static_argnums=(0, *(i + 2 for i in self._static_argnums)),
+                    static_argnames=tuple(self._static_argnames),
+                    cache_size=self._cache_size,
+                    strict=self._strict,
+                )
+                self._graph._routes = False
+        return self._graph, (split.graphdef, split.state, *split.args), split.kwargs, split
 
     @property
     def reports(self) -> tuple[Report, ...]:
@@ -159,7 +230,8 @@ class Optimized:
         (e.g. ``reports[-1]`` after a call inside ``vmap`` or ``shard_map``,
         where the signature is the per-example or per-shard one)."""
         with self._lock:
-            return tuple(e.report for e in self._cache.values())
+            graph = self._graph.reports if self._graph is not None else ()
+            return graph + tuple(e.report for e in self._cache.values())
 
     def cache_info(self) -> dict:
         return {"size": len(self._cache), "max_size": self._cache_size, "traces": self.traces}
@@ -169,6 +241,8 @@ class Optimized:
         with self._lock:
             self._cache.clear()
             self._jitted.clear_cache()
+            if self._graph is not None:
+                self._graph.clear_cache()
         release_freed_memory()
 
     def __get__(self, obj, objtype=None):
@@ -229,6 +303,10 @@ class Optimized:
             strict=self._strict,
             zigzag=self._zigzag,
         )
+
+    def _name(self) -> str:
+        name = getattr(self._fn, "__qualname__", None)
+        return name if isinstance(name, str) else "function"
 
     def __repr__(self) -> str:
         name = getattr(self._fn, "__qualname__", repr(self._fn))
@@ -338,6 +416,17 @@ class Optimized:
             full_args, full_kwargs = rebuild(d_args, d_kwargs)
             return self._fn(*full_args, **full_kwargs)
 
+        # Tracing errors name the user's function and argument paths, not flat_fn.
+        example_args, example_kwargs = rebuild(*jax.tree_util.tree_unflatten(in_tree, avals))
+        compat.trace_as(
+            flat_fn,
+            self._fn,
+            example_args,
+            example_kwargs,
+            self._static_argnums,
+            self._static_argnames,
+            len(avals),
+        )
         closed, out_shape = pipeline.trace(flat_fn, avals)
         out_tree = jax.tree_util.tree_structure(out_shape)
         platform = self._platform or current_platform()
@@ -349,10 +438,33 @@ class Optimized:
                 interpret=self._interpret,
                 zigzag=self._zigzag,
             )
-        name = getattr(self._fn, "__qualname__", "function")
-        pipeline.log_report(report, name)
-        pipeline.dump(name, closed, rewritten, report)
+        pipeline.dump(self._name(), closed, rewritten, report)
         return _Entry(closed, rewritten, out_tree, report)
+
+
+@dataclasses.dataclass(frozen=True)
+class _PlatformErrors:
+    """``self(host)``: the error for running a program built for ``built_for``
+    (with ``kernels``) on ``host``, or None where they all run there (also the
+    guard's lowering check, `compat.platform_guard`)."""
+
+    name: str
+    built_for: str
+    interpret: bool
+    kernels: tuple
+
+    def runs_on(self, host: str) -> bool:
+        return self(host) is None
+
+    def __call__(self, host: str):
+        foreign = {}
+        for kernel in self.kernels:
+            interpretable = host in kernel.interpret_platforms
+            if host not in kernel.platforms and not (self.interpret and interpretable):
+                foreign[kernel.name] = interpretable
+        if not foreign:
+            return None
+        return errors.platform_mismatch(self.name, self.built_for, host, foreign)
 
 
 class _BoundMethod:
@@ -449,6 +561,13 @@ def _leaf_path(in_tree, index) -> str:
         if leaf == index:
             return jax.tree_util.keystr(path)
     return f"#{index}"
+
+
+def _traced(args, kwargs) -> bool:
+    """Whether the call is being traced (e.g. under an outer ``jit`` or
+    ``jax.export``, which may lower for another platform than this host)."""
+    leaves = jax.tree_util.tree_leaves((args, kwargs))
+    return any(compat.is_tracer(x) for x in leaves)
 
 
 def _holds_tracers(consts) -> bool:

@@ -19,7 +19,7 @@ from flashpass.patterns.softcap import fold_softcap
 from .graph import Scope
 from .roles import UNIT
 from .site import ExtraSource, Layout, present_roles
-from .spec import Causal, excludes, fill_after
+from .spec import Bias, Causal, excludes, fill_after
 
 
 class SiteBuilder:
@@ -99,10 +99,16 @@ class SiteBuilder:
     def score_masks(self):
         """What `patterns.probabilities` needs to prove a re-mask of the
         probabilities equal to the scores' masks (see `ScoreMasks`)."""
-        fills = [
-            excludes(fill_after(op.fill, self.ops[i + 1 :]))
+        final = tuple(
+            fill_after(op.fill, self.ops[i + 1 :])
             for i, op in enumerate(self.ops)
             if hasattr(op, "fill")
-        ]
-        exact = all(fills) and not self.other_exclusions
-        return ScoreMasks(tuple(self.mask_steps), exact=exact, sink=self.sink)
+        )
+        exact = all(excludes(f) for f in final) and not self.other_exclusions
+        return ScoreMasks(
+            tuple(self.mask_steps),
+            exact=exact,
+            sink=self.sink,
+            final_fills=final,
+            dense_bias=any(isinstance(op, Bias) for op in self.ops),
+        )

@@ -54,3 +54,27 @@ def describe(err: BaseException) -> str:
     """``"TypeError: first line of the message"`` (bounded)."""
     message = (str(err).strip().splitlines() or [""])[0]
     return f"{type(err).__name__}: {message}"[:400]
+
+
+class PlatformError(RuntimeError):
+    """An optimized program was built for another platform than the one it is
+    called on (``optimize(fn, platform="gpu")`` on a CPU host): its kernels
+    cannot run here.  The message names both platforms and how to get a
+    program that runs."""
+
+
+def platform_mismatch(name: str, built_for: str, host: str, kernels: dict) -> PlatformError:
+    """The error for calling ``name``, built for ``built_for``, on ``host``.
+
+    ``kernels`` maps each kernel that cannot run here to whether
+    ``interpret=True`` would let it (Pallas kernels in interpret mode).
+    """
+    names = ", ".join(sorted(kernels))
+    ways = [f"optimize it for this host (platform={host!r}, or no platform=)"]
+    if all(kernels.values()):
+        ways.append(f"pass interpret=True to run {names} in interpret mode on {host} (slow)")
+    return PlatformError(
+        f"{name} was optimized for platform={built_for!r} and its attention runs {names}, "
+        f"which cannot run on this {host} host. To run it here, " + ", or ".join(ways) + ". "
+        "explain() still shows the program it builds."
+    )

@@ -161,7 +161,36 @@ def match_site(scope: Scope, soft) -> AttentionSite | Escaped | Miss:
             return site
         if fallback is None or (not fallback and site):
             fallback = site
+    if isinstance(fallback, Miss) and fallback.reason.startswith(PV_CONTRACTS_QUERY):
+        better = _users_roles_miss(scope, soft, chain, positions[soft.axis])
+        return fallback if better is None else better  # (a Miss is falsy)
     return fallback
+
+
+PV_CONTRACTS_QUERY = "P·V contracts the query axis"
+
+
+def _users_roles_miss(scope: Scope, soft, chain, key_axis: int) -> Miss | None:
+    """The miss of the reading that keeps the user's roles, when it explains more.
+
+    The softmax axis names the key operand.  A softmax over the query axis of
+    ``q·kᵀ`` (``axis=-2``) therefore reads ``q`` as the key, and that reading
+    fails later, at P·V, with a message about the wrong thing.  Read with the
+    first operand as the query (as written), the site fails where the user's
+    mistake is: the softmax axis."""
+    dot = chain.dot
+    (lc, rc), (lb, rb) = dot.params["dimension_numbers"]
+    nb = len(lb)
+    lfree = len(scope.shape(dot.ins[0])) - len(lc) - nb
+    rfree = len(scope.shape(dot.ins[1])) - len(rc) - len(rb)
+    if not nb <= key_axis < nb + lfree or rfree != 1:
+        return None  # the key already is the second operand
+    readings = score_products(scope, dot, nb + lfree)
+    for sp in readings or ():
+        site = _build_site(scope, soft, chain, sp)
+        if isinstance(site, Miss) and site.reason.startswith("softmax is over the query axis"):
+            return site
+    return None
 
 
 def _build_site(scope: Scope, soft, chain, sp) -> AttentionSite | Miss:
@@ -178,9 +207,13 @@ def _build_site(scope: Scope, soft, chain, sp) -> AttentionSite | Miss:
     ops, extras, roles = build.ops, build.extras, build.roles
 
     if roles[soft.axis] != "S":
+        fix = ""
+        if "S" in roles:  # say which axis to normalise over instead
+            axis = roles.index("S") - len(roles)
+            fix = f"; normalise over the key axis, the one P·V contracts (axis={axis})"
         return Miss(
             f"softmax is over the {_role_name(roles[soft.axis])} axis, not the key axis"
-            f"{where(soft.exp)}",
+            f"{where(soft.exp)}{fix}",
             soft.exp,
         )
     # A deferred sum (and the cast widening it) already belongs to the site.
@@ -239,7 +272,7 @@ def _build_site(scope: Scope, soft, chain, sp) -> AttentionSite | Miss:
         extras=tuple(ExtraSpec(shape, e.dtype) for shape, e in _ops_extras(ops, extras, layout)),
     )
     pieces = [type(op).__name__.lower() for op in ops]
-    if layout.grouped:
+    if layout.grouped and layout.sizes["G"] > 1:  # a unit group is plain attention
         pieces.insert(0, "grouped")
     site = AttentionSite(
         scope_prefix=scope.prefix,

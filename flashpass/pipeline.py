@@ -27,7 +27,7 @@ import numpy as np
 
 from flashpass.kernels import CheckContext
 
-from . import compat, errors
+from . import compat, errors, layers
 from .graph import build_scopes
 from .match import match_scopes
 from .ops import KINDS
@@ -76,7 +76,9 @@ def match(scopes, where_is: dict) -> _Matched:
             )
             found.errors.append(error)
         else:
-            found.fallbacks.append(Fallback(miss.location, miss.reason, scope_name))
+            found.fallbacks.append(
+                Fallback(miss.location, miss.reason, scope_name, layer=layers.layer_of(miss.node))
+            )
     return found
 
 
@@ -100,6 +102,7 @@ def choose_kernels(sites, kernels, ctx: CheckContext, interpret: bool, where_is:
                     where_is[scope.prefix],
                     site.pattern,
                     rejections,
+                    layer=layers.layer_of(site.root),
                 )
             )
             continue
@@ -182,7 +185,13 @@ def _kept(report: Report, p: Placed, where_is: dict) -> None:
         )  # fmt: skip
         report.errors.append(error)
     else:
-        fallback = Fallback(site.location, p.placement.reason, scope_name, site.pattern)
+        fallback = Fallback(
+            site.location,
+            p.placement.reason,
+            scope_name,
+            site.pattern,
+            layer=layers.layer_of(site.root),
+        )
         report.fallbacks.append(fallback)
 
 
@@ -248,7 +257,7 @@ def _rewrite_entry(placed: Placed, scope_name: str) -> Rewrite:
         kernel="ring" if ring else p.kernel.name,  # a sequence-sharded site (ring.py)
         ring_steps=ring_steps,
         location=p.site.location,
-        q_shape=p.site.q.shape,
+        q_shape=layers.shown_shape(p.site.q, p.site.layout),
         k_shape=p.site.k.shape,
         v_shape=p.site.v.shape,
         dtype=np.dtype(spec.q_dtype).name,
@@ -260,6 +269,8 @@ def _rewrite_entry(placed: Placed, scope_name: str) -> Rewrite:
         spec=spec.describe(),
         rejected=dict(p.rejected),
         backward=p.site.backward is not None,
+        layer=layers.layer_of(p.site.root),
+        dropout=spec.dropout is not None,
     )
 
 

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from typing import Any
+
+from .layers import display_path
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,6 +34,13 @@ class Rewrite:
     #: A ring (``kernel == "ring"``): the kernels its steps run, e.g.
     #: ``"blockwise"``, ``"splash, plain JAX"`` (`flashpass.ring.cases`).
     ring_steps: str = ""
+    #: Which layer of the model: the JAX name stack of the site (Flax module
+    #: paths, ``jax.named_scope``), e.g. ``"Model/decoder/layers_3/attn"``, else
+    #: the nearest line of the user's own code (`flashpass.layers`).
+    layer: str = ""
+    #: True when the site applies dropout to the attention weights (the kernel
+    #: regenerates the program's own keep-mask).
+    dropout: bool = False
 
     @property
     def passes(self) -> str:
@@ -49,6 +59,8 @@ class Fallback:
     scope: str
     pattern: str | None = None
     rejections: dict = dataclasses.field(default_factory=dict)  # kernel -> [reasons]
+    #: Which layer of the model (as `Rewrite.layer`); "" when unknown.
+    layer: str = ""
 
     def to_dict(self) -> dict:
         return _jsonable(dataclasses.asdict(self))
@@ -114,18 +126,20 @@ class Report:
         if self.rewrites:
             # The passes column appears for differentiated programs only.
             trained = any(r.backward for r in self.rewrites)
-            rows = [("#", "kernel", "location", "q / k / v", "dtype", "mask", "bias", "scale")]
-            rows[0] += ("passes",) if trained else ()
+            rows = [("#", "kernel", "layer", "location", "q / k / v", "dtype", "mask", "bias")]
+            rows[0] += ("dropout", "scale") + (("passes",) if trained else ())
             for i, r in enumerate(self.rewrites):
                 rows.append(
                     (
                         str(i),
                         r.kernel + (f" ({r.ring_steps})" if r.ring_steps else ""),
-                        _short(r.location),
+                        r.layer or "?",
+                        display_path(r.location),
                         f"{_dims(r.q_shape)} / {_dims(r.k_shape)} / {_dims(r.v_shape)}",
                         r.dtype,
                         r.mask,
                         "yes" if r.bias else "no",
+                        "yes" if r.dropout else "no",
                         f"{r.scale:.4g}",
                     )
                     + ((r.passes,) if trained else ())
@@ -134,20 +148,25 @@ class Report:
         if self.fallbacks:
             lines += ["", "kept as written:"]
             for i, f in enumerate(self.fallbacks):
-                lines.append(f"  [{i}] {_short(f.location)}: {f.reason}")
+                reason = _display_paths(f.reason)
+                where = display_path(f.location)
+                where = f"{f.layer} ({where})" if f.layer and f.layer != where else where
+                lines.append(f"  [{i}] {where}: {reason}")
                 for kernel, reasons in f.rejections.items():
-                    for reason in reasons:
-                        lines.append(f"        {kernel}: {reason}")
+                    for other in reasons:  # only what the reason above does not say
+                        if _display_paths(other) not in reason:
+                            lines.append(f"        {kernel}: {_display_paths(other)}")
         if self.errors:
             lines += ["", "internal errors (kept as written; a flashpass bug, please report):"]
             for i, e in enumerate(self.errors):
-                lines.append(f"  [{i}] {_short(e.location)}: {e.stage} failed: {e.error}")
+                error = _display_paths(e.error)
+                lines.append(f"  [{i}] {display_path(e.location)}: {e.stage} failed: {error}")
         declined = [(i, r) for i, r in enumerate(self.rewrites) if r.rejected]
         if declined:
             lines += ["", "kernels tried first:"]
             for i, r in declined:
                 for kernel, reasons in r.rejected.items():
-                    lines.append(f"  [{i}] {kernel}: {reasons[0]}")
+                    lines.append(f"  [{i}] {kernel}: {_display_paths(reasons[0])}")
         return "\n".join(lines)
 
     def __repr__(self) -> str:
@@ -159,12 +178,13 @@ def _dims(shape) -> str:
     return "x".join(str(d) for d in shape)
 
 
-def _short(location: str | None) -> str:
-    if not location:
-        return "?"
-    path, _, line = location.rpartition(":")
-    parts = path.replace("\\", "/").split("/")
-    return "/".join(parts[-2:]) + ":" + line
+#: An absolute ``path.py:LINE`` inside a reason (`matcher.where` writes them).
+_LOCATION = re.compile(r"(?:[A-Za-z]:)?[\\/][^\s:`'\"]*?\.py:\d+")
+
+
+def _display_paths(text: str) -> str:
+    """``text`` with each source location shown as `display_path` shows it."""
+    return _LOCATION.sub(lambda m: display_path(m.group(0)), text)
 
 
 def _table(rows) -> list[str]:

@@ -1,7 +1,8 @@
 """Helpers for users' own test suites.
 
 * `assert_rewrites(fn, *args, count=..., kernel=...)` — the sites you expect
-  are rewritten (with the report in the failure message).
+  are rewritten, with ``kernel`` (chosen for a plain ``fn``); the report is in
+  the failure message.
 * `assert_golden(fn, *args, path=...)` — pin the rewritten jaxpr of your model
   in a checked-in file; when a JAX upgrade stops a rewrite, the diff and the
   report say so.  ``FLASHPASS_UPDATE_GOLDENS=1`` rewrites the files.
@@ -44,13 +45,23 @@ def assert_rewrites(
     optimize_kwargs: dict | None = None,
     **kwargs,
 ) -> Report:
-    """Assert that ``fn(*args, **kwargs)`` has ``count`` rewritten sites (all
-    with ``kernel`` if given, and exactly ``fallbacks`` kept sites if given).
+    """Assert that ``fn(*args, **kwargs)`` has ``count`` rewritten sites (at
+    least one if ``count`` is None), and exactly ``fallbacks`` kept sites if given.
 
-    ``fn`` may be an optimized function or a plain one (then
-    ``optimize(fn, **optimize_kwargs)`` is used).  Returns the `Report`.
+    ``fn`` is a plain function (then ``optimize(fn, kernel=kernel,
+    **optimize_kwargs)`` is used: ``kernel`` *chooses* the kernel, as in
+    ``optimize``, and every site must use it) or an optimized one (whose own
+    ``kernel=`` chose; ``kernel`` here then checks that every site uses it).
+    Returns the `Report`.
     """
-    opt = _optimized(fn, optimize_kwargs or {})
+    settings = dict(optimize_kwargs or {})
+    if kernel is not None and not isinstance(fn, Optimized | _BoundMethod):
+        if settings.get("kernel", kernel) != kernel:
+            raise TypeError(
+                f"kernel={kernel!r} and optimize_kwargs['kernel']={settings['kernel']!r} differ"
+            )
+        settings["kernel"] = kernel
+    opt = _optimized(fn, settings)
     report = opt.explain(*args, **kwargs)
     problems = []
     if count is not None and len(report.rewrites) != count:
@@ -67,6 +78,12 @@ def assert_rewrites(
     if sum(calls.values()) != len(report.rewrites):
         problems.append(
             f"the report lists {len(report.rewrites)} rewrites but the jaxpr has {calls}"
+        )
+    chosen = getattr(opt, "_kernel", None)
+    if problems and opt is fn and kernel is not None and chosen != kernel:
+        problems.append(
+            f"fn was optimized with kernel={chosen!r}, so kernel={kernel!r} here only checks; "
+            "pass the plain function to choose the kernel"
         )
     if problems:
         raise AssertionError("; ".join(problems) + "\n" + str(report))

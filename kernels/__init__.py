@@ -41,6 +41,7 @@ __all__ = [
     "kernel_names",
     "register_kernel",
     "unregister_kernel",
+    "BlockwiseKernel",
 ]
 
 #: name -> "module:Class" of the built-in adapters, imported lazily so that a
@@ -108,3 +109,13 @@ def get_kernel(name: str) -> Kernel:
 def default_order(platform: str) -> tuple[str, ...]:
     """The kernels tried by default on ``platform``."""
     return DEFAULT_ORDER.get(platform, ("blockwise",))
+
+
+def __getattr__(name: str):
+    """The built-in adapter classes by name (``from flashpass.kernels import
+    BlockwiseKernel``), imported on first use like the kernels themselves."""
+    for path in _BUILTIN.values():
+        module, cls = path.split(":")
+        if cls == name:
+            return getattr(importlib.import_module(f"{__name__}.{module}"), cls)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

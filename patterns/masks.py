@@ -124,10 +124,12 @@ def additive_mask(scope, prof: Profile, sign: int, roles):
     """A bias that is a *constant* additive mask ``select(pred, 0, -huge)``
     (Hugging Face's causal attention bias), as (pred Profile, keep_when, fill).
 
-    Only constant masks whose factors are causal: every row then keeps a key, so
-    ``s + fill`` and ``where(pred, s, fill)`` agree in value *and* gradient.  A
-    data-dependent (padding) bias stays a `Bias`: for a fully padded row the
-    original's gradient flows through ``s + fill``, which a mask would not do.
+    Constant masks whose factors are causal: every row then keeps a key, so
+    ``s + fill`` and ``where(pred, s, fill)`` agree in value *and* gradient.
+    Any mask with a fill of exactly ``-inf``: a fully masked row is NaN in the
+    original.  Another data-dependent (padding) bias stays a `Bias`: for a
+    fully padded row the original's gradient flows through ``s + fill``, which
+    a mask would not do.
     """
     if sign < 0:
         return None
@@ -135,6 +137,11 @@ def additive_mask(scope, prof: Profile, sign: int, roles):
     if found is None:
         return None
     pred, keep_when, fill = found
+    if fill == float("-inf"):
+        # Exactly -inf (PyTorch's boolean ``attn_mask`` made additive): both
+        # spellings give excluded keys weight 0 and zero gradient; a row with
+        # every key excluded is NaN in the original, value and gradient.
+        return found
     for factor in and_factors(scope, pred):
         kind = classify(scope, factor, roles, keep_when=keep_when, fill=fill)
         if kind != "all" and not isinstance(kind, Causal):

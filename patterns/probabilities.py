@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 
 import jax.numpy as jnp
+import numpy as np
 
 from flashpass import compat
 from flashpass.graph import Scope
@@ -26,6 +27,7 @@ from .common import ESCAPE_HINT, Miss, profile, scalar_value, where
 from .dropout import match_dropout
 from .regroup import PRIMS as REGROUP_PRIMS
 from .regroup import UNIT, regroup
+from .softmax import safe_softmax_guard
 
 #: Primitives whose presence marks a value as random (dropout masks).
 RANDOM_PRIMS = frozenset(
@@ -71,6 +73,10 @@ class ScoreMasks:
     #: "end"/"start": the scores carry a sink column there (`patterns.sinks`),
     #: which a ``slice`` must drop before ``P·V``.
     sink: str | None = None
+    #: The final score of every key-excluding op (its fill after later ops).
+    final_fills: tuple = ()
+    #: Whether a dense bias is added to the scores (its values may be ``-inf``).
+    dense_bias: bool = False
 
 
 def _factor_keys(scope: Scope, prof, roles, keep_when: bool):
@@ -162,7 +168,13 @@ def walk_probabilities(
             atom = node.out
             continue
         if node.prim == "select_n" and not _is_random(scope, node.ins[0]):
-            remask = _remask(scope, node, pos, roles, masks)
+            guard = safe_softmax_guard(scope, node, pos)
+            if isinstance(guard, Miss):
+                return guard
+            nodes |= guard
+            remask = (
+                _guarded_rows(node, masks) if guard else _remask(scope, node, pos, roles, masks)
+            )
             if isinstance(remask, Miss):
                 return remask
             if remask != "noop":
@@ -193,7 +205,8 @@ def walk_probabilities(
             if prof.axes[roles.index("S")] is not None:
                 return Miss(
                     f"the probabilities are scaled by a tensor that varies along the key "
-                    f"axis{where(node)}",
+                    f"axis{where(node)}; scale v by it instead (P·(w·v) is the same product), "
+                    "or, for a per-key weight of the softmax, add its log to the scores",
                     node,
                 )
             axes = {r: a for r, a in zip(roles, prof.axes, strict=True) if r != UNIT}
@@ -267,13 +280,41 @@ def _remask(scope: Scope, node, pos: int, roles: list, masks: ScoreMasks):
         have |= _factor_keys(scope, step.profile, step_roles, step.keep_when)
     if wanted != have:
         return Miss(
-            f"the probabilities are masked by a mask that did not mask the scores{where(node)}",
+            f"the probabilities are masked by a mask that did not mask the scores{where(node)}; "
+            "mask the scores before the softmax instead (`jnp.where(mask, s, -jnp.inf)`), "
+            "which also renormalises each row (the weights masked after it do not sum to 1)",
             node,
         )
     if not masks.exact:
         return Miss(f"probabilities re-masked after a non-excluding mask{where(node)}", node)
     # Causal factors alone keep key 0 in every row: no row is fully masked.
     return "noop" if all(k[0] == "causal" for k in have) else "rows"
+
+
+def _guarded_rows(node, masks: ScoreMasks):
+    """What PyTorch's safe-softmax guard zeroes, in terms of the score ops.
+
+    It zeroes the rows whose final scores are all ``-inf``.  Scores are finite
+    except where a key-excluding op put its fill (the assumption the masks'
+    fills already make), so: no ``-inf`` fill, no such row ("noop"); every
+    fill ``-inf``, exactly the rows the ops exclude entirely ("rows").  A
+    dense bias may hold ``-inf`` itself and a mix of fills is not one of the
+    two: those sites are kept."""
+    if masks.dense_bias:
+        return Miss(
+            "the safe-softmax guard follows a dense score bias, which may itself hold "
+            f"-inf{where(node)}",
+            node,
+        )
+    fills = set(masks.final_fills)
+    if all(np.isfinite(f) for f in fills):
+        return "noop"
+    if fills == {float("-inf")}:
+        return "rows"
+    return Miss(
+        f"the safe-softmax guard follows masks with both -inf and finite fills{where(node)}",
+        node,
+    )
 
 
 def _is_batch_scale(scope: Scope, node, pos: int, roles: list) -> bool:

@@ -283,3 +283,106 @@ def _peeled_nodes(scope: Scope, atom, base) -> set:
         out.add(node)
         atom = scope.resolve(node.ins[0])
     return out
+
+
+# --------------------------------------------------------------------------- safe softmax
+
+#: Ops a value keeps its identity through on the way to the guard.
+_CASTS = ("convert_element_type", "copy", "copy_p")
+
+
+def safe_softmax_guard(scope: Scope, node: Node, pos: int) -> set | Miss:
+    """Whether ``node`` is PyTorch's safe-softmax guard on the probabilities.
+
+    ``where(all(s == -inf, axis, keepdims), 0, softmax(s, axis))`` (PyTorch's
+    ``_safe_softmax``, what ``scaled_dot_product_attention`` lowers to) zeroes
+    the rows whose scores are all ``-inf``.  Proven here: ``node`` is a
+    ``select_n`` whose probabilities operand (at ``pos``) is exactly the
+    normalised softmax of ``s``, whose other operand is 0, and whose predicate
+    is ``reduce_and(s == -inf)`` over the softmax axis of that same ``s``,
+    broadcast back along that axis only.  Returns the guard's equations (the
+    predicate's), or an empty set: not this guard.  Which rows the guard
+    zeroes in terms of the score ops is decided by the caller.
+    """
+    no: set = set()
+    if node.prim != "select_n" or len(node.ins) != 3 or pos == 0:
+        return no
+    pred, *cases = node.ins
+    shape = scope.shape(node.out)
+    zero = profile(scope, cases[2 - pos], shape)
+    if not zero.is_scalar or scalar_value(scope, zero.base) != 0.0:
+        return no
+    softmax = _softmax_of(scope, cases[pos - 1])
+    if softmax is None:
+        return no
+    found = _row_reduction(scope, pred, shape)
+    if found is None:
+        return no
+    reduce_node, when, axes, nodes = found
+    eq = scope.producer(reduce_node.ins[0])
+    if reduce_node.prim == "reduce_or":  # not(any(not(s == -inf))), De Morgan's all
+        if eq is None or eq.prim != "not":
+            return no
+        nodes.add(eq)
+        eq, when = scope.producer(eq.ins[0]), not when
+    if when != (pos == 1):  # the guard's true branch must be the zero
+        return no
+    if tuple(reduce_node.params["axes"]) != (softmax.axis,):
+        return no
+    # Broadcast back along the key axis only, the other axes in order.
+    for t, a in enumerate(axes):
+        expected = None if t == softmax.axis else (t if t < softmax.axis else t - 1)
+        if a != expected and not (a is None and shape[t] == 1):
+            return no
+    if eq is None or eq.prim != "eq":
+        return no
+    for i in (0, 1):
+        other = profile(scope, eq.ins[1 - i], scope.shape(eq.out))
+        if (
+            scope.resolve(eq.ins[i]) == scope.resolve(softmax.s_in)
+            and other.is_scalar
+            and scalar_value(scope, other.base) == float("-inf")
+        ):
+            return {eq, reduce_node, *nodes}
+    return Miss(
+        f"a guard on the probabilities tests other scores than the softmax's{where(node)}", node
+    )
+
+
+def _row_reduction(scope: Scope, pred, shape):
+    """``(reduce_and/or node, polarity, axes, nodes)``: ``pred`` is that
+    reduction (polarity True) or its negation, broadcast to ``shape`` with
+    ``axes`` (target axis -> reduction output axis), through ``nodes``."""
+    nodes: set = set()
+    polarity = True
+    prof = profile(scope, pred, shape)
+    nodes |= _peeled_nodes(scope, pred, prof.base)
+    axes = prof.axes
+    while (node := scope.producer(prof.base)) is not None and node.prim == "not":
+        nodes.add(node)
+        polarity = not polarity
+        inner = profile(scope, node.ins[0], scope.shape(node.out))
+        nodes |= _peeled_nodes(scope, node.ins[0], inner.base)
+        axes = tuple(None if a is None else inner.axes[a] for a in axes)
+        prof = inner
+    if node is None or node.prim not in ("reduce_and", "reduce_or"):
+        return None
+    return node, polarity, axes, nodes
+
+
+def _softmax_of(scope: Scope, p) -> Softmax | None:
+    """The softmax whose normalised output ``p`` is (through casts), else None."""
+    atom = scope.resolve(p)
+    while (node := scope.producer(atom)) is not None and node.prim in _CASTS:
+        atom = scope.resolve(node.ins[0])
+    if node is None or node.prim not in ("div", "mul"):
+        return None
+    e = scope.resolve(node.ins[0])
+    while (exp := scope.producer(e)) is not None and exp.prim in _CASTS:
+        e = scope.resolve(exp.ins[0])
+    if exp is None or exp.prim != "exp":
+        return None
+    found = match_softmax(scope, exp)
+    if isinstance(found, Miss) or found.deferred is not None:
+        return None
+    return found if scope.resolve(found.out) == atom else None

@@ -20,6 +20,18 @@ def _is_float(x) -> bool:
     return jnp.issubdtype(jnp.result_type(x), jnp.floating)
 
 
+def _other(x, i: int):
+    """A second batch entry unlike ``x``, for argument ``i``: a floating array
+    rolled by ``i + 1`` along its last axis (a different shift per argument, so
+    q . k changes too; masks and biases stay masks and biases, with the same
+    number of kept keys per row); other arrays (ids, booleans) unchanged.  A
+    kernel that mixes up the two entries then computes something else."""
+    x = jnp.asarray(x)
+    if not _is_float(x) or x.ndim == 0:
+        return x
+    return jnp.roll(x, i + 1, axis=-1)
+
+
 def _mesh():
     return jax.make_mesh((1,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
 
@@ -52,7 +64,9 @@ def in_context(context: str, f, args, *, grad_argnums=None, batched=None):
         return jax.grad(loss, argnums=grad_argnums)(*args)
     if context == "vmap":
         stacked = [
-            jax.tree_util.tree_map(lambda x: jnp.stack([x, x]), a) if i in batched else a
+            jax.tree_util.tree_map(lambda x, i=i: jnp.stack([x, _other(x, i)]), a)
+            if i in batched
+            else a
             for i, a in enumerate(args)
         ]
         axes = tuple(0 if i in batched else None for i in range(len(args)))

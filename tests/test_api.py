@@ -144,6 +144,17 @@ def test_logging_once_per_signature(rng, caplog):
     assert len(lines) == 1 and "rewrote attention" in lines[0] and "reference" in lines[0]
 
 
+def test_explain_logs_nothing_until_the_program_runs(rng, caplog):
+    opt = flashpass.optimize(spellings.matmul_bnth, kernel="reference")
+    args = spellings.bnth(rng)
+    with caplog.at_level(logging.INFO, logger="flashpass"):
+        assert opt.explain(*args).rewrites
+        assert not [r for r in caplog.records if r.name == "flashpass"]
+        jax.jit(opt)(*args)
+    lines = [r.getMessage() for r in caplog.records if r.name == "flashpass"]
+    assert len(lines) == 1 and "rewrote attention" in lines[0], lines
+
+
 # ------------------------------------------------------------------ bad input
 
 

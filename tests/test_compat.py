@@ -317,8 +317,19 @@ def test_pallas_tpu_flash_attention_module():
 
 
 def test_pallas_tpu_interpret_mode():
+    """Inside the context a Pallas TPU kernel runs on this host (interpreted)."""
+    from jax.experimental import pallas as pl
+
+    def add_one(x_ref, o_ref):
+        o_ref[...] = x_ref[...] + 1.0
+
+    x = jnp.arange(8 * 128, dtype=jnp.float32).reshape(8, 128)
     with uses("jax.experimental.pallas.tpu.force_tpu_interpret_mode"), compat.tpu_interpret_mode():
-        pass
+        out = pl.pallas_call(add_one, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype))(x)
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(x) + 1.0)
+    if jax.default_backend() == "cpu":  # outside it, a CPU host cannot run the kernel
+        with pytest.raises(Exception):  # noqa: B017 (the error's type varies by version)
+            pl.pallas_call(add_one, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype))(x)
 
 
 def test_splash_attention_module():
@@ -377,6 +388,126 @@ def test_cuda_versions():
         importlib.import_module("jax._src.lib").cuda_versions  # noqa: B018 - None without CUDA
         version = compat.cudnn_version()
         assert version is None or version > 0
+
+
+def test_nnx_graph_state():
+    """Flax NNX's split/merge/state/update, as flashpass/nnx_state.py uses them."""
+    nnx = pytest.importorskip("flax.nnx")
+    with uses("flax.nnx split/merge/state/update and graph.is_graph_node"):
+        model = nnx.Linear(2, 3, rngs=nnx.Rngs(0))
+        assert compat.is_graph_node(model) and not compat.is_graph_node(jnp.ones(2))
+        assert compat.is_graph_object(model) and not compat.is_graph_object(model.bias)
+        assert not compat.is_graph_object(nnx.state(model))
+        graphdef, state = compat.split_nodes((model,))
+        (fresh,) = compat.merge_nodes(graphdef, state)
+        assert fresh is not model
+        fresh.bias[...] = jnp.ones(3)
+        compat.update_nodes((model,), compat.node_state((fresh,)))
+        np.testing.assert_array_equal(np.asarray(model.bias[...]), np.ones(3))
+        assert hash(graphdef) == hash(compat.split_nodes((model,))[0])
+
+
+def test_trace_as_names_the_function():
+    """jax._src.api_util.debug_info / save_wrapped_fun_debug_info: a wrapper
+    over flat leaves traces under the user's function's name and argument paths."""
+
+    def user(x, y):
+        return x + float(y["b"])  # concretization error on y['b']
+
+    def flat(*leaves):
+        return user(leaves[0], {"b": leaves[1]})
+
+    with uses("jax._src.api_util.debug_info / save_wrapped_fun_debug_info"):
+        compat.trace_as(flat, user, (1.0, {"b": 2.0}), {}, (), (), 2)
+    with pytest.raises(Exception) as info:
+        jax.make_jaxpr(flat)(1.0, 2.0)
+    assert "user at" in str(info.value) and "y['b']" in str(info.value), str(info.value)
+
+
+def test_platform_guard():
+    """jax.extend.core.Primitive with mlir.register_lowering(platform=...),
+    ad.primitive_jvps and batching.primitive_batchers: the guard is the
+    identity where it may run and raises the caller's error where it may not."""
+
+    class Refused(Exception):
+        pass
+
+    def refused(platform):
+        return Refused(platform)
+
+    host = {"cuda": "gpu", "rocm": "gpu"}.get(jax.default_backend(), jax.default_backend())
+    x = jnp.arange(3.0)
+    with uses("jax.extend.core.Primitive / jax.interpreters.mlir, ad, batching"):
+        ok = jax.jit(lambda x: compat.platform_guard(x, (host,), refused) * 2)
+        np.testing.assert_array_equal(np.asarray(ok(x)), np.arange(3.0) * 2)
+        grad = jax.grad(lambda x: compat.platform_guard(x, (host,), refused).sum())(x)
+        np.testing.assert_array_equal(np.asarray(grad), np.ones(3))
+        batched = jax.vmap(lambda x: compat.platform_guard(x, (host,), refused))(x[:, None])
+        assert batched.shape == (3, 1)
+    elsewhere = tuple(p for p in ("cpu", "gpu", "tpu") if p != host)
+    with pytest.raises(Refused, match=host):
+        jax.jit(lambda x: compat.platform_guard(x, elsewhere, refused))(x)
+
+
+# --------------------------------------------------------------------------- StableHLO, Exported
+
+
+def _small_export():
+    return jax.export.export(jax.jit(lambda x, y: jnp.sin(x) @ y))(
+        jax.ShapeDtypeStruct((2, 3), jnp.float32), jax.ShapeDtypeStruct((3, 4), jnp.float32)
+    )
+
+
+def test_export_mlir_context_and_parsing():
+    exp = _small_export()
+    with uses("jax._src.interpreters.mlir.make_ir_context / jax.extend.mlir"):
+        context = compat.mlir_context()
+        from_text = compat.parse_module(exp.mlir_module(), context)
+        from_artifact = compat.parse_module(exp.mlir_module_serialized, context)
+        from_bytecode = compat.parse_module(compat.module_bytecode(from_text), context)
+        for module in (from_text, from_artifact, from_bytecode):
+            assert "stablehlo.dot_general" in str(module)
+
+
+def test_export_dialect_bindings():
+    exp = _small_export()
+    with uses("jax.extend.mlir.dialects.stablehlo / jaxlib.mlir.dialects.func"):
+        ir, sh = compat.ir_module(), compat.stablehlo_dialect()
+        module = compat.parse_module(exp.mlir_module(), compat.mlir_context())
+        main = next(iter(module.body.operations))
+        dot = next(op for op in main.regions[0].blocks[0] if op.name == "stablehlo.dot_general")
+        numbers = sh.DotDimensionNumbers(dot.attributes["dot_dimension_numbers"])
+        assert list(numbers.lhs_contracting_dimensions) == [1]
+        assert isinstance(ir.RankedTensorType(dot.results[0].type).shape, list)
+        assert compat.func_dialect().ReturnOp is not None
+
+
+def test_export_module_to_artifact():
+    exp = _small_export()
+    with uses("jax._src.export._export._module_to_bytecode"):
+        module = compat.parse_module(exp.mlir_module(), compat.mlir_context())
+        data = compat.module_to_artifact(module)
+        assert data.startswith(b"ML\xefR")
+        assert "stablehlo.sine" in str(compat.parse_module(data, compat.mlir_context()))
+
+
+def test_exported_from_module_and_vjp():
+    exp = _small_export()
+    with uses("dataclasses.replace on jax.export.Exported (its private fields)"):
+        built = compat.exported_from_module(
+            exp.mlir_module_serialized,
+            fun_name="built",
+            in_avals=exp.in_avals,
+            out_avals=exp.out_avals,
+            platforms=exp.platforms,
+        )
+        x, y = jnp.ones((2, 3)), jnp.ones((3, 4))
+        np.testing.assert_allclose(built.call(x, y), exp.call(x, y))
+        assert not built.has_vjp()
+        paired = compat.exported_with_vjp(built, lambda e: _small_export())
+        assert paired.has_vjp() and paired.vjp().fun_name == exp.fun_name
+        round_trip = jax.export.deserialize(built.serialize())
+        np.testing.assert_allclose(round_trip.call(x, y), exp.call(x, y))
 
 
 # --------------------------------------------------------------------------- more entry points
@@ -542,3 +673,41 @@ def test_pallas_gpu_private_entry_points():
 def test_tokamax_module():
     module = compat.tokamax_module()
     assert module is None or hasattr(module, "dot_product_attention")
+
+
+# --------------------------------------------------------------------------- experimental modules
+
+
+def _experimental_imports() -> set[str]:
+    """The ``jax.experimental`` modules flashpass's source imports (parsed, not run)."""
+    import ast
+    import pathlib
+
+    root = pathlib.Path(compat.__file__).resolve().parents[2]
+    found = set()
+    for package in ("flashpass", "kernels", "patterns"):
+        for path in (root / package).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                if isinstance(node, ast.Import):
+                    found.update(a.name for a in node.names)
+                elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                    # Every ``from jax.experimental... import x`` here imports a module.
+                    found.update(f"{node.module}.{a.name}" for a in node.names)
+    return {name for name in found if name.startswith("jax.experimental")}
+
+
+def test_experimental_modules_are_listed_and_exist():
+    """`compat.EXPERIMENTAL_MODULES` lists exactly the experimental modules
+    imported, and each imports on the installed JAX (inside its known range)."""
+    from flashpass.compat._kernels import EXPERIMENTAL_MODULES
+
+    assert _experimental_imports() == set(EXPERIMENTAL_MODULES)
+    for name, (first, last) in EXPERIMENTAL_MODULES.items():
+        assert compat.JAX_VERSION >= _version(first), (name, first)
+        if compat.JAX_VERSION <= _version(last):
+            with uses(name):
+                importlib.import_module(name)
+
+
+def _version(text: str) -> tuple[int, ...]:
+    return tuple(int(p) for p in text.split("."))

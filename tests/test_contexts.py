@@ -47,6 +47,10 @@ def _assert_same(actual, expected, tol):
 def test_first_call_in_context(name, context, rng):
     fn, make = spellings.POSITIVE[name]
     args = make(rng)
+    # Distinct inputs: with q = k = v (or equal batch entries) any weights, or a
+    # batch mix-up, could give the same output.
+    floats = [np.asarray(a, np.float32) for a in args if jnp.issubdtype(a.dtype, jnp.floating)]
+    assert len({a.tobytes() for a in floats}) == len(floats), name
     expected_sites = len(flashpass.optimize(fn, kernel="blockwise").explain(*args).rewrites)
     assert expected_sites >= 1
 
@@ -57,9 +61,12 @@ def test_first_call_in_context(name, context, rng):
     assert len(report.rewrites) == expected_sites, f"{context}:\n{report}"
     assert not report.fallbacks and not report.errors, f"{context}:\n{report}"
     _assert_same(out, in_context(context, fn, args), _tolerance(args))
+    if context == "vmap":  # the two stacked entries differ, so a batch mix-up shows
+        first = np.asarray(jax.tree_util.tree_leaves(out)[0], np.float32)
+        assert not np.allclose(first[0], first[1], rtol=0.1, atol=0.1), name
 
 
-def test_readme_example_under_jit():
+def test_readme_example_under_jit(rng):
     """The README's example, first called under jax.jit, is rewritten."""
 
     @flashpass.optimize
@@ -68,7 +75,7 @@ def test_readme_example_under_jit():
         s = jnp.where(jnp.tril(jnp.ones((q.shape[1], k.shape[1]), bool)), s, -jnp.inf)
         return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1), v)
 
-    q = k = v = jnp.ones((1, 1024, 2, 16))
+    q, k, v = (jnp.asarray(rng.standard_normal((1, 1024, 2, 16)), jnp.float32) for _ in range(3))
     out = jax.jit(attention)(q, k, v)
     (report,) = attention.reports
     assert report.kernels == ["blockwise"] and report.rewrites[0].causal, str(report)

@@ -243,6 +243,29 @@ def test_decode_path_skips_chunks_past_each_length():
     np.testing.assert_allclose(out, want, rtol=2e-5, atol=2e-6)
 
 
+def test_decode_path_skips_each_rows_chunks_past_its_own_length():
+    """Per row, not per batch: each row reads only the chunks below its own
+    length.  Every key and value from the end of a row's last chunk on is NaN
+    (a read would make the row NaN: a zero weight times NaN is NaN), and the
+    output equals the reference on clean inputs."""
+    kernel = BlockwiseKernel(block_k=16)
+    spec = _spec(1, 128, -1e9)
+    q, k, v = _qkv(1, 128)
+    lengths = np.array([5, 40, 17], np.int32)  # chunks read: 1, 3 and 2 of 8
+    read = -(-lengths // 16) * 16
+    past = np.arange(128)[None, :] >= read[:, None]  # [B, S]
+    poison = jnp.asarray(past[:, None, :, None])
+    ln = jnp.asarray(lengths.reshape(B, 1, 1, 1))
+    call = jax.jit(lambda q, k, v: kernel.apply(spec, q, k, v, (ln,)))
+    out = call(q, jnp.where(poison, jnp.nan, k), jnp.where(poison, jnp.nan, v))
+    assert np.isfinite(np.asarray(out)).all()
+    np.testing.assert_allclose(out, reference_attention(spec, q, k, v, (ln,)), rtol=2e-5, atol=2e-6)
+    # The poison is where a read would show: one more key per row makes NaN.
+    more = jnp.asarray((np.arange(128)[None, :] >= read[:, None] - 1)[:, None, :, None])
+    spoiled = np.asarray(call(q, k, jnp.where(more, jnp.nan, v)))
+    assert np.isnan(spoiled).any(axis=(1, 2, 3)).all()
+
+
 def test_long_q_runs_kv_lengths_as_an_element_mask():
     kernel = BlockwiseKernel(block_q=16, block_k=16, head_loop=False)
     spec = _spec(40, 72, -1e9)

@@ -2,10 +2,10 @@
 
 flashpass touches JAX internals (jaxpr data structures, source info, DCE) and
 experimental modules (Pallas kernels).  They all go through this package,
-``flashpass.compat`` (jaxprs in _jaxpr.py, kernels in _kernels.py, sharding in
-_sharding.py, the PRNG internals of exact dropout in _random.py; the rest of
-flashpass imports only from here), so a JAX upgrade
-that moves something breaks here, loudly, and nowhere else.
+``flashpass.compat`` (jaxprs in _jaxpr.py, StableHLO modules and `Exported` in
+_export.py, kernels in _kernels.py, sharding in _sharding.py, the PRNG internals
+of exact dropout in _random.py; the rest of flashpass imports only from here), so
+a JAX upgrade that moves something breaks here, loudly, and nowhere else.
 
 Supported: JAX 0.9.x to 0.12.x (CI runs the version in constraints.txt, the
 oldest, 0.9.0, and the newest, 0.12.0.1).  tests/test_compat.py has one test
@@ -15,6 +15,20 @@ test names it and the installed version.
 
 from __future__ import annotations
 
+from ._debug import name_stack, trace_as  # noqa: F401
+from ._export import (  # noqa: F401
+    exported_from_module,
+    exported_with_vjp,
+    func_dialect,
+    ir_element_type,
+    ir_module,
+    mlir_context,
+    module_bytecode,
+    module_to_artifact,
+    parse_module,
+    stablehlo_dialect,
+)
+from ._guard import platform_guard  # noqa: F401
 from ._jaxpr import (  # noqa: F401
     _BODY_TYPES,
     _CAN_EMIT,
@@ -87,6 +101,15 @@ from ._kernels import (  # noqa: F401
     tpu_interpret_mode,
     tpu_paged_attention_module,
     traced_with,
+)
+from ._nnx import (  # noqa: F401
+    is_graph_node,
+    is_graph_object,
+    merge_nodes,
+    nnx_loaded,
+    node_state,
+    split_nodes,
+    update_nodes,
 )
 from ._random import (  # noqa: F401
     is_key_dtype,

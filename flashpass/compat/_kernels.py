@@ -10,6 +10,28 @@ import jax
 
 from ._jaxpr import JAX_VERSION
 
+#: Every experimental JAX module flashpass imports (all of them here, lazily),
+#: with the JAX versions where each is known to exist: ``(first, last)``, the
+#: range CI runs (0.9.0, the pinned version, 0.12.0.1).  A new release that
+#: moves one fails `tests/test_compat.py`, which also checks that this table
+#: lists exactly the modules imported.
+EXPERIMENTAL_MODULES = {
+    "jax.experimental.pallas.tpu": ("0.9.0", "0.12.0.1"),
+    "jax.experimental.pallas.ops.tpu.flash_attention": ("0.9.0", "0.12.0.1"),
+    "jax.experimental.pallas.ops.tpu.paged_attention": ("0.9.0", "0.12.0.1"),
+    "jax.experimental.pallas.ops.tpu.splash_attention": ("0.9.0", "0.12.0.1"),
+    "jax.experimental.pallas.ops.tpu.splash_attention.splash_attention_mask": (
+        "0.9.0",
+        "0.12.0.1",
+    ),
+    "jax.experimental.pallas.ops.tpu.splash_attention.splash_attention_kernel": (
+        "0.9.0",
+        "0.12.0.1",
+    ),
+    # Deprecated in JAX 0.12 (in favour of tokamax): the next JAX may remove it.
+    "jax.experimental.pallas.ops.gpu.attention": ("0.9.0", "0.12.0.1"),
+}
+
 # --------------------------------------------------------------------------- Pallas
 
 

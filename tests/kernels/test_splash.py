@@ -13,7 +13,7 @@ from kernel_testing import BF16, F32, bias_op, mask_op, run_and_compare, spec_of
 
 from flashpass import compat
 from flashpass.kernels import Causal, CheckContext, ExtraSpec, Mask, Scale, Softcap, get_kernel
-from flashpass.kernels._util import linear_form
+from flashpass.kernels._linear import linear_form
 from flashpass.kernels.splash import SplashKernel, _plan
 
 KERNEL = get_kernel("splash")

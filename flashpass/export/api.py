@@ -1,0 +1,151 @@
+"""`rewrite` and `explain` for `jax.export.Exported` artifacts (the lift route)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+
+from flashpass import compat
+from flashpass.api import Optimized
+
+from . import combine
+from .lift import LiftedModule, prepare
+from .report import ExportReport
+from .values import LiftError
+
+#: jax.export platform names -> flashpass.optimize's platform names.
+_OPTIMIZE_PLATFORM = {"cpu": "cpu", "tpu": "tpu", "cuda": "gpu", "rocm": "gpu"}
+
+
+@dataclasses.dataclass
+class _Plan:
+    exp: jax.export.Exported
+    platforms: tuple
+    lifted: LiftedModule | None = None
+    optimized: dict = dataclasses.field(default_factory=dict)  # platform -> Optimized
+    report: ExportReport | None = None
+
+
+def explain(exp: jax.export.Exported, *, platforms=None, **options) -> ExportReport:
+    """What `rewrite` would do with ``exp``: each platform's `Report`, the ops kept
+    as opaque islands, or why the artifact is kept unchanged.
+
+    ``options`` are `flashpass.optimize`'s (``kernel=``, ``interpret=``, ...);
+    the platform of each rewrite is the artifact's (``platforms=`` retargets).
+    """
+    return _plan(exp, platforms, options).report
+
+
+def rewrite(exp: jax.export.Exported, *, platforms=None, **options) -> jax.export.Exported:
+    """``exp`` with its attention sites rewritten to flash-attention kernels.
+
+    The result is an `Exported` with the same input and output structure,
+    avals and platforms (``platforms=`` retargets a single-platform module);
+    it calls, serializes (use ``vjp_order=1`` to ship the derivative) and
+    deserializes like any other.  An artifact that cannot be lifted (sharded
+    over several devices, shape-polymorphic, with effects) is returned
+    unchanged; `explain` says why.
+    """
+    return rewrite_and_explain(exp, platforms=platforms, **options)[0]
+
+
+def rewrite_and_explain(
+    exp: jax.export.Exported, *, platforms=None, **options
+) -> tuple[jax.export.Exported, ExportReport]:
+    """`rewrite` and `explain` at once (the module is lifted once)."""
+    plan = _plan(exp, platforms, options)
+    if plan.report.route == "kept":
+        return exp, plan.report
+    return _export(plan), plan.report
+
+
+def _plan(exp, platforms, options) -> _Plan:
+    if not isinstance(exp, jax.export.Exported):
+        raise TypeError(f"expected a jax.export.Exported (see flashpass.export.load), got {exp!r}")
+    if "platform" in options:
+        raise TypeError("rewrite/explain take platforms=(...); each platform gets its kernel")
+    platforms = tuple(exp.platforms if platforms is None else platforms)
+    for p in platforms:
+        if p not in _OPTIMIZE_PLATFORM:
+            raise ValueError(f"unknown platform {p!r}; known: {', '.join(_OPTIMIZE_PLATFORM)}")
+    plan = _Plan(exp, platforms)
+    reason = _not_liftable(exp, platforms)
+    if reason is None:
+        try:
+            _lift(plan, options)
+        except LiftError as err:
+            reason = str(err)
+    if reason is not None:
+        plan.report = ExportReport(route="kept", kept_reason=reason, platforms=platforms)
+    return plan
+
+
+def _not_liftable(exp, platforms) -> str | None:
+    if exp.nr_devices != 1:
+        return f"the artifact is sharded over {exp.nr_devices} devices (lift keeps one device)"
+    if exp.ordered_effects or exp.unordered_effects:
+        return "the artifact has effects (lift keeps effect-free programs)"
+    if any(not all(isinstance(d, int) for d in a.shape) for a in exp.in_avals):
+        return "the artifact is shape-polymorphic (lift keeps static shapes)"
+    for p in platforms:
+        if p not in exp.platforms and len(exp.platforms) > 1:
+            return f"platform {p} is not one of the artifact's {exp.platforms}"
+    return None
+
+
+def _structs(avals) -> list:
+    return [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals]
+
+
+def _lift(plan: _Plan, options) -> None:
+    exp = plan.exp
+    module = compat.parse_module(exp.mlir_module_serialized, compat.mlir_context())
+    lifted = prepare(module)
+    kept = [exp.in_avals[i] for i in exp.module_kept_var_idx]
+    if [(a.shape, a.dtype) for a in lifted.in_avals] != [(a.shape, a.dtype) for a in kept]:
+        raise LiftError("main's inputs do not match the artifact's avals")
+    plan.lifted = lifted
+    reports = {}
+    for p in plan.platforms:
+        index = exp.platforms.index(p) if p in exp.platforms else 0
+        fn = lifted.function(index, (p,))
+        fn.__name__ = exp.fun_name if exp.fun_name.isidentifier() else "main"
+        optimized = Optimized(fn, platform=_OPTIMIZE_PLATFORM[p], **options)
+        plan.optimized[p] = optimized
+        reports[p] = optimized.explain(*_structs(kept))
+    first = reports[plan.platforms[0]]
+    plan.report = ExportReport(
+        rewrites=first.rewrites,
+        fallbacks=first.fallbacks,
+        errors=first.errors,
+        platform=plan.platforms[0],
+        jax_version=first.jax_version,
+        route="lift",
+        platforms=plan.platforms,
+        islands=list(lifted.islands.values()),
+        by_platform=reports,
+    )
+
+
+def _export(plan: _Plan) -> jax.export.Exported:
+    """Export each platform's rewritten program, then join them (`combine.join`)."""
+    exp, platforms = plan.exp, plan.platforms
+    args, kwargs = jax.tree_util.tree_unflatten(exp.in_tree, _structs(exp.in_avals))
+    exps = []
+    for p in platforms:
+        program = _program(exp, plan.optimized[p])
+        exps.append(jax.export.export(jax.jit(program), platforms=(p,))(*args, **kwargs))
+    return exps[0] if len(exps) == 1 else combine.join(exps, platforms)
+
+
+def _program(exp, optimized):
+    """The artifact's signature around the rewritten lifted function."""
+    kept_idx = exp.module_kept_var_idx
+
+    def main(*args, **kwargs):
+        leaves = jax.tree_util.tree_leaves((args, kwargs))
+        outs = optimized(*[leaves[i] for i in kept_idx])
+        return jax.tree_util.tree_unflatten(exp.out_tree, list(outs))
+
+    return main

@@ -1,0 +1,58 @@
+"""The report of rewriting an exported artifact: per platform, plus the lift."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from flashpass.report import Report
+
+
+@dataclasses.dataclass
+class ExportReport(Report):
+    """A `Report` for an exported artifact.
+
+    ``rewrites``/``fallbacks``/``errors`` are those of ``platform`` (the
+    artifact's first platform); ``by_platform`` holds each platform's own
+    report.  ``route`` is ``"lift"`` when the artifact was lifted and
+    rewritten, ``"kept"`` when it was returned unchanged, with ``kept_reason``
+    saying why.  ``islands`` lists the ops the lifter has no rule for (called
+    as opaque modules, without a derivative).
+    """
+
+    route: str = "lift"
+    kept_reason: str = ""
+    platforms: tuple = ()
+    islands: list = dataclasses.field(default_factory=list)
+    by_platform: dict = dataclasses.field(default_factory=dict, repr=False)
+
+    def to_dict(self) -> dict:
+        out = super().to_dict()
+        out.update(
+            route=self.route,
+            kept_reason=self.kept_reason,
+            platforms=list(self.platforms),
+            islands=[dataclasses.asdict(i) for i in self.islands],
+            by_platform={p: r.to_dict() for p, r in self.by_platform.items()},
+        )
+        return out
+
+    def __str__(self) -> str:
+        head = f"artifact for {', '.join(self.platforms)}: route {self.route}"
+        if self.route == "kept":
+            return f"{head}\n  kept unchanged: {self.kept_reason}"
+        lines = [head]
+        for island in self.islands:
+            lines.append(
+                f"  opaque island: {island.op} x{island.count} at {island.location} "
+                "(no lifting rule; called as its own module, not differentiable)"
+            )
+        for platform, report in self.by_platform.items():
+            lines += ["", f"[{platform}]", Report.__str__(report)]
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        return (
+            f"ExportReport(route={self.route!r}, platforms={self.platforms}, "
+            f"rewrites={len(self.rewrites)}, fallbacks={len(self.fallbacks)}, "
+            f"islands={len(self.islands)})"
+        )

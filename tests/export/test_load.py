@@ -1,0 +1,137 @@
+"""Loading every input form, opaque islands, artifacts kept with a reason."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+from variants import VARIANTS
+
+import flashpass.export as fx
+from flashpass import compat
+
+
+def _exported(fn, *structs, **kwargs):
+    return jax.export.export(jax.jit(fn), **kwargs)(*structs)
+
+
+@pytest.mark.parametrize("form", ["serialized", "artifact", "text", "text-bytes", "bytecode"])
+def test_load_every_form(form):
+    variant = VARIANTS[1]
+    exp = _exported(variant.fn, *variant.structs())
+    if form == "serialized":
+        data = exp.serialize()
+    elif form == "artifact":
+        data = exp.mlir_module_serialized
+    elif form == "text":
+        data = exp.mlir_module()
+    elif form == "text-bytes":
+        data = exp.mlir_module().encode()
+    else:
+        module = compat.parse_module(exp.mlir_module(), compat.mlir_context())
+        data = compat.module_bytecode(module)
+    loaded = fx.load(data)
+    assert [(a.shape, a.dtype) for a in loaded.in_avals] == [
+        (a.shape, a.dtype) for a in exp.in_avals
+    ]
+    assert loaded.platforms == exp.platforms
+    args = variant.args()
+    np.testing.assert_allclose(loaded.call(*args), variant.fn(*args), atol=1e-6)
+    assert len(fx.explain(loaded, kernel="blockwise").rewrites) == 1
+
+
+def test_load_rejects_what_is_not_a_module():
+    with pytest.raises(ValueError, match="neither"):
+        fx.load(b"\xff\xfe\x00 junk")
+    with pytest.raises(ValueError, match="could not parse"):
+        fx.load("this is not MLIR")
+
+
+def _attention_and_popcount(q, k, v, n):
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, k) * 0.25
+    o = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, -1), v)
+    return o, lax.population_count(n)
+
+
+def test_an_unknown_op_is_an_island_reported_and_kept():
+    qkv = jax.ShapeDtypeStruct((1, 128, 2, 16), jnp.float32)
+    n = jax.ShapeDtypeStruct((4,), jnp.int32)
+    exp = _exported(_attention_and_popcount, qkv, qkv, qkv, n)
+    assert "stablehlo.popcnt" not in fx.rule_names()
+    new, report = fx.rewrite_and_explain(exp, kernel="blockwise")
+    assert [i.op for i in report.islands] == ["stablehlo.popcnt"]
+    assert "opaque island: stablehlo.popcnt" in str(report)
+    assert report.to_dict()["islands"][0]["op"] == "stablehlo.popcnt"
+    assert len(report.rewrites) == 1, str(report)  # the site next to it is rewritten
+    args = [jnp.ones((1, 128, 2, 16))] * 3 + [jnp.arange(4, dtype=jnp.int32)]
+    got = jax.jit(new.call)(*args)
+    want = _attention_and_popcount(*args)
+    np.testing.assert_array_equal(got[1], want[1])
+    np.testing.assert_allclose(got[0], want[0], atol=1e-6)
+
+
+def test_a_custom_call_is_an_island():
+    exp = _exported(jnp.linalg.cholesky, jax.ShapeDtypeStruct((4, 4), jnp.float32))
+    new, report = fx.rewrite_and_explain(exp)
+    assert report.islands and report.islands[0].op == "stablehlo.custom_call", str(report)
+    a = jnp.eye(4) * 4.0 + 1.0
+    np.testing.assert_allclose(new.call(a), jnp.linalg.cholesky(a), atol=1e-6)
+
+
+def test_an_op_with_regions_and_no_rule_keeps_the_artifact():
+    exp = _exported(lambda x: jnp.sort(x), jax.ShapeDtypeStruct((8,), jnp.float32))
+    new, report = fx.rewrite_and_explain(exp)
+    assert report.route == "kept" and "stablehlo.sort" in report.kept_reason, str(report)
+    assert new is exp
+    assert "kept unchanged" in str(report)
+
+
+def test_shape_polymorphic_artifacts_are_kept():
+    (t,) = jax.export.symbolic_shape("t")
+    exp = _exported(VARIANTS[0].fn, *[jax.ShapeDtypeStruct((1, t, 2, 32), jnp.float32)] * 3)
+    report = fx.explain(exp)
+    assert report.route == "kept" and "shape-polymorphic" in report.kept_reason
+
+
+def test_platform_option_is_platforms():
+    exp = _exported(VARIANTS[0].fn, *VARIANTS[0].structs())
+    with pytest.raises(TypeError, match="platforms="):
+        fx.rewrite(exp, platform="cpu")
+    with pytest.raises(ValueError, match="unknown platform"):
+        fx.explain(exp, platforms=("vax",))
+
+
+def _embed_and_attend(table, tokens, w):
+    x = table[tokens]  # a gather
+    q = k = v = (x @ w).reshape(1, tokens.shape[1], 2, 16)
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, k) * 0.25
+    return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, -1), v)
+
+
+def test_gather_is_lifted_and_differentiable():
+    structs = (
+        jax.ShapeDtypeStruct((50, 32), jnp.float32),
+        jax.ShapeDtypeStruct((1, 128), jnp.int32),
+        jax.ShapeDtypeStruct((32, 32), jnp.float32),
+    )
+    exp = jax.export.export(jax.jit(_embed_and_attend))(*structs)
+    assert "stablehlo.gather" in exp.mlir_module()
+    new, report = fx.rewrite_and_explain(exp, kernel="blockwise")
+    assert not report.islands and len(report.rewrites) == 1, str(report)
+    new = jax.export.deserialize(new.serialize(vjp_order=1))
+    rng = np.random.default_rng(0)
+    table = jnp.asarray(rng.standard_normal((50, 32)), jnp.float32)
+    tokens = jnp.asarray(rng.integers(0, 50, (1, 128)), jnp.int32)
+    w = jnp.asarray(rng.standard_normal((32, 32)) * 0.2, jnp.float32)
+    want = _embed_and_attend(table, tokens, w)
+    np.testing.assert_allclose(jax.jit(new.call)(table, tokens, w), want, atol=2e-5)
+
+    def loss(f):
+        return lambda t, w: jnp.sum(f(t, tokens, w) ** 2)
+
+    got = jax.grad(loss(new.call), argnums=(0, 1))(table, w)
+    expected = jax.grad(loss(_embed_and_attend), argnums=(0, 1))(table, w)
+    for g, e in zip(got, expected, strict=True):
+        np.testing.assert_allclose(g, e, atol=1e-3, rtol=1e-4)

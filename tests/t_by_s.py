@@ -1,0 +1,58 @@
+"""The "no T x S array" check shared by the tests that claim it.
+
+An attention of ``T`` queries over ``S`` keys materialises its scores when
+some array holds at least ``T * S`` elements and has two axes of at least
+``min(T, S)``, in whatever layout: ``[B, H, T, S]``, ``[B, T, H, S]``, ``[S,
+T]``, a ``[B * H * T, S]`` flattening, a stacked ``[L, B, H, T, S]`` residual.
+q, k and v (``[B, H, T, D]`` with ``D`` below the sequence length) do not
+qualify; test shapes must keep them out (``D < min(T, S)`` and ``B * H * D <
+S``), which `assert_no_t_by_s` checks through its positive control.  A 1-D
+buffer of ``T * S`` elements escapes the rule: XLA keeps a score matrix 2-D.
+"""
+
+from __future__ import annotations
+
+import math
+
+from flashpass import compat
+
+
+def is_t_by_s(shape, t: int, s: int, copies: int = 1) -> bool:
+    """Whether an array of ``shape`` is big enough, and long enough along two
+    axes, to hold ``copies`` ``T x S`` score (or probability) matrices."""
+    shape = tuple(int(d) for d in shape)
+    short = min(t, s)
+    return math.prod(shape) >= copies * t * s and sum(d >= short for d in shape) >= 2
+
+
+def t_by_s_shapes(shapes, t: int, s: int, copies: int = 1) -> list[tuple[int, ...]]:
+    """The shapes among ``shapes`` that could hold ``copies`` ``T x S`` matrices."""
+    return sorted({tuple(x) for x in shapes if is_t_by_s(x, t, s, copies)})
+
+
+def jaxpr_shapes(jaxpr) -> list[tuple[int, ...]]:
+    """The shape of every input, constant and equation output of ``jaxpr`` (a
+    Jaxpr or ClosedJaxpr) and, recursively, of its sub-jaxprs (scan, cond,
+    custom derivative, pjit bodies)."""
+    jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
+    shapes = [tuple(getattr(v.aval, "shape", ())) for v in (*jaxpr.invars, *jaxpr.constvars)]
+    for eqn in jaxpr.eqns:
+        shapes += [tuple(getattr(v.aval, "shape", ())) for v in eqn.outvars]
+        for sub in compat.subjaxprs_of_params(eqn.params):
+            shapes += jaxpr_shapes(sub)
+    return shapes
+
+
+def assert_no_t_by_s(shapes, t: int, s: int, *, copies: int = 1, control=None):
+    """No array of ``shapes`` could hold ``copies`` ``T x S`` matrices (e.g.
+    one per layer, batch row and head: a residual stacked over layers, where a
+    kernel's single tile may legitimately span a short sequence).  ``control``:
+    the shapes of a program that does materialise them (the original), which
+    must be caught, so the check is known to see the layout."""
+    shapes = list(shapes)
+    assert shapes, "no shapes to check"
+    if control is not None:
+        found = t_by_s_shapes(control, t, s, copies)
+        assert found, f"the control program has no array of {copies} {t} x {s} matrices"
+    bad = t_by_s_shapes(shapes, t, s, copies)
+    assert not bad, f"arrays that could hold {copies} {t} x {s} matrices: {bad}"
