@@ -271,6 +271,30 @@ def test_outside_mesh():
         assert not seen["inside"].empty and seen["outside"].empty
 
 
+def test_outside_mesh_binds_no_axis_names():
+    """Pallas' interpret mode reads every bound axis name: outside the mesh
+    none is bound, so a kernel probed there lowers on its own."""
+    with uses("jax._src.core.trace_ctx.set_axis_env (bound axis names)"):
+        from jax.sharding import Mesh
+        from jax.sharding import PartitionSpec as P
+
+        seen: dict = {}
+
+        def body(x):
+            seen["inside"] = jax.eval_shape(lambda: jax.lax.axis_index("x")).shape
+            with compat.outside_mesh(), pytest.raises(NameError, match="unbound axis name"):
+                jax.eval_shape(lambda: jax.lax.axis_index("x"))
+            seen["after"] = jax.eval_shape(lambda: jax.lax.axis_index("x")).shape
+            return x
+
+        mesh = Mesh(np.array(jax.devices()[:1]), ("x",))
+        fn = compat.shard_map(
+            body, mesh=mesh, in_specs=(P("x"),), out_specs=P("x"), axis_names={"x"}, check_vma=True
+        )
+        jax.make_jaxpr(fn)(jnp.ones(4))
+        assert seen == {"inside": (), "after": ()}  # bound again after the context
+
+
 # --------------------------------------------------------------------------- argument types
 
 

@@ -175,5 +175,23 @@ def outside_mesh():
     kernel from inside a user's ``shard_map`` body."""
     from jax._src import mesh as _mesh
 
-    with jax.sharding.use_abstract_mesh(_mesh.empty_abstract_mesh), vma_checks(False):
+    with (
+        jax.sharding.use_abstract_mesh(_mesh.empty_abstract_mesh),
+        vma_checks(False),
+        _no_axis_names(),
+    ):
         yield
+
+
+@contextlib.contextmanager
+def _no_axis_names():
+    """Context: no named axes bound (a Pallas kernel in interpret mode asks for
+    the index of every bound axis, which lowering outside the body cannot give)."""
+    from jax._src import core
+
+    prev = core.trace_ctx.axis_env
+    core.trace_ctx.set_axis_env(core.top_axis_env)
+    try:
+        yield
+    finally:
+        core.trace_ctx.set_axis_env(prev)

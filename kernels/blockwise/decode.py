@@ -44,6 +44,7 @@ from .tiles import (
     scaled_q,
     slice_s,
     tile_score_fn,
+    varying,
 )
 
 
@@ -142,7 +143,7 @@ def forward(dp: DecodePlan, q, k, v, extras):
             jnp.zeros((1, Hkv, rows), cdt),
             jnp.zeros((1, Hkv, rows, Dv), cdt),
         )
-        m, den, acc = lax.fori_loop(0, chunks[b], chunk, init)
+        m, den, acc = lax.fori_loop(0, chunks[b], chunk, varying(init, carry))
         out_b = (acc / den[..., None]).astype(spec.out_dtype)
         out = lax.dynamic_update_slice_in_dim(out, out_b, b, axis=0)
         ms = lax.dynamic_update_slice_in_dim(ms, m, b, axis=0)
@@ -152,7 +153,7 @@ def forward(dp: DecodePlan, q, k, v, extras):
     def chunked(_):
         stats = jnp.zeros((B, Hkv, rows), cdt)
         init = (jnp.zeros((B, Hkv, rows, Dv), spec.out_dtype), stats, stats)
-        return lax.fori_loop(0, B, row, init)
+        return lax.fori_loop(0, B, row, varying(init, q, k, v, extras))
 
     def dense(_):
         # The whole cache in one pass, as the original computes it: faster
@@ -167,7 +168,8 @@ def forward(dp: DecodePlan, q, k, v, extras):
         p = jnp.exp(s - m[..., None])
         den = jnp.sum(p, axis=-1)
         acc = jnp.einsum("bhts,bhsd->bhtd", p.astype(p_dtype), v, preferred_element_type=cdt)
-        return (acc / den[..., None]).astype(spec.out_dtype), m, den
+        # Typed as the chunk loop's results (`lax.cond` needs equal branch types).
+        return varying(((acc / den[..., None]).astype(spec.out_dtype), m, den), q, k, v, extras)
 
     visited = jnp.sum(chunks) * bk
     out, m, den = lax.cond(visited <= DECODE_DENSE_FRACTION * B * S, chunked, dense, None)

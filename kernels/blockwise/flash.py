@@ -45,6 +45,7 @@ from .tiles import (
     slice_t,
     tile_runs,
     tile_score_fn,
+    varying,
 )
 
 # --------------------------------------------------------------------------- forward
@@ -117,7 +118,7 @@ def forward(plan: Plan, q, k, v, extras):
             m0 = extra_rows(plan, slice_t(sink5, iq * plan.bq, plan.bq))[..., 0]
             m0 = jnp.broadcast_to(m0.astype(cdt), (B, Hkv, rows))
             den0 = jnp.where(m0 == -jnp.inf, 0, 1).astype(cdt)
-        state = (m0, den0, jnp.zeros((B, Hkv, rows, Dv), cdt))
+        state = varying((m0, den0, jnp.zeros((B, Hkv, rows, Dv), cdt)), q, k, v, extras)
 
         def fold(state, n, vsum):
             # Keys that all score c: fold them in as n copies of c with the sum
@@ -171,7 +172,7 @@ def forward(plan: Plan, q, k, v, extras):
 
     stats = jnp.zeros(gshape(spec, tp), cdt)
     init = (jnp.zeros(gshape(spec, tp, Dv), spec.out_dtype), stats, stats)
-    return loop(0, plan.nq, q_block, init)
+    return loop(0, plan.nq, q_block, varying(init, q, k, v, extras))
 
 
 # --------------------------------------------------------------------------- backward
@@ -271,12 +272,8 @@ def backward(plan: Plan, q, k, v, extras, out, m, den, dout, wanted):
 
             return body
 
-        state = (
-            dqt,
-            jnp.zeros((B, Hkv, bk, D), cdt),
-            jnp.zeros((B, Hkv, bk, Dv), cdt),
-            dbias,
-        )
+        zeros = (jnp.zeros((B, Hkv, bk, D), cdt), jnp.zeros((B, Hkv, bk, Dv), cdt))
+        state = (dqt, *varying(zeros, dqt, dk, dv, dbias), dbias)
 
         # As in the forward: tiles whose segment ids cannot meet are skipped
         # (with a finite c their keys still get dV from the rows' weights),
@@ -309,7 +306,8 @@ def backward(plan: Plan, q, k, v, extras, out, m, den, dout, wanted):
         jnp.zeros((B, Hkv, sp, Dv), cdt),
         {i: jnp.zeros(ex5[i].shape, cdt) for i in bias_idx},
     )
-    dq, dk, dv, dbias = loop(0, plan.nk, k_block, init)
+    inputs = (q, k, v, extras, out, m, den, dout)
+    dq, dk, dv, dbias = loop(0, plan.nk, k_block, varying(init, inputs))
     dv = dv[:, :, :S]
     if plan.skipped_score is not None:
         dv = dv + _skipped_dv(plan, m, inv_den, do5)

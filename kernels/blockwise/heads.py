@@ -17,7 +17,7 @@ from jax import lax
 from flashpass.spec import AttentionSpec
 
 from .plan import HEAD_LOOP_MIN_CAUSAL_LEN, TILE_ELEMENTS, Plan
-from .tiles import extra_cotangents, gshape, loop
+from .tiles import extra_cotangents, gshape, loop, varying
 
 
 def head_loop_pays(spec: AttentionSpec) -> bool:
@@ -100,7 +100,7 @@ def forward_heads(forward, plan: Plan, spec: AttentionSpec, q, k, v, extras):
 
     stats = jnp.zeros(gshape(spec, tp), plan.cdt)
     init = (jnp.zeros(gshape(spec, tp, spec.v_head_dim), spec.out_dtype), stats, stats)
-    return loop(0, spec.batch * spec.kv_heads, unit, init)
+    return loop(0, spec.batch * spec.kv_heads, unit, varying(init, q, k, v, extras))
 
 
 def backward_heads(
@@ -135,5 +135,6 @@ def backward_heads(
         jnp.zeros(v.shape, v.dtype),
         {i: jnp.zeros(_extra_unit(spec, extras[i]).shape, plan.cdt) for i in summed},
     )
-    dq, dk, dv, dex = loop(0, spec.batch * spec.kv_heads, unit, init)
+    inputs = (q, k, v, extras, out, m, den, dout)
+    dq, dk, dv, dex = loop(0, spec.batch * spec.kv_heads, unit, varying(init, inputs))
     return dq, dk, dv, extra_cotangents(extras, wanted, dex)

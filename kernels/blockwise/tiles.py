@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from flashpass import compat
 from flashpass.ops import valid_lengths
 from flashpass.spec import AttentionSpec, Bias, KvLengths, Mask
 
@@ -43,6 +44,15 @@ def loop(lo, hi, body, state):
         if hi == lo + 1:
             return body(lo, state)
     return lax.fori_loop(lo, hi, body, state)
+
+
+def varying(init, *inputs):
+    """``init`` (a loop's initial carry, a tree) typed as varying over every
+    manual mesh axis one of ``inputs`` (trees) varies over: inside a
+    ``shard_map`` with ``check_vma`` a carry built from constants must have
+    the type of what the loop computes from the inputs.  A no-op elsewhere."""
+    axes = frozenset().union(*(compat.varying_axes(x) for x in jax.tree.leaves(inputs)))
+    return jax.tree.map(lambda x: compat.vary_over(x, axes), init)
 
 
 def tile_runs(plan, table, i, run, state, head=None):
