@@ -77,7 +77,9 @@ def exclusion_reasons(spec: AttentionSpec, position: int) -> list[str]:
     reasons = []
     value = spec.final_fill(position, op.fill)
     if not excludes(value):
-        kind = op.reason_words or ("mask" if isinstance(op, Mask) else "causal mask")
+        kind = getattr(op, "reason_words", None) or (
+            "mask" if isinstance(op, Mask) else "causal mask"
+        )
         reasons.append(
             f"{kind} fill {op.fill} ends as score {value:.6g} after the ops that "
             f"follow it, which does not exclude keys (needs <= {EXCLUDING_FILL} or "
@@ -140,7 +142,7 @@ def linear_form(
         elif type(op) in structured:
             reasons += exclusion_reasons(spec, position)
             kept.append(op)
-        elif op.reason_words:
+        elif getattr(op, "reason_words", None):
             missing = [r for r in structured_reasons(spec, structured) if r not in reasons]
             reasons += missing
         else:
@@ -171,7 +173,11 @@ def structured_reasons(spec: AttentionSpec, accepted: frozenset = frozenset()) -
     """One reason per structured-mask op (`Window`, `Chunk`, `Prefix`,
     `Segments`: the kinds with `ScoreOp.reason_words`) in ``spec`` whose type is
     not in ``accepted``."""
-    found = {type(op) for op in spec.score_ops if op.reason_words and type(op) not in accepted}
+    found = {
+        type(op)
+        for op in spec.score_ops
+        if getattr(op, "reason_words", None) and type(op) not in accepted
+    }
     return [
         f"{kind.reason_words} is not supported by this kernel; the 'blockwise' "
         "kernel takes it as a descriptor and skips the blocks it excludes"

@@ -186,7 +186,7 @@ def _spec_reasons(spec: AttentionSpec) -> list[str]:
             reasons += _linear.exclusion_reasons(spec, position)
         elif isinstance(op, Sink):
             reasons.append(_linear.SINK_REASON)
-        elif not (isinstance(op, _KNOWN_OPS) or op.reason_words):
+        elif not (isinstance(op, _KNOWN_OPS) or getattr(op, "reason_words", None)):
             reasons.append(
                 f"unknown score op {type(op).__name__}: the TPU flash kernel adapter does "
                 "not know its semantics"
