@@ -47,6 +47,7 @@ import numpy as np
 import pytest
 from kernel_testing import (
     BF16,
+    BF16_OUT_TOL,
     F32,
     bias_op,
     has_gpu,
@@ -230,6 +231,7 @@ class Adapter:
     runs_here: Callable[[], bool] = lambda: True
     skip_reason: str = ""
     check_context: Callable = contextlib.nullcontext  # entered around check()
+    bf16_out_tol: float = BF16_OUT_TOL  # a bfloat16 output's per-row limit
 
 
 HERE = CheckContext(platform="cpu", explicit=True)
@@ -259,8 +261,14 @@ ADAPTERS = {
         skip_reason="cuDNN runs only on an NVIDIA GPU",
         check_context=compat.assume_cudnn,
     ),
+    # JAX's own XLA attention (cuDNN's stand-in here) rounds the probabilities to
+    # bfloat16 before P.V on JAX 0.12: up to 2e-2 per row, still well under the
+    # ~1e-1 of one key too many in a row.
     "cudnn_xla": Adapter(
-        lambda: CudnnKernel(implementation="xla"), GPU, check_context=compat.assume_cudnn
+        lambda: CudnnKernel(implementation="xla"),
+        GPU,
+        check_context=compat.assume_cudnn,
+        bf16_out_tol=2.5e-2,
     ),
     "tokamax": Adapter(
         TokamaxKernel,
@@ -385,7 +393,15 @@ def test_numerics_match_reference(adapter, case, dtype):
     spec, extras = CASES[case](DTYPES[dtype])
     kernel = a.make()
     assert _check(adapter, spec) == []
-    run_and_compare(kernel, spec, extras, tol=TOL[dtype], grad=kernel.grad, interpret=a.interpret)
+    run_and_compare(
+        kernel,
+        spec,
+        extras,
+        tol=TOL[dtype],
+        grad=kernel.grad,
+        interpret=a.interpret,
+        bf16_out_tol=a.bf16_out_tol,
+    )
 
 
 def test_cases_cover_every_descriptor_and_declarations_are_known():
