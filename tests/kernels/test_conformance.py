@@ -49,6 +49,7 @@ from kernel_testing import (
     BF16,
     BF16_OUT_TOL,
     F32,
+    XLA_ATTENTION_BF16_OUT_TOL,
     bias_op,
     has_gpu,
     mask_op,
@@ -261,14 +262,11 @@ ADAPTERS = {
         skip_reason="cuDNN runs only on an NVIDIA GPU",
         check_context=compat.assume_cudnn,
     ),
-    # JAX's own XLA attention (cuDNN's stand-in here) rounds the probabilities to
-    # bfloat16 before P.V on JAX 0.12: up to 2e-2 per row, still well under the
-    # ~1e-1 of one key too many in a row.
     "cudnn_xla": Adapter(
         lambda: CudnnKernel(implementation="xla"),
         GPU,
         check_context=compat.assume_cudnn,
-        bf16_out_tol=2.5e-2,
+        bf16_out_tol=XLA_ATTENTION_BF16_OUT_TOL,
     ),
     "tokamax": Adapter(
         TokamaxKernel,
