@@ -61,6 +61,15 @@ def test_golden_inside_the_users_shard_map(name, body):
     """A site inside the user's ``shard_map``: on its local blocks, the kernel
     runs where the site stands; with k and v all-gathered there, a ring over
     the gathers' axis reads them from before the gathers."""
+    path = GOLDEN / f"{name}.txt"
+    stamped = path.read_text().splitlines()[0].removeprefix("# jax ").strip()
+    if body is _gathering_body and stamped != jax.__version__:
+        # JAX itself places the user's body's pvary inside jnp.where differently
+        # from one version to the next (0.12 varies the scalar before the cast).
+        pytest.skip(
+            f"the user's body traces differently on JAX {jax.__version__}; "
+            f"this golden is pinned to JAX {stamped}"
+        )
     m = mesh((2,), ("seq",))
     spec = P(None, "seq")
     fn = jax.shard_map(body, mesh=m, in_specs=spec, out_specs=spec)
@@ -69,4 +78,4 @@ def test_golden_inside_the_users_shard_map(name, body):
     with jax.set_mesh(m):
         want = "ring" if body is _gathering_body else "blockwise"
         assert opt.explain(*args).kernels == [want]
-        assert_golden(opt, *args, path=GOLDEN / f"{name}.txt")
+        assert_golden(opt, *args, path=path)
