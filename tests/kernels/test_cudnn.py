@@ -35,6 +35,20 @@ from flashpass.kernels.cudnn import CudnnKernel, _plan, _window_empty
 from flashpass.spec import KvLengths, Window
 
 KERNEL = get_kernel("cudnn")
+
+
+def _run_xla(spec, extras=()):
+    """JAX's XLA attention through the adapter (cuDNN's stand-in on CPU) against
+    the float64 reference, forward and gradients."""
+    run_and_compare(
+        CudnnKernel(implementation="xla"),
+        spec,
+        extras,
+        tol=3e-2,
+        bf16_out_tol=XLA_ATTENTION_BF16_OUT_TOL,
+    )
+
+
 GPU = CheckContext(platform="gpu")
 
 
@@ -161,13 +175,7 @@ def test_xla_implementation_checks_the_transforms():
     keep = np.ones((2, 1, 1, 33), bool)
     keep[1, ..., :20] = False  # with the causal offset 12: rows 0..7 of example 1 are empty
     bias = normal(spec.extras[0].shape, 3, BF16)
-    run_and_compare(
-        CudnnKernel(implementation="xla"),
-        spec,
-        [bias, jnp.asarray(keep)],
-        tol=3e-2,
-        bf16_out_tol=XLA_ATTENTION_BF16_OUT_TOL,
-    )
+    _run_xla(spec, [bias, jnp.asarray(keep)])
 
 
 @requires_gpu
@@ -283,13 +291,7 @@ def test_xla_implementation_window_with_masks(mask_shape):
     with compat.assume_cudnn():
         assert KERNEL.check(spec, GPU) == []
     assert _plan(spec).window == (3, 0)
-    run_and_compare(
-        CudnnKernel(implementation="xla"),
-        spec,
-        extras,
-        tol=3e-2,
-        bf16_out_tol=XLA_ATTENTION_BF16_OUT_TOL,
-    )
+    _run_xla(spec, extras)
 
 
 def test_window_traces_and_lowers_for_gpu_without_one():
@@ -474,13 +476,7 @@ def test_xla_implementation_kv_lengths(name):
         assert KERNEL.check(spec, GPU) == []
     native = name in ("causal_gqa_shift", "decode_two_ops")
     assert _plan(spec).lengths == ("native" if native else "mask")
-    run_and_compare(
-        CudnnKernel(implementation="xla"),
-        spec,
-        extras,
-        tol=3e-2,
-        bf16_out_tol=XLA_ATTENTION_BF16_OUT_TOL,
-    )
+    _run_xla(spec, extras)
 
 
 def test_kv_lengths_minus_inf_rows_are_the_mean_of_v():
@@ -572,6 +568,4 @@ def test_odd_lengths_without_a_mask(name):
     targets = set(re.findall(r"__cudnn\$fmha\w*", hlo))
     assert any("Backward" in t for t in targets) and not any("Bias" in t for t in targets)
     assert re.search(r'"mask_type": "PADDING', hlo.replace("\\22", '"'))
-    run_and_compare(
-        CudnnKernel(implementation="xla"), spec, tol=3e-2, bf16_out_tol=XLA_ATTENTION_BF16_OUT_TOL
-    )
+    _run_xla(spec)
