@@ -93,6 +93,18 @@ def _grads(fn, args):
     return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(*args)
 
 
+def _assert_same_function(program, opt, fn, args, m, kernel):
+    """The first call under ``m`` is rewritten to ``kernel`` and equals the
+    unsharded original, output and q/k/v gradients."""
+    with jax.set_mesh(m):
+        got = program(*args)
+        got_grads = _grads(program, args)
+    _assert_rewritten(opt, kernel)
+    _close(got, fn(*args))
+    for g, w in zip(got_grads, _grads(fn, args), strict=True):
+        _close(g, w, scale=5)
+
+
 # (spelling, mesh axis size, q spec, k/v spec): heads split over 3 devices
 # (H = 3), or query rows over 2 with k and v whole (a function of each query
 # row, so not for the causal spellings, whose masks read local positions).
@@ -115,13 +127,7 @@ def test_sharded_gradients(name, n, q_spec, kv_spec):
     args = make(np.random.default_rng(0))
     m = mesh((n,), ("x",), explicit=False)
     program, opt = _wrapped(fn, m, (q_spec, kv_spec, kv_spec), q_spec, optimize_outside=False)
-    with jax.set_mesh(m):
-        got = program(*args)
-        got_grads = _grads(program, args)
-    _assert_rewritten(opt, "blockwise")
-    _close(got, fn(*args))
-    for g, w in zip(got_grads, _grads(fn, args), strict=True):
-        _close(g, w, scale=5)
+    _assert_same_function(program, opt, fn, args, m, "blockwise")
 
 
 # Every kernel that runs on CPU in interpret mode, causal, batch over 2 devices.
@@ -141,13 +147,7 @@ def test_every_interpreted_kernel(kernel, name, t):
     program, opt = _wrapped(
         fn, m, (P("x"),) * 3, P("x"), optimize_outside=False, kernel=kernel, interpret=True
     )
-    with jax.set_mesh(m):
-        got = program(*args)
-        got_grads = _grads(program, args)
-    _assert_rewritten(opt, name)
-    _close(got, fn(*args))
-    for g, w in zip(got_grads, _grads(fn, args), strict=True):
-        _close(g, w, scale=5)
+    _assert_same_function(program, opt, fn, args, m, name)
 
 
 def _decode(q, k, v, lengths):
@@ -181,10 +181,4 @@ def test_blockwise_paths(fn, kernel, make):
     m = mesh((2,), ("x",), explicit=False)
     specs = (P("x"),) * len(args)
     program, opt = _wrapped(fn, m, specs, P("x"), optimize_outside=False, kernel=kernel)
-    with jax.set_mesh(m):
-        got = program(*args)
-        got_grads = _grads(program, args)
-    _assert_rewritten(opt, "blockwise")
-    _close(got, fn(*args))
-    for g, w in zip(got_grads, _grads(fn, args), strict=True):
-        _close(g, w, scale=5)
+    _assert_same_function(program, opt, fn, args, m, "blockwise")
