@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from kernel_testing import BF16, F32, normal, rel_err, spec_of
+from kernel_testing import BF16, F32, normal, rel_err, requires_triton, spec_of
 
 from flashpass.kernels import Causal, CheckContext, Scale, Softcap
 from flashpass.kernels.blockwise import BlockwiseKernel
@@ -78,9 +78,10 @@ def _reference(spec, q, k, v, dout):
 COMBINATIONS = [("blockwise", case, F32) for case in CASES] + [
     ("blockwise", "causal", BF16),
     ("blockwise_heads", "causal", F32),
-    ("pallas_gpu", "full", F32),
-    ("pallas_gpu", "causal", F32),
-    ("pallas_gpu", "causal", BF16),
+    *(
+        pytest.param("pallas_gpu", case, dtype, marks=requires_triton)
+        for case, dtype in (("full", F32), ("causal", F32), ("causal", BF16))
+    ),
     *(("splash", case, F32) for case in CASES),
     ("splash", "causal", BF16),
 ]
