@@ -21,6 +21,8 @@ import pytest
 
 from flashpass import compat
 
+from jax_versions import requires_triton
+
 
 @contextlib.contextmanager
 def uses(api: str):
@@ -342,12 +344,6 @@ def test_splash_attention_module():
         assert kernel.fwd_mask_info.is_dynamic_mask is False
 
 
-#: The Triton flash attention's entry points are used before JAX 0.11.1 only.
-triton_attention = pytest.mark.skipif(
-    not compat.TRITON_ATTENTION, reason="JAX deprecates the Triton flash attention (0.11.1+)"
-)
-
-
 def test_triton_attention_is_used_only_where_jax_keeps_it():
     """`compat.TRITON_ATTENTION` is off exactly where importing the module
     warns (or it is gone); there, flashpass refuses to import it."""
@@ -374,7 +370,7 @@ def test_triton_attention_is_used_only_where_jax_keeps_it():
             compat.gpu_attention_module()
 
 
-@triton_attention
+@requires_triton
 def test_pallas_gpu_attention_module():
     with uses("jax.experimental.pallas.ops.gpu.attention"):
         ga = compat.gpu_attention_module()
@@ -383,7 +379,7 @@ def test_pallas_gpu_attention_module():
         assert {"block_q", "block_k", "block_q_dkv", "block_kv_dkv"} <= fields, fields
 
 
-@triton_attention
+@requires_triton
 def test_pallas_triton_lowers_without_a_gpu():
     """`lower_for_gpu`: JAX >= 0.11 asks the (abstract) device for its compute
     capability when lowering Pallas Triton kernels."""
@@ -683,7 +679,7 @@ def test_splash_private_entry_points():
         assert dense[5, 4] and not dense[5, 3] and not dense[4, 5]
 
 
-@triton_attention
+@requires_triton
 def test_pallas_gpu_private_entry_points():
     with uses("pallas gpu attention mha(return_residuals=...) / _mha_backward"):
         module = compat.gpu_attention_module()

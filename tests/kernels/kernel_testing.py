@@ -17,11 +17,6 @@ from flashpass.kernels.reference import reference_attention
 F32 = np.dtype(np.float32)
 BF16 = np.dtype(jnp.bfloat16)
 
-#: pallas_gpu's Triton kernel runs on JAX < 0.11.1 only (`compat.TRITON_ATTENTION`).
-requires_triton = pytest.mark.skipif(
-    not compat.TRITON_ATTENTION, reason="JAX deprecates the Triton flash attention (0.11.1+)"
-)
-
 #: Interpret mode's (and small kernels') cost is XLA:CPU compile time; the
 #: backend optimisation level changes speed, not floating-point semantics.
 fast_jit = functools.partial(jax.jit, compiler_options={"xla_backend_optimization_level": 0})

@@ -19,7 +19,6 @@ from kernel_testing import (
     F32,
     bias_op,
     mask_op,
-    requires_triton,
     run_and_compare,
     spec_of,
 )
@@ -28,6 +27,8 @@ from flashpass import compat
 from flashpass.kernels import Causal, CheckContext, Scale, Softcap, get_kernel
 from flashpass.kernels.pallas_gpu import PallasGpuKernel
 from flashpass.spec import Segments
+
+from jax_versions import requires_triton
 
 KERNEL = get_kernel("pallas_gpu")
 GPU = CheckContext(platform="gpu")

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from kernel_testing import BF16, F32, normal, rel_err, requires_triton, spec_of
+from kernel_testing import BF16, F32, normal, rel_err, spec_of
 
 from flashpass.kernels import Causal, CheckContext, Scale, Softcap
 from flashpass.kernels.blockwise import BlockwiseKernel
@@ -24,6 +24,8 @@ from flashpass.kernels.reference import reference_attention
 from flashpass.kernels.splash import SplashKernel
 from flashpass.ring import cases as ring_steps
 from flashpass.spec import Chunk, Dropout, KvLengths, Prefix, Segments, Sink, Window
+
+from jax_versions import requires_triton
 
 L = 32  # block length: the global sequence is 2L
 
