@@ -42,13 +42,11 @@ fi
 "$venv/bin/python" -m pip install --quiet -e . pytest hypothesis -c ci/constraints-newest.txt
 "$venv/bin/python" -c 'import sys, jax; print("newest-JAX leg: jax", jax.__version__, "on Python", sys.version.split()[0])'
 # JAX's deprecations are errors for flashpass's imports and its kernels' tracing
-# (the compat self-test and every kernel's conformance cases), except the two that
-# pallas_gpu still triggers on JAX 0.12 (docs/kernels.md, "Experimental JAX modules").
+# (the compat self-test and every kernel's conformance cases; pallas_gpu, whose
+# Triton kernel JAX deprecates, declines every site from JAX 0.11.1 on).
 "$venv/bin/python" -W error::DeprecationWarning -c 'import flashpass, flashpass.kernels'
 FLASHPASS_HYPOTHESIS_PROFILE=quick "$venv/bin/python" -m pytest -q -p no:cacheprovider \
     -W error::DeprecationWarning \
-    -W "ignore:jax.experimental.pallas.ops.gpu.attention is deprecated:DeprecationWarning" \
-    -W "ignore:The Pallas Triton backend is deprecated:DeprecationWarning" \
     tests/test_compat.py tests/kernels/test_conformance.py
 FLASHPASS_HYPOTHESIS_PROFILE=quick "$venv/bin/python" -m pytest -q -p no:cacheprovider \
     tests/test_matching.py tests/test_negative.py tests/test_api.py tests/test_bad_input.py \

@@ -44,9 +44,17 @@ and segment ids the matcher could not prove to be one array.
 Rows in which every key is excluded: the mean of ``v`` over all keys (the
 reference's result when the excluded keys share one finite fill).
 
-The Mosaic GPU kernel of this JAX (``attention_mgpu``, Hopper) is not used: it
-has no softmax scale, masks or sequence padding, keeps float16 scratch, has no
-causal backward, and cannot be traced without a CUDA installation.
+JAX versions: JAX 0.11.1 deprecates ``pallas.ops.gpu.attention`` (in favour of
+tokamax) and 0.11.2 the Pallas Triton backend (in favour of Mosaic GPU).  From
+0.11.1 on, `check` declines every site with that reason and the module is never
+imported (`flashpass.compat.TRITON_ATTENTION`): the platform's order goes on to
+``blockwise``, and ``cudnn`` or the optional ``tokamax`` adapter cover GPUs.
+
+Not used as a replacement: JAX's Mosaic GPU attention (``attention_mgpu``,
+Hopper) has no softmax scale, masks or sequence padding, no causal backward,
+only float16/bfloat16 and head dims that are multiples of 64, and asserts a
+CUDA runtime while tracing (no interpret mode on a CPU); tokamax's kernels have
+no interpret mode either, and its ``triton`` one is Pallas Triton too.
 """
 
 from __future__ import annotations
@@ -88,11 +96,23 @@ class _Plan:
     block_bwd: int
 
 
+def _jax_reasons() -> list[str]:
+    """The Triton kernel runs only on JAX versions that have not deprecated it."""
+    if compat.TRITON_ATTENTION:
+        return []
+    return [
+        f"JAX {jax.__version__} deprecates the Triton flash attention pallas_gpu runs "
+        "(jax.experimental.pallas.ops.gpu.attention) and the Pallas Triton backend; "
+        "pallas_gpu runs on JAX < 0.11.1 only: use 'cudnn', 'tokamax' or 'blockwise'"
+    ]
+
+
 def _reasons(spec: AttentionSpec) -> list[str]:
     label = "the Pallas GPU attention kernel"
     reasons, form = _linear.linear_reasons(
         spec, label, bias_instead="cudnn", structured=frozenset({Segments})
     )
+    reasons = _jax_reasons() + reasons
     if form is None:
         return reasons
     for op in form.structured:
@@ -205,6 +225,7 @@ class PallasGpuKernel(Kernel):
     reverse-mode AD.  Rejects Bias, Softcap and masks that vary over queries.
     Unless named explicitly, it also declines sites where padding queries and
     keys to one length would more than quadruple the work (e.g. decoding).
+    JAX < 0.11.1 only (later versions deprecate the kernel; see the module doc).
     """
 
     name = "pallas_gpu"

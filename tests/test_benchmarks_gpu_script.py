@@ -7,9 +7,12 @@ import pathlib
 import subprocess
 import sys
 
+from jax_versions import requires_triton
+
 SCRIPT = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "gpu.py"
 
 
+@requires_triton
 def test_gpu_benchmark_cpu_check():
     proc = subprocess.run(
         [sys.executable, str(SCRIPT), "--cpu-check"],

@@ -21,6 +21,8 @@ import pytest
 
 from flashpass import compat
 
+from jax_versions import requires_triton
+
 
 @contextlib.contextmanager
 def uses(api: str):
@@ -342,6 +344,33 @@ def test_splash_attention_module():
         assert kernel.fwd_mask_info.is_dynamic_mask is False
 
 
+def test_triton_attention_is_used_only_where_jax_keeps_it():
+    """`compat.TRITON_ATTENTION` is off exactly where importing the module
+    warns (or it is gone); there, flashpass refuses to import it."""
+    import sys
+    import warnings
+
+    name = "jax.experimental.pallas.ops.gpu.attention"
+    saved = sys.modules.pop(name, None)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                importlib.import_module(name)
+            except ImportError:  # removed by a later JAX
+                assert not compat.TRITON_ATTENTION
+    finally:
+        sys.modules.pop(name, None)
+        if saved is not None:
+            sys.modules[name] = saved
+    deprecated = [w for w in caught if issubclass(w.category, DeprecationWarning)]
+    assert bool(deprecated) == (not compat.TRITON_ATTENTION), [str(w.message) for w in caught]
+    if not compat.TRITON_ATTENTION:
+        with pytest.raises(RuntimeError, match="deprecates"):
+            compat.gpu_attention_module()
+
+
+@requires_triton
 def test_pallas_gpu_attention_module():
     with uses("jax.experimental.pallas.ops.gpu.attention"):
         ga = compat.gpu_attention_module()
@@ -350,6 +379,7 @@ def test_pallas_gpu_attention_module():
         assert {"block_q", "block_k", "block_q_dkv", "block_kv_dkv"} <= fields, fields
 
 
+@requires_triton
 def test_pallas_triton_lowers_without_a_gpu():
     """`lower_for_gpu`: JAX >= 0.11 asks the (abstract) device for its compute
     capability when lowering Pallas Triton kernels."""
@@ -649,6 +679,7 @@ def test_splash_private_entry_points():
         assert dense[5, 4] and not dense[5, 3] and not dense[4, 5]
 
 
+@requires_triton
 def test_pallas_gpu_private_entry_points():
     with uses("pallas gpu attention mha(return_residuals=...) / _mha_backward"):
         module = compat.gpu_attention_module()

@@ -10,6 +10,8 @@ import pytest
 import flashpass
 from flashpass.errors import PlatformError
 
+from jax_versions import requires_triton
+
 
 def attention(q, k, v):
     s = jnp.einsum("bqhd,bkhd->bhqk", q, k) / jnp.sqrt(q.shape[-1])
@@ -19,6 +21,7 @@ def attention(q, k, v):
 Q = np.ones((1, 256, 2, 64), np.float32)
 
 
+@requires_triton
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="needs a CPU host")
 def test_program_for_another_platform_says_so():
     opt = flashpass.optimize(attention, platform="gpu")
@@ -32,6 +35,7 @@ def test_program_for_another_platform_says_so():
     assert "platform='cpu'" in text and "interpret=True" in text
 
 
+@requires_triton
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="needs a CPU host")
 def test_program_for_another_platform_with_interpret_runs():
     small = Q[:, :64, :, :16]
@@ -62,6 +66,7 @@ def test_bad_argument_names_the_function_and_path():
     assert "argument q[0][0][0][0]" in text, text
 
 
+@requires_triton  # (pallas_gpu is the GPU kernel that cannot run here)
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="needs a CPU host")
 def test_program_for_another_platform_under_jit_says_so():
     """The first call under jax.jit: lowering for this host meets the guard first."""

@@ -78,6 +78,7 @@ from ._jaxpr import (  # noqa: F401
 from ._kernels import (  # noqa: F401
     _ASSUMED_CUDNN,
     ASSUMED_GPU_KIND,
+    TRITON_ATTENTION,
     _abstract_gpu,
     _cudnn_attention_module,
     assume_cudnn,

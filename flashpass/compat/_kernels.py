@@ -28,9 +28,19 @@ EXPERIMENTAL_MODULES = {
         "0.9.0",
         "0.12.0.1",
     ),
-    # Deprecated in JAX 0.12 (in favour of tokamax): the next JAX may remove it.
-    "jax.experimental.pallas.ops.gpu.attention": ("0.9.0", "0.12.0.1"),
+    # Deprecated from JAX 0.11.1 (in favour of tokamax): imported only before it
+    # (`TRITON_ATTENTION`), though it still exists in 0.12.
+    "jax.experimental.pallas.ops.gpu.attention": ("0.9.0", "0.11.0"),
 }
+
+#: Whether this JAX's Triton flash attention (``pallas.ops.gpu.attention``) may
+#: be used: JAX 0.11.1 deprecates the module (in favour of tokamax) and 0.11.2
+#: the Pallas Triton backend itself (in favour of Mosaic GPU).  `pallas_gpu`
+#: runs only before them.  Mosaic GPU is no drop-in: a generic ``pallas_call``
+#: on GPU still lowers through Triton (JAX 0.12 has no Mosaic GPU rule for it,
+#: only ``mosaic_gpu.kernel``), and Mosaic GPU lowers no ``dot_general``
+#: (matmuls are the architecture's ``wgmma``, ``tcgen05_mma`` or ``mma``).
+TRITON_ATTENTION = JAX_VERSION < (0, 11, 1)
 
 # --------------------------------------------------------------------------- Pallas
 
@@ -204,7 +214,13 @@ def splash_backward(kernel, res, do):
 
 @functools.cache
 def gpu_attention_module():
-    """``jax.experimental.pallas.ops.gpu.attention`` (the Triton flash attention)."""
+    """``jax.experimental.pallas.ops.gpu.attention`` (the Triton flash attention;
+    only where `TRITON_ATTENTION`: importing it later warns)."""
+    if not TRITON_ATTENTION:
+        raise RuntimeError(
+            f"JAX {jax.__version__} deprecates jax.experimental.pallas.ops.gpu.attention "
+            "and the Pallas Triton backend; flashpass uses them before JAX 0.11.1 only"
+        )
     from jax.experimental.pallas.ops.gpu import attention
 
     return attention

@@ -1,7 +1,10 @@
 """The Pallas GPU (Triton) attention adapter: plan, checks, precision, lowering.
 
 Numerics for every case are in test_conformance.py (interpret mode here,
-natively on a GPU); this file adds the key-exclusion column path.
+natively on a GPU); this file adds the key-exclusion column path.  From JAX
+0.11.1, which deprecates the Triton kernel, the adapter declines every site
+(`test_declined_where_jax_deprecates_triton`); the plan and the spec checks
+are still tested there.
 """
 
 from __future__ import annotations
@@ -11,12 +14,21 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax import lax
-from kernel_testing import BF16, F32, bias_op, mask_op, run_and_compare, spec_of
+from kernel_testing import (
+    BF16,
+    F32,
+    bias_op,
+    mask_op,
+    run_and_compare,
+    spec_of,
+)
 
 from flashpass import compat
 from flashpass.kernels import Causal, CheckContext, Scale, Softcap, get_kernel
 from flashpass.kernels.pallas_gpu import PallasGpuKernel
 from flashpass.spec import Segments
+
+from jax_versions import requires_triton
 
 KERNEL = get_kernel("pallas_gpu")
 GPU = CheckContext(platform="gpu")
@@ -35,6 +47,7 @@ def _shapes(spec):
     ]
 
 
+@requires_triton
 def test_attributes_and_platforms():
     assert isinstance(KERNEL, PallasGpuKernel)
     assert (KERNEL.platforms, KERNEL.interpret_platforms, KERNEL.grad) == (
@@ -49,6 +62,28 @@ def test_attributes_and_platforms():
     assert "runs on gpu, not tpu" in reason
     with pytest.raises(ValueError, match="power of two"):
         PallasGpuKernel(block_q=48)
+
+
+def test_declined_where_jax_deprecates_triton():
+    """JAX 0.11.1+ deprecates the Triton kernel: every site is declined with
+    that reason, on every platform, and `apply` refuses before importing it."""
+    import flashpass
+
+    spec = spec_of(t=256, ops=[Scale(0.125)])
+    for ctx in (GPU, CheckContext(platform="cpu", interpret=True)):
+        reasons = KERNEL.check(spec, ctx)
+        assert any("deprecates" in r for r in reasons) == (not compat.TRITON_ATTENTION), reasons
+    if compat.TRITON_ATTENTION:
+        return
+    with pytest.raises(ValueError, match="pallas_gpu runs on JAX < 0.11.1"):
+        KERNEL.apply(spec, None, None, None)
+    q = jnp.ones((1, 2, 256, 16), jnp.float32)
+    attn = lambda q, k, v: jax.nn.softmax(jnp.einsum("bhtd,bhsd->bhts", q, k) * 0.125) @ v  # noqa: E731
+    report = flashpass.optimize(attn, kernel=["pallas_gpu", "blockwise"], interpret=True).explain(
+        q, q, q
+    )
+    assert report.kernels == ["blockwise"], str(report)
+    assert "deprecates" in report.rewrites[0].rejected["pallas_gpu"][0]
 
 
 def test_plan_lengths_and_key_exclusion():
@@ -67,6 +102,7 @@ def test_plan_lengths_and_key_exclusion():
     assert (p.length, p.segments, p.column, p.head_dim) == (256, False, False, 16)
 
 
+@requires_triton
 def test_decode_shapes_declined_unless_named():
     """Queries and keys are padded to one length: T=1, S=4096 is 4096x the work."""
     spec = spec_of(t=1, s=4096, ops=[Scale(0.125)])
@@ -128,6 +164,7 @@ def _packed(q, k, v, ids):
     return jnp.einsum("bhts,bhsd->bhtd", jax.nn.softmax(s, -1), v)
 
 
+@requires_triton
 @pytest.mark.parametrize("t", [16, 21], ids=["t16", "t21-padded"])
 def test_segment_ids_of_one_array_numerics(t):
     """The program's ids, proven one array, become the kernel's segment_ids
@@ -151,6 +188,7 @@ def test_segment_ids_of_one_array_numerics(t):
         np.testing.assert_allclose(g, w, rtol=2e-4, atol=2e-5 * float(jnp.abs(w).max()))
 
 
+@requires_triton
 def test_segment_ids_of_two_arrays_are_kept_for_blockwise():
     import flashpass
 
@@ -168,6 +206,7 @@ def test_segment_ids_of_two_arrays_are_kept_for_blockwise():
     assert "one array" in report.rewrites[0].rejected["pallas_gpu"][0]
 
 
+@requires_triton
 def test_column_exclusion_numerics():
     """More query rows than keys, causal: padded keys excluded by the column."""
     spec = spec_of(h=4, hkv=2, t=30, s=20, ops=[Scale(0.3), Causal(0, -1e9)])
@@ -190,6 +229,7 @@ def _dot_precisions(fn, *args):
     return found
 
 
+@requires_triton
 @pytest.mark.parametrize("dtype", [F32, BF16], ids=["f32", "bf16"])
 def test_float32_dots_are_ieee_not_tf32(dtype):
     """DEFAULT precision makes Triton use TF32; float32 kernels trace at HIGHEST,
@@ -208,6 +248,7 @@ def test_float32_dots_are_ieee_not_tf32(dtype):
         assert not any(p == highest for p in precisions), precisions
 
 
+@requires_triton
 @pytest.mark.parametrize("masked", [False, True], ids=["causal", "key_mask"])
 def test_lowers_for_gpu(masked):
     """Forward and gradient lower to Triton kernels without a GPU."""

@@ -62,6 +62,11 @@ def _args(dtype, bias=False):
     return qkv
 
 
+#: What the GPU order picks where cuDNN cannot: pallas_gpu, or on a JAX that
+#: deprecates its Triton kernel (`compat.TRITON_ATTENTION`), blockwise.
+PALLAS_GPU = "pallas_gpu" if compat.TRITON_ATTENTION else "blockwise"
+
+
 def explain(fn, platform, dtype, bias=False, kernel=None):
     return flashpass.optimize(fn, platform=platform, kernel=kernel).explain(*_args(dtype, bias))
 
@@ -86,8 +91,8 @@ def test_default_orders():
         (biased_attention, "tpu", F32, True, False, "pallas_tpu"),  # splash: no bias
         (softcapped_attention, "tpu", F32, False, False, "splash"),
         (causal_attention, "gpu", BF16, False, True, "cudnn"),
-        (causal_attention, "gpu", BF16, False, False, "pallas_gpu"),  # no cuDNN here
-        (causal_attention, "gpu", F32, False, True, "pallas_gpu"),  # cuDNN: 16-bit only
+        (causal_attention, "gpu", BF16, False, False, PALLAS_GPU),  # no cuDNN here
+        (causal_attention, "gpu", F32, False, True, PALLAS_GPU),  # cuDNN: 16-bit only
         (biased_attention, "gpu", BF16, True, True, "cudnn"),
         (biased_attention, "gpu", F32, True, True, "blockwise"),  # pallas_gpu: no bias
         (softcapped_attention, "gpu", BF16, False, True, "blockwise"),
@@ -131,8 +136,9 @@ _BIAS = spec_of(
         (
             "gpu",
             spec_of(t=64, ops=[Scale(0.1), Causal(0, -1e9)]),
-            "pallas_gpu",
-            {"cudnn": "float32"},
+            PALLAS_GPU,
+            {"cudnn": "float32"}
+            | ({} if compat.TRITON_ATTENTION else {"pallas_gpu": "deprecates"}),
         ),
         (
             "gpu",

@@ -25,6 +25,8 @@ from flashpass.kernels.splash import SplashKernel
 from flashpass.ring import cases as ring_steps
 from flashpass.spec import Chunk, Dropout, KvLengths, Prefix, Segments, Sink, Window
 
+from jax_versions import requires_triton
+
 L = 32  # block length: the global sequence is 2L
 
 CASES = {
@@ -78,9 +80,10 @@ def _reference(spec, q, k, v, dout):
 COMBINATIONS = [("blockwise", case, F32) for case in CASES] + [
     ("blockwise", "causal", BF16),
     ("blockwise_heads", "causal", F32),
-    ("pallas_gpu", "full", F32),
-    ("pallas_gpu", "causal", F32),
-    ("pallas_gpu", "causal", BF16),
+    *(
+        pytest.param("pallas_gpu", case, dtype, marks=requires_triton)
+        for case, dtype in (("full", F32), ("causal", F32), ("causal", BF16))
+    ),
     *(("splash", case, F32) for case in CASES),
     ("splash", "causal", BF16),
 ]

@@ -24,6 +24,8 @@ import flashpass
 from flashpass.ring import backward as ring_backward
 from flashpass.ring import forward as ring_forward
 
+from jax_versions import requires_triton
+
 pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 devices (see conftest)")
 
 REPLICATED = P(None, None, None, None)
@@ -716,7 +718,11 @@ def test_steps_run_over_query_chunks(monkeypatch):
 
 @pytest.mark.parametrize("balanced", [True, False], ids=["zigzag", "contiguous"])
 @pytest.mark.parametrize(
-    "platform, kernel", [("tpu", "splash"), ("gpu", "pallas_gpu")], ids=["splash", "pallas_gpu"]
+    "platform, kernel",
+    [
+        pytest.param("tpu", "splash", id="splash"),
+        pytest.param("gpu", "pallas_gpu", id="pallas_gpu", marks=requires_triton),
+    ],
 )
 def test_ring_steps_run_the_platform_kernel(platform, kernel, balanced):
     """Selecting for TPU or GPU, a causal ring's blocks run that platform's
@@ -744,6 +750,7 @@ def test_ring_steps_run_the_platform_kernel(platform, kernel, balanced):
     assert any(kind == "collective-permute" for kind, _, _ in collectives(got.hlo))
 
 
+@requires_triton
 def test_a_step_the_platform_kernel_declines_runs_the_next():
     """Selecting for GPU, a key-padding-masked ring: pallas_gpu takes the site
     but runs no ring step with a boolean mask (`step_reasons`), so the steps

@@ -24,6 +24,7 @@ from flashpass.kernels.pallas_tpu import PallasTpuKernel
 from flashpass.kernels.splash import SplashKernel
 
 import spellings
+from jax_versions import requires_triton
 
 pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 devices (see conftest)")
 
@@ -133,7 +134,13 @@ def test_sharded_gradients(name, n, q_spec, kv_spec):
 # Every kernel that runs on CPU in interpret mode, causal, batch over 2 devices.
 INTERPRETED = [
     pytest.param(TILED, "blockwise", 16, id="blockwise"),
-    pytest.param(PallasGpuKernel(), "pallas_gpu", 64, id="pallas_gpu"),
+    pytest.param(
+        PallasGpuKernel(),
+        "pallas_gpu",
+        64,
+        id="pallas_gpu",
+        marks=requires_triton,
+    ),
     pytest.param(PallasTpuKernel(max_block=128), "pallas_tpu", 256, id="pallas_tpu"),
     pytest.param(SplashKernel(max_block=128), "splash", 256, id="splash"),
 ]
