@@ -143,13 +143,19 @@ def before_gather(site: AttentionSite, scope) -> AttentionSite:
 
 
 def analyze(
-    site: AttentionSite, kernel, aval_of, sharding_of=None, ring_only: bool = False
+    site: AttentionSite,
+    kernel,
+    aval_of,
+    sharding_of=None,
+    ring_only: bool = False,
+    decided: bool = False,
 ) -> ShardPlan | str | None:
     """How ``site`` runs on its operands' mesh: a `ShardPlan`, None (unsharded:
     as is), or the reason it must be kept as written.  ``aval_of(atom)`` gives
     the abstract value of an operand; ``sharding_of(atom)`` its sharding
     (default: the one in its type).  ``ring_only``: only a ring plan is wanted
-    (anything else is None)."""
+    (anything else is None).  ``decided``: the shardings are those XLA's
+    partitioner chose (`flashpass.placement.deferred`), Auto axes or not."""
     read = operands(site)
     if sharding_of is None:
 
@@ -167,7 +173,7 @@ def analyze(
     if mesh is None:
         return None
     kinds = compat.axis_kinds(mesh)
-    if kinds["auto"] and not kernel.partitionable and not ring_only:
+    if kinds["auto"] and not kernel.partitionable and not ring_only and not decided:
         auto = ", ".join(f"{a}={mesh.shape[a]}" for a in kinds["auto"])
         return (
             f"the operands are on a mesh with Auto axes ({auto}): XLA chooses their "

@@ -8,18 +8,23 @@ type in `EMIT` and emits the site at its root while the program is rewritten
 
 from .emit import EMIT, emit, kernel_output, rebind_shard_map
 from .plan import RING_IN_TRAINING, place
-from .types import BodyRing, Kept, Local, PerShard, Placed, Placement, Ring
+from .deferred import Decision, clear_decisions, decisions
+from .types import BodyRing, Deferred, Kept, Local, PerShard, Placed, Placement, Ring
 
 __all__ = [
     "EMIT",
     "RING_IN_TRAINING",
     "BodyRing",
+    "Decision",
+    "Deferred",
     "Kept",
     "Local",
     "PerShard",
     "Placed",
     "Placement",
     "Ring",
+    "clear_decisions",
+    "decisions",
     "emit",
     "kernel_output",
     "place",
