@@ -103,7 +103,6 @@ from ._kernels import (  # noqa: F401
     tpu_paged_attention_module,
     traced_with,
 )
-from ._partitioning import partitioned, shardy_enabled  # noqa: F401
 from ._nnx import (  # noqa: F401
     is_graph_node,
     is_graph_object,
@@ -113,6 +112,7 @@ from ._nnx import (  # noqa: F401
     split_nodes,
     update_nodes,
 )
+from ._partitioning import partitioned, shardy_enabled  # noqa: F401
 from ._random import (  # noqa: F401
     is_key_dtype,
     prng_impl_name,

@@ -6,9 +6,9 @@ type in `EMIT` and emits the site at its root while the program is rewritten
 (stage 6).
 """
 
+from .deferred import Decision, clear_decisions, decisions
 from .emit import EMIT, emit, kernel_output, rebind_shard_map
 from .plan import RING_IN_TRAINING, place
-from .deferred import Decision, clear_decisions, decisions
 from .types import BodyRing, Deferred, Kept, Local, PerShard, Placed, Placement, Ring
 
 __all__ = [

@@ -39,6 +39,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from .. import compat, errors, ring, sharding
 from ..ring import zigzag
+from ..roles import Merged
 from .emit import _atoms, _reader, _ring_output, kernel_output
 
 logger = logging.getLogger("flashpass")
@@ -115,7 +116,10 @@ class _Call:
         self._avals = [jax.ShapeDtypeStruct(v.shape, v.dtype) for v in values]
         shapes = [tuple(v.shape) for v in values]
         floats = tuple(i for i, v in enumerate(values) if jnp.issubdtype(v.dtype, jnp.inexact))
-        factors = [self._factors(r, s, f"a{i}") for i, (r, s) in enumerate(zip(self.roles, shapes))]
+        factors = [
+            self._factors(r, s, f"a{i}")
+            for i, (r, s) in enumerate(zip(self.roles, shapes, strict=True))
+        ]
         out_factors = self._factors(
             dict(enumerate(self.site.out_roles)),
             tuple(self.site.root.eqn.outvars[0].aval.shape),
@@ -300,8 +304,9 @@ class _Call:
         out = []
         for d, size in enumerate(shape):
             role = by_dim.get(d)
-            if role is not None and isinstance(role, str) and sizes.get(role) == size:
-                out.append("r_" + "".join(c if c.isalnum() else "_" for c in role))
+            named = role in ("D", "Dv") or (role in sizes and sizes[role] == size)
+            if role is not None and not isinstance(role, Merged) and named:
+                out.append("r_" + "".join(c if c.isalnum() else "_" for c in str(role)))
             else:
                 out.append(f"{unique}_{d}")
         return out
