@@ -39,7 +39,6 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from .. import compat, errors, ring, sharding
 from ..ring import zigzag
-from ..roles import Merged
 from .emit import _atoms, _reader, _ring_output, kernel_output
 
 logger = logging.getLogger("flashpass")
@@ -301,12 +300,12 @@ class _Call:
         has the role's size, else one of its own."""
         by_dim = roles if by_axis else {axis: role for role, axis in roles.items()}
         sizes = self.site.layout.sizes
+        names = {role: f"r{i}" for i, role in enumerate([*sizes, "D", "Dv"])}
         out = []
         for d, size in enumerate(shape):
             role = by_dim.get(d)
-            named = role in ("D", "Dv") or (role in sizes and sizes[role] == size)
-            if role is not None and not isinstance(role, Merged) and named:
-                out.append("r_" + "".join(c if c.isalnum() else "_" for c in str(role)))
+            if role in ("D", "Dv") or (role in sizes and sizes[role] == size):
+                out.append(names[role])  # (a merged role is in no layout: its own)
             else:
                 out.append(f"{unique}_{d}")
         return out

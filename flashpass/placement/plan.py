@@ -46,7 +46,10 @@ def place(planned, scopes: dict, kernels, ctx, zigzag: bool = True) -> list[Plac
 
 
 def _place(p: PlannedSite, scope, kernels, ctx, zigzag: bool) -> Placed:
-    if _deferrable(p.site, p.kernel, scope):
+    # (A Pallas kernel in interpret mode runs host callbacks, ordered effects
+    # that a custom_partitioning body cannot carry: placed at trace time.)
+    interpreted = p.interpret and not p.kernel.plain_jax
+    if not interpreted and _deferrable(p.site, p.kernel, scope):
         return Placed(p, Deferred(tuple(kernels), ctx, zigzag))
     found = _sharded(p, scope)
     if found is None:
