@@ -45,7 +45,8 @@ logger = logging.getLogger("flashpass")
 
 #: What `decisions` remembers (the most recent partitionings).
 MAX_DECISIONS = 256
-_DECISIONS: collections.deque = collections.deque(maxlen=MAX_DECISIONS)
+_DECISIONS: collections.deque = collections.deque(maxlen=MAX_DECISIONS)  # (number, Decision)
+_COUNT = [0]
 _LOCK = threading.Lock()
 
 
@@ -68,10 +69,17 @@ class Decision:
         return f"{where} ({self.pass_}, mesh {self.mesh}): {self.how}{why}"
 
 
-def decisions() -> list[Decision]:
-    """The most recent partitioning decisions of deferred sites, oldest first."""
+def decisions(since: int = 0) -> list[Decision]:
+    """The most recent partitioning decisions of deferred sites, oldest first
+    (``since``: only those after `decision_count` gave it)."""
     with _LOCK:
-        return list(_DECISIONS)
+        return [d for n, d in _DECISIONS if n >= since]
+
+
+def decision_count() -> int:
+    """How many decisions were taken so far (for `decisions`' ``since``)."""
+    with _LOCK:
+        return _COUNT[0]
 
 
 def clear_decisions() -> None:
@@ -292,7 +300,8 @@ class _Call:
         shape = " x ".join(f"{a}={mesh.shape[a]}" for a in mesh.axis_names)
         d = Decision(self.site.location, pass_, choice.how, shape, choice.in_specs, choice.reason)
         with _LOCK:
-            _DECISIONS.append(d)
+            _DECISIONS.append((_COUNT[0], d))
+            _COUNT[0] += 1
         logger.info("placed at partitioning: %s", d)
 
     def _factors(self, roles: dict, shape: tuple, unique: str, by_axis: bool = False) -> list:

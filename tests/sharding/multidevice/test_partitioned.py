@@ -89,6 +89,10 @@ def test_batch_sharded_runs_per_shard_without_collectives():
     got = _check(causal, args, "per shard")
     assert not got.collectives, dict(got.collectives)
     assert got.out.sharding.spec[0] == "data"
+    # What `partitioning` shows for concrete arguments (the forward only).
+    [decision] = flashpass.optimize(causal, kernel="blockwise").partitioning(*args)
+    assert (decision.pass_, decision.how, decision.mesh) == ("forward", "per shard", "data=8")
+    assert "per shard" in str(decision) and decision.in_specs[0] == P("data", None, None, None)
 
 
 def test_data_by_sequence_mesh():
