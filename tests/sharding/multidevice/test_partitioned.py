@@ -166,3 +166,35 @@ def test_gspmd_propagation():
         assert not _moved(got, "all-gather", int(np.prod(SHAPE)) // 8 + 1)
     finally:
         jax.config.update("jax_use_shardy_partitioner", previous)
+
+
+def test_grouped_query_attention_with_a_padding_mask_as_a_ring():
+    """The key padding mask travels with its K/V block round the ring."""
+    m = mesh((4,), ("seq",), explicit=False)
+    q = put(m, P(None, "seq"), normal(0, (2, 64, 4, 16)))
+    k, v = (put(m, P(None, "seq"), normal(i, (2, 64, 2, 16))) for i in (1, 2))
+    mask = put(m, P(None, "seq"), np.arange(64)[None, :] < np.array([[64], [40]]))
+
+    def gqa_masked(q, k, v, mask):
+        mask = mask[:, None, None, :]
+        return jax.nn.dot_product_attention(
+            q, k, v, mask=mask, is_causal=True, implementation="xla"
+        )
+
+    got = _check(gqa_masked, [q, k, v, mask], "ring over seq")
+    assert not _moved(got, "all-gather", 1), dict(got.collectives)
+
+
+def test_replicated_bias_gradient_sums_over_the_shards():
+    """A bias shared by every batch shard: its gradient is the sum of each
+    shard's part (one all-reduce), as the original's."""
+    m = mesh((8,), ("data",), explicit=False)
+    args = [put(m, P("data"), normal(i, (8, 2, 32, 16))) for i in range(3)]
+    args.append(put(m, P(), normal(3, (1, 2, 32, 32))))
+
+    def biased(q, k, v, bias):
+        s = jnp.einsum("bhtd,bhsd->bhts", q, k) * 0.25 + bias
+        return jnp.einsum("bhts,bhsd->bhtd", jax.nn.softmax(s, -1), v)
+
+    got = _check(biased, args, "per shard", argnums=(0, 1, 2, 3))
+    assert set(got.collectives) == {("all-reduce", "f32", 2 * 32 * 32)}, dict(got.collectives)
