@@ -19,10 +19,13 @@ The shardings are read at trace time from the operands' types
 default in JAX 0.10) are in types; for *Auto* axes the partition specs are
 chosen by XLA after tracing, so:
 
-* a kernel XLA can partition (`Kernel.partitionable`: plain JAX, or cuDNN's own
-  ``custom_partitioning``) runs as is and XLA splits it;
-* any other kernel is not used for a site on a mesh with Auto axes: the site
-  is kept as written, with the reason in the report.
+* a site whose program states no sharding of its operands is placed at
+  partitioning time, by the shardings XLA chose (`flashpass.placement.deferred`,
+  which asks `analyze` with ``decided=True``);
+* where the program does state one (a ``sharding_constraint`` on q/k/v), a
+  kernel XLA can partition (`Kernel.partitionable`: plain JAX, or cuDNN's own
+  ``custom_partitioning``) runs as is and XLA splits it, and any other kernel
+  is not used: the site is kept as written, with the reason in the report.
 
 A site whose query and key sequence axes are sharded alike (sequence
 parallelism) runs as a ring (`flashpass.ring`; `analyze` names its mesh
