@@ -20,7 +20,7 @@ import numpy as np
 
 from flashpass.kernels import Kernel, get_kernel
 
-from . import compat, errors, nnx_state, pipeline
+from . import compat, errors, nnx_state, pipeline, placement
 from .report import Report
 from .select import current_platform, resolve_order
 
@@ -170,6 +170,16 @@ class Optimized:
         """The rewrite `Report` for these arguments (nothing is executed)."""
         target, args, kwargs, _ = self._route(args, kwargs)
         return target._entry(args, kwargs)[0].report
+
+    def partitioning(self, *args, **kwargs) -> list:
+        """How XLA's partitioner places the sites the report shows "placed at
+        partitioning", on these (sharded, array) arguments: compiles
+        ``jax.jit(self)`` for them (nothing is executed) and returns each
+        deferred call's `flashpass.placement.Decision` (empty when no site
+        is deferred)."""
+        since = placement.decision_count()
+        jax.jit(self).lower(*args, **kwargs).compile()
+        return placement.decisions(since)
 
     def rewritten_jaxpr(self, *args, **kwargs):
         """The rewritten ``ClosedJaxpr`` for these arguments."""

@@ -31,7 +31,7 @@ from . import compat, errors, layers
 from .graph import build_scopes
 from .match import match_scopes
 from .ops import KINDS
-from .placement import BodyRing, Kept, Placed, Ring, place
+from .placement import BodyRing, Deferred, Kept, Placed, Ring, place
 from .report import Fallback, InternalError, Report, Rewrite
 from .rewrite import Plan, rewrite
 from .ring import cases as ring_cases
@@ -39,6 +39,9 @@ from .select import PlannedSite, choose, resolve_order
 from .spec import Bias, Causal
 
 logger = logging.getLogger("flashpass")
+
+#: `Rewrite.placement` of a site XLA's partitioner places (`placement.Deferred`).
+PLACED_AT_PARTITIONING = "placed at partitioning"
 
 
 def trace(fn, avals):
@@ -271,6 +274,7 @@ def _rewrite_entry(placed: Placed, scope_name: str) -> Rewrite:
         backward=p.site.backward is not None,
         layer=layers.layer_of(p.site.root),
         dropout=spec.dropout is not None,
+        placement=PLACED_AT_PARTITIONING if isinstance(placement, Deferred) else "",
     )
 
 

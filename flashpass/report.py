@@ -41,6 +41,11 @@ class Rewrite:
     #: True when the site applies dropout to the attention weights (the kernel
     #: regenerates the program's own keep-mask).
     dropout: bool = False
+    #: Where the placement was decided: "" at trace time (from the types or
+    #: the program's annotations), "placed at partitioning" when XLA's
+    #: partitioner decides, by the shardings it chose
+    #: (`flashpass.placement.deferred`).
+    placement: str = ""
 
     @property
     def passes(self) -> str:
@@ -132,7 +137,9 @@ class Report:
                 rows.append(
                     (
                         str(i),
-                        r.kernel + (f" ({r.ring_steps})" if r.ring_steps else ""),
+                        r.kernel
+                        + (f" ({r.ring_steps})" if r.ring_steps else "")
+                        + (f" [{r.placement}]" if r.placement else ""),
                         r.layer or "?",
                         display_path(r.location),
                         f"{_dims(r.q_shape)} / {_dims(r.k_shape)} / {_dims(r.v_shape)}",

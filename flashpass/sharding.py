@@ -19,10 +19,13 @@ The shardings are read at trace time from the operands' types
 default in JAX 0.10) are in types; for *Auto* axes the partition specs are
 chosen by XLA after tracing, so:
 
-* a kernel XLA can partition (`Kernel.partitionable`: plain JAX, or cuDNN's own
-  ``custom_partitioning``) runs as is and XLA splits it;
-* any other kernel is not used for a site on a mesh with Auto axes: the site
-  is kept as written, with the reason in the report.
+* a site whose program states no sharding of its operands is placed at
+  partitioning time, by the shardings XLA chose (`flashpass.placement.deferred`,
+  which asks `analyze` with ``decided=True``);
+* where the program does state one (a ``sharding_constraint`` on q/k/v), a
+  kernel XLA can partition (`Kernel.partitionable`: plain JAX, or cuDNN's own
+  ``custom_partitioning``) runs as is and XLA splits it, and any other kernel
+  is not used: the site is kept as written, with the reason in the report.
 
 A site whose query and key sequence axes are sharded alike (sequence
 parallelism) runs as a ring (`flashpass.ring`; `analyze` names its mesh
@@ -143,13 +146,19 @@ def before_gather(site: AttentionSite, scope) -> AttentionSite:
 
 
 def analyze(
-    site: AttentionSite, kernel, aval_of, sharding_of=None, ring_only: bool = False
+    site: AttentionSite,
+    kernel,
+    aval_of,
+    sharding_of=None,
+    ring_only: bool = False,
+    decided: bool = False,
 ) -> ShardPlan | str | None:
     """How ``site`` runs on its operands' mesh: a `ShardPlan`, None (unsharded:
     as is), or the reason it must be kept as written.  ``aval_of(atom)`` gives
     the abstract value of an operand; ``sharding_of(atom)`` its sharding
     (default: the one in its type).  ``ring_only``: only a ring plan is wanted
-    (anything else is None)."""
+    (anything else is None).  ``decided``: the shardings are those XLA's
+    partitioner chose (`flashpass.placement.deferred`), Auto axes or not."""
     read = operands(site)
     if sharding_of is None:
 
@@ -167,7 +176,7 @@ def analyze(
     if mesh is None:
         return None
     kinds = compat.axis_kinds(mesh)
-    if kinds["auto"] and not kernel.partitionable and not ring_only:
+    if kinds["auto"] and not kernel.partitionable and not ring_only and not decided:
         auto = ", ".join(f"{a}={mesh.shape[a]}" for a in kinds["auto"])
         return (
             f"the operands are on a mesh with Auto axes ({auto}): XLA chooses their "

@@ -297,6 +297,29 @@ def test_outside_mesh_binds_no_axis_names():
         assert seen == {"inside": (), "after": ()}  # bound again after the context
 
 
+def test_custom_partitioning():
+    """One device: the call runs ``fn`` as is (the partitioner is never asked);
+    the rule parses, and ``def_partition`` takes both propagations.  The
+    8-device behaviour: tests/sharding/multidevice/test_partitioned.py."""
+    with uses("jax.experimental.custom_partitioning (def_partition, sharding_rule)"):
+        from jax.experimental.custom_partitioning import custom_partitioning
+
+        params = inspect.signature(custom_partitioning.def_partition).parameters
+        assert {"infer_sharding_from_operands", "sharding_rule"} <= set(params)
+
+        def never(*args):
+            raise AssertionError("partitioned on one device")
+
+        call = compat.partitioned(
+            lambda x, y: (x * 2 + y,), partition=never, infer=never, rule="i j, i j -> i j"
+        )
+        x = jnp.arange(6.0).reshape(2, 3)
+        [out] = jax.jit(call)(x, x)
+        np.testing.assert_allclose(out, 3 * x)
+        assert "custom_partitioning" in str(jax.make_jaxpr(call)(x, x))
+        assert isinstance(compat.shardy_enabled(), bool)
+
+
 # --------------------------------------------------------------------------- argument types
 
 

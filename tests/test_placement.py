@@ -11,7 +11,7 @@ import flashpass
 from flashpass import errors, pipeline, sharding
 from flashpass.graph import build_scopes
 from flashpass.kernels import CheckContext
-from flashpass.placement import EMIT, BodyRing, Kept, Local, PerShard, Ring, place
+from flashpass.placement import EMIT, BodyRing, Deferred, Kept, Local, PerShard, Ring, place
 from flashpass.select import resolve_order
 
 import spellings
@@ -41,8 +41,8 @@ def test_unsharded_sites_run_where_they_stand(rng):
 
 
 def test_every_placement_type_has_an_emitter():
-    assert set(EMIT) == {Local, PerShard, Ring, BodyRing}
-    for kind in (Local, PerShard, Ring, BodyRing, Kept):
+    assert set(EMIT) == {Local, PerShard, Ring, BodyRing, Deferred}
+    for kind in (Local, PerShard, Ring, BodyRing, Deferred, Kept):
         assert dataclasses.is_dataclass(kind) and kind.__dataclass_params__.frozen
 
 

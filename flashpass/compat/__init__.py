@@ -3,7 +3,8 @@
 flashpass touches JAX internals (jaxpr data structures, source info, DCE) and
 experimental modules (Pallas kernels).  They all go through this package,
 ``flashpass.compat`` (jaxprs in _jaxpr.py, StableHLO modules and `Exported` in
-_export.py, kernels in _kernels.py, sharding in _sharding.py, the PRNG internals
+_export.py, kernels in _kernels.py, sharding in _sharding.py, placement by XLA's partitioner
+(``custom_partitioning``) in _partitioning.py, the PRNG internals
 of exact dropout in _random.py; the rest of flashpass imports only from here), so
 a JAX upgrade that moves something breaks here, loudly, and nowhere else.
 
@@ -112,6 +113,7 @@ from ._nnx import (  # noqa: F401
     split_nodes,
     update_nodes,
 )
+from ._partitioning import partitioned, shardy_enabled  # noqa: F401
 from ._random import (  # noqa: F401
     is_key_dtype,
     prng_impl_name,

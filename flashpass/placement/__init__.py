@@ -6,20 +6,26 @@ type in `EMIT` and emits the site at its root while the program is rewritten
 (stage 6).
 """
 
+from .deferred import Decision, clear_decisions, decision_count, decisions
 from .emit import EMIT, emit, kernel_output, rebind_shard_map
 from .plan import RING_IN_TRAINING, place
-from .types import BodyRing, Kept, Local, PerShard, Placed, Placement, Ring
+from .types import BodyRing, Deferred, Kept, Local, PerShard, Placed, Placement, Ring
 
 __all__ = [
     "EMIT",
     "RING_IN_TRAINING",
     "BodyRing",
+    "Decision",
+    "Deferred",
     "Kept",
     "Local",
     "PerShard",
     "Placed",
     "Placement",
     "Ring",
+    "clear_decisions",
+    "decision_count",
+    "decisions",
     "emit",
     "kernel_output",
     "place",

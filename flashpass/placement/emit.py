@@ -15,7 +15,7 @@ from .. import compat, ring, sharding
 from ..calls import KERNEL_PREFIX, kernel_call
 from ..ring import zigzag
 from ..site import AttentionSite
-from .types import BodyRing, Local, PerShard, Placed, Ring
+from .types import BodyRing, Deferred, Local, PerShard, Placed, Ring
 
 
 def emit(placed: Placed, read):
@@ -74,8 +74,20 @@ def _body_ring(placed: Placed, read):  # already in the user's shard_map
     return _ring_output(p.site, read, p.ring, p.size, q_global=False)
 
 
+def _deferred(placed: Placed, read):  # placed by XLA's partitioner
+    from .deferred import emit_deferred  # (deferred.py builds on this module)
+
+    return emit_deferred(placed, read)
+
+
 #: How each placement is emitted.
-EMIT = {Local: _local, PerShard: _per_shard, Ring: _ring, BodyRing: _body_ring}
+EMIT = {
+    Local: _local,
+    PerShard: _per_shard,
+    Ring: _ring,
+    BodyRing: _body_ring,
+    Deferred: _deferred,
+}
 
 
 def _in_shard_map(shard: sharding.ShardPlan, site: AttentionSite, read, compute):

@@ -2,7 +2,8 @@
 
 For each site it reads the shardings of what the site reads (`sharding`):
 per shard, as a ring, as a ring inside the user's ``shard_map``, where it
-stands, or kept with the reason.  A differentiated ring reads k and v from
+stands, deferred to XLA's partitioner (Auto axes, nothing stated), or kept
+with the reason.  A differentiated ring reads k and v from
 before the program's gathers, so its backward is proven again with those
 reads; a ring's step kernels are chosen as a site's kernel is
 (`select.choose`: checked and probed).  A site whose placement raises is
@@ -15,12 +16,12 @@ import dataclasses
 
 from flashpass.patterns.common import Miss
 
-from .. import errors, ring, sharding
+from .. import compat, errors, ring, sharding
 from ..backward import match_backward
 from ..ring import zigzag as zigzag_ring
 from ..select import PlannedSite
 from ..site import AttentionSite
-from .types import BodyRing, Kept, Local, PerShard, Placed, Ring
+from .types import BodyRing, Deferred, Kept, Local, PerShard, Placed, Ring
 
 RING_IN_TRAINING = (
     "a sequence-sharded site would run as a ring attention, which reads k and v from "
@@ -45,6 +46,11 @@ def place(planned, scopes: dict, kernels, ctx, zigzag: bool = True) -> list[Plac
 
 
 def _place(p: PlannedSite, scope, kernels, ctx, zigzag: bool) -> Placed:
+    # (A Pallas kernel in interpret mode runs host callbacks, ordered effects
+    # that a custom_partitioning body cannot carry: placed at trace time.)
+    interpreted = p.interpret and not p.kernel.plain_jax
+    if not interpreted and _deferrable(p.site, p.kernel, scope):
+        return Placed(p, Deferred(tuple(kernels), ctx, zigzag))
     found = _sharded(p, scope)
     if found is None:
         return Placed(p, Local())
@@ -68,6 +74,41 @@ def _place(p: PlannedSite, scope, kernels, ctx, zigzag: bool) -> Placed:
     steps = ring.plan(local.spec, n, True, kernels, ctx)
     balanced = zigzag_ring.plan(local.spec, n, True, kernels, ctx) if zigzag else None
     return Placed(p, Ring(found, steps, balanced))
+
+
+def _deferrable(site: AttentionSite, kernel, scope) -> bool:
+    """Whether the site's placement waits for XLA's partitioner (`Deferred`):
+    its operands live on a mesh of several devices whose axes of more than
+    one device are all Auto (none Manual: not inside a ``shard_map`` body;
+    none Explicit: those shardings are in the types), and the program states
+    no sharding of them (no ``sharding_constraint`` on q/k/v, no sharded
+    type).  A single-device program never qualifies."""
+    meshes = set()
+    for _, atom, _ in sharding.operands(site):
+        found = compat.named_sharding_of(scope.aval(atom))
+        if found is not None:
+            if any(found.spec):
+                return False
+            meshes.add(found.mesh)
+    context = compat.context_mesh()
+    if not context.empty and context.size > 1:
+        meshes.add(context)
+    if len(meshes) != 1:
+        return False
+    kinds = compat.axis_kinds(meshes.pop())
+    if kinds["manual"] or kinds["explicit"] or not kinds["auto"]:
+        return False
+    hinted = sharding.analyze(site, kernel, scope.aval, sharding.constrained(scope), ring_only=True)
+    return hinted is None and not _has_constraint(site, scope)
+
+
+def _has_constraint(site: AttentionSite, scope) -> bool:
+    """Whether a ``sharding_constraint`` produces one of the site's operands."""
+    for _, atom, _ in sharding.operands(site):
+        node = scope.producer(atom)
+        if node is not None and node.prim == "sharding_constraint":
+            return True
+    return False
 
 
 def _sharded(p: PlannedSite, scope):

@@ -8,6 +8,9 @@
   its sequences (`flashpass.ring`), each step run as ``steps`` says;
 * `BodyRing`: a site inside the user's ``shard_map`` whose k and v are
   all-gathered there, as a ring over the gathers' manual axes;
+* `Deferred`: its operands live on a mesh with Auto axes and carry no
+  sharding at trace time: XLA's partitioner decides (per shard, a ring, or
+  gathered), when it has chosen their shardings (`flashpass.placement.deferred`);
 * `Kept`: kept as written, with the reason (``internal``: placing it raised).
 
 `flashpass.placement.emit.EMIT` maps each type to the code that emits it.
@@ -60,6 +63,17 @@ class BodyRing:
 
 
 @dataclasses.dataclass(frozen=True)
+class Deferred:
+    """The site's placement is decided at partitioning time, by the shardings
+    XLA chose for its operands: ``kernels`` (in order) and ``ctx`` choose a
+    ring's step kernels there (``zigzag``: balance causal rings)."""
+
+    kernels: tuple
+    ctx: Any
+    zigzag: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
 class Kept:
     """The site is kept as written: ``reason`` says why (``internal``: an
     error of the pass while placing it)."""
@@ -68,7 +82,7 @@ class Kept:
     internal: bool = False
 
 
-Placement = Local | PerShard | Ring | BodyRing | Kept
+Placement = Local | PerShard | Ring | BodyRing | Deferred | Kept
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

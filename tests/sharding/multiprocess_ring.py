@@ -4,7 +4,9 @@ Run as ``python multiprocess_ring.py PROCESS_ID PORT``: joins a 2-process JAX
 cluster on 127.0.0.1 with four CPU devices per process and gloo collectives,
 then runs a causal attention site whose q/k/v are sharded along the sequence
 over all eight devices, optimized (a ring across both processes) and as
-written, and prints ``RESULT <max abs error of output> <of gradients> <kernels>``.
+written, and prints ``RESULT <max abs error of output> <of gradients> <kernels>``;
+then the same site with nothing annotated (placed at partitioning) and prints
+``DEFERRED <errors> <placement> <partitioner's decisions> <all-gathers>``.
 """
 
 import os
@@ -27,6 +29,7 @@ from jax.sharding import AxisType, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import flashpass  # noqa: E402
+from flashpass import placement  # noqa: E402
 
 
 def attention(q, k, v):
@@ -67,6 +70,21 @@ def main():
     out_err = local_error(out, np.asarray(ref_out))
     grad_err = max(local_error(g, np.asarray(r)) for g, r in zip(grads, ref_grads, strict=True))
     print(f"RESULT {out_err:.3e} {grad_err:.3e} {kernels.replace(' ', '_')}", flush=True)
+
+    # The same program with nothing annotated: placed at partitioning.
+    plain = flashpass.optimize(attention, kernel="blockwise")
+    placement.clear_decisions()
+    out = jax.jit(plain)(*args)
+    where = ",".join(r.placement for r in plain.reports[-1].rewrites).replace(" ", "_")
+    compiled = jax.jit(jax.grad(loss(plain), argnums=(0, 1, 2))).lower(*args).compile()
+    grads = compiled(*args)
+    gathers = compiled.as_text().count(" all-gather(") + compiled.as_text().count(
+        "all-gather-start("
+    )
+    how = "|".join(sorted({d.how for d in placement.decisions()})).replace(" ", "_")
+    out_err = local_error(out, np.asarray(ref_out))
+    grad_err = max(local_error(g, np.asarray(r)) for g, r in zip(grads, ref_grads, strict=True))
+    print(f"DEFERRED {out_err:.3e} {grad_err:.3e} {where} {how} {gathers}", flush=True)
     jax.distributed.shutdown()
 
 

@@ -1,6 +1,7 @@
 """Two processes, four CPU devices each, joined by jax.distributed on 127.0.0.1
 with gloo collectives, as on a multi-host pod: a sequence-sharded site runs
-as a ring across both processes (tests/sharding/multiprocess_ring.py)."""
+as a ring across both processes (tests/sharding/multiprocess_ring.py), stated
+by the program or placed at partitioning (nothing annotated)."""
 
 import pathlib
 import socket
@@ -48,3 +49,9 @@ def test_ring_across_two_processes():
         # The causal ring, load-balanced across the processes (flashpass/ring/zigzag.py).
         assert kernels == "ring[blockwise,_zig-zag]", out[-3000:]
         assert float(out_err) < 2e-5 and float(grad_err) < 1e-4, line
+        # Nothing annotated: XLA's partitioner places it, as the same ring.
+        (line,) = [x for x in out.splitlines() if x.startswith("DEFERRED ")]
+        _, out_err, grad_err, where, how, gathers = line.split()
+        assert where == "placed_at_partitioning", line
+        assert how == "ring_over_seq_(blockwise,_zig-zag)", line
+        assert gathers == "0" and float(out_err) < 2e-5 and float(grad_err) < 1e-4, line
