@@ -31,6 +31,8 @@ EXPERIMENTAL_MODULES = {
     # Deprecated from JAX 0.11.1 (in favour of tokamax): imported only before it
     # (`TRITON_ATTENTION`), though it still exists in 0.12.
     "jax.experimental.pallas.ops.gpu.attention": ("0.9.0", "0.11.0"),
+    # Placement decided by XLA's partitioner (_partitioning.py).
+    "jax.experimental.custom_partitioning": ("0.9.0", "0.12.0.1"),
 }
 
 #: Whether this JAX's Triton flash attention (``pallas.ops.gpu.attention``) may

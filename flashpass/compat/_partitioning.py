@@ -26,9 +26,9 @@ def partitioned(fn, *, partition, infer, rule: str):
     result_shardings`` is GSPMD's propagation; ``rule`` Shardy's (factors,
     e.g. ``"b t h d, b s h d -> b t h d"``).  On one device ``fn`` runs as is.
     """
-    from jax.experimental.custom_partitioning import custom_partitioning
+    from jax.experimental import custom_partitioning as cp
 
-    call = custom_partitioning(jax.jit(fn))  # (a jit: its constants stay inside)
+    call = cp.custom_partitioning(jax.jit(fn))  # (a jit: its constants stay inside)
 
     def _partition(mesh, arg_shapes, result_shape):
         lower, args, results = partition(mesh, [s.sharding for s in arg_shapes])
