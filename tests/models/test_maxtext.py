@@ -70,14 +70,15 @@ def _op(tmp_path, **kwargs):
 
 
 def _layer(op):
-    """Projections around MaxText's op: ``fn(params, x, segment_ids)``."""
+    """Projections around MaxText's op: ``fn(params, x, segment_ids)``; a
+    ``"sinks"`` parameter (one logit per head) is passed as gpt-oss does."""
 
     def fn(params, x, segment_ids):
         q = jnp.einsum("btd,dnh->btnh", x, params["q"]) / np.sqrt(HEAD_DIM)
         k = jnp.einsum("btd,dnh->btnh", x, params["k"])
         v = jnp.einsum("btd,dnh->btnh", x, params["v"])
         positions = jnp.broadcast_to(jnp.arange(T), segment_ids.shape)
-        out = op(q, k, v, segment_ids, positions, "train")
+        out = op(q, k, v, segment_ids, positions, "train", sinks=params.get("sinks"))
         return jnp.einsum("btnh,nhd->btd", out, params["o"])
 
     return fn
@@ -121,6 +122,18 @@ def test_maxtext_dot_product_attention(case, tmp_path, check_model):
         fn, params, x, segment_ids, library="MaxText", case=case, sites=1, where=WHERE
     )
     assert "segments" in report.rewrites[0].mask, str(report)
+
+
+def test_maxtext_attention_sinks(tmp_path, check_model):
+    """gpt-oss: a learned sink logit per head joins each row's softmax."""
+    params, x, segment_ids = _inputs()
+    params["sinks"] = jnp.asarray(np.random.default_rng(1).standard_normal(HEADS), jnp.float32)
+    case = "AttentionOp dot_product, GQA, packed segments, attention sinks (gpt-oss)"
+    report = check_model(
+        _layer(_op(tmp_path)), params, x, segment_ids,
+        library="MaxText", case=case, sites=1, where=WHERE,
+    )  # fmt: skip
+    assert "sinks" in report.rewrites[0].mask, str(report)
 
 
 def test_maxtext_training_step_keeps_no_t_by_s(tmp_path, record_coverage):
