@@ -7,8 +7,17 @@ print(model.explain(params, tokens))   # what was rewritten, and why not
 """
 
 from .api import Optimized, explain, optimize
-from .report import Fallback, Report, Rewrite
+from .report import Fallback, Report, Rewrite, Unrecognised
 
 __version__ = "0.1.0"
 
-__all__ = ["Fallback", "Optimized", "Report", "Rewrite", "explain", "optimize", "__version__"]
+__all__ = [
+    "Fallback",
+    "Optimized",
+    "Report",
+    "Rewrite",
+    "Unrecognised",
+    "explain",
+    "optimize",
+    "__version__",
+]

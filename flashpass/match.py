@@ -28,6 +28,7 @@ from flashpass.patterns.products import output_product, score_products
 from flashpass.patterns.regroup import PRIMS as REGROUP_PRIMS
 from flashpass.patterns.regroup import regroup
 from flashpass.patterns.softmax import match_softmax
+from flashpass.patterns.softmax_like import softmax_like
 
 from . import errors
 from .backward import match_backward
@@ -108,6 +109,10 @@ def find_sites(scope: Scope) -> tuple[list[AttentionSite], list]:
             text = errors.describe(err)
             site = Miss(f"internal matcher error ({text}){where(node)}", node, internal=text)
         if not site and not site.relevant:
+            # Silent, unless the exp looks like attention's (patterns/softmax_like.py).
+            like = softmax_like(scope, node, site)
+            if like is not None:
+                misses.append(like)
             continue
         if not site:
             misses.append(_located(site, node))

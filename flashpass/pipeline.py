@@ -26,13 +26,14 @@ import jax
 import numpy as np
 
 from flashpass.kernels import CheckContext
+from flashpass.patterns.softmax_like import SoftmaxLike
 
 from . import compat, errors, layers
 from .graph import build_scopes
 from .match import match_scopes
 from .ops import KINDS
 from .placement import BodyRing, Deferred, Kept, Placed, Ring, place
-from .report import Fallback, InternalError, Report, Rewrite
+from .report import Fallback, InternalError, Report, Rewrite, Unrecognised
 from .rewrite import Plan, rewrite
 from .ring import cases as ring_cases
 from .select import PlannedSite, choose, resolve_order
@@ -61,6 +62,18 @@ class _Matched:
     sites: list  # (scope, AttentionSite)
     fallbacks: list  # Fallback
     errors: list  # InternalError
+    unrecognised: list = dataclasses.field(default_factory=list)  # Unrecognised
+
+
+def _unrecognised(miss: SoftmaxLike, scope_name: str) -> Unrecognised:
+    return Unrecognised(
+        miss.location,
+        miss.reason,
+        scope_name,
+        miss.broke.prim,
+        miss.broke.location,
+        layer=layers.layer_of(miss.node),
+    )
 
 
 def match(scopes, where_is: dict) -> _Matched:
@@ -73,7 +86,9 @@ def match(scopes, where_is: dict) -> _Matched:
         if miss.node is not None and miss.node in claimed and miss.internal is None:
             continue
         scope_name = where_is[scope.prefix]
-        if miss.internal is not None:
+        if isinstance(miss, SoftmaxLike):
+            found.unrecognised.append(_unrecognised(miss, scope_name))
+        elif miss.internal is not None:
             error = InternalError(
                 miss.location, "match", miss.internal, scope_name, hint=errors.HOW_TO_REPORT
             )
@@ -136,6 +151,7 @@ def run_pass(
     matched = match(scopes, where_is)  # stage 3
     report.fallbacks += matched.fallbacks
     report.errors += matched.errors
+    report.unrecognised += matched.unrecognised
 
     planned, unfit = choose_kernels(matched.sites, kernels, ctx, interpret, where_is)  # stage 4
     report.fallbacks += unfit

@@ -90,6 +90,25 @@ class InternalError:
         return _jsonable(dataclasses.asdict(self))
 
 
+@dataclasses.dataclass(frozen=True)
+class Unrecognised:
+    """A softmax-like computation not recognised as attention: an ``exp`` as
+    big as a score matrix whose values reach a ``dot_general``, which the
+    matcher did not take as an attention site.  ``location`` is the exp's;
+    ``broke``/``broke_at`` the first equation that broke the chain, and where;
+    ``reason`` the whole story (patterns/softmax_like.py)."""
+
+    location: str | None
+    reason: str
+    scope: str
+    broke: str
+    broke_at: str | None = None
+    layer: str = ""
+
+    def to_dict(self) -> dict:
+        return _jsonable(dataclasses.asdict(self))
+
+
 @dataclasses.dataclass
 class Report:
     """Per-site result of `flashpass.optimize` for one input signature.
@@ -97,12 +116,15 @@ class Report:
     ``rewrites`` lists the sites replaced by a kernel; ``fallbacks`` those kept
     as written, each with the first condition that failed; ``errors`` the
     sites kept because the pass itself failed (`InternalError`, a bug to
-    report; empty in a healthy run).
+    report; empty in a healthy run); ``unrecognised`` the softmax-like
+    computations not recognised as attention (`Unrecognised`): kept as
+    written, each with the equation that broke the chain.
     """
 
     rewrites: list = dataclasses.field(default_factory=list)
     fallbacks: list = dataclasses.field(default_factory=list)
     errors: list = dataclasses.field(default_factory=list)
+    unrecognised: list = dataclasses.field(default_factory=list)
     platform: str = ""
     jax_version: str = ""
 
@@ -117,6 +139,7 @@ class Report:
             "rewrites": [r.to_dict() for r in self.rewrites],
             "fallbacks": [f.to_dict() for f in self.fallbacks],
             "internal_errors": [e.to_dict() for e in self.errors],
+            "unrecognised": [u.to_dict() for u in self.unrecognised],
         }
 
     def to_json(self, **kwargs) -> str:
@@ -127,6 +150,11 @@ class Report:
             f"flashpass report ({self.platform}): {len(self.rewrites)} rewritten, "
             f"{len(self.fallbacks)} kept as written"
             + (f", {len(self.errors)} internal error(s)" if self.errors else "")
+            + (
+                f", {len(self.unrecognised)} softmax-like not recognised as attention"
+                if self.unrecognised
+                else ""
+            )
         ]
         if self.rewrites:
             # The passes column appears for differentiated programs only.
@@ -168,6 +196,15 @@ class Report:
             for i, e in enumerate(self.errors):
                 error = _display_paths(e.error)
                 lines.append(f"  [{i}] {display_path(e.location)}: {e.stage} failed: {error}")
+        if self.unrecognised:
+            lines += [
+                "",
+                "softmax-like computations not recognised as attention (kept as written):",
+            ]
+            for i, u in enumerate(self.unrecognised):
+                where = display_path(u.location)
+                where = f"{u.layer} ({where})" if u.layer and u.layer != where else where
+                lines.append(f"  [{i}] {where}: {_display_paths(u.reason)}")
         declined = [(i, r) for i, r in enumerate(self.rewrites) if r.rejected]
         if declined:
             lines += ["", "kernels tried first:"]
@@ -178,6 +215,8 @@ class Report:
 
     def __repr__(self) -> str:
         errors = f", errors={len(self.errors)}" if self.errors else ""
+        if self.unrecognised:
+            errors += f", unrecognised={len(self.unrecognised)}"
         return f"Report(rewrites={len(self.rewrites)}, fallbacks={len(self.fallbacks)}{errors})"
 
 

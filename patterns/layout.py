@@ -1,4 +1,4 @@
-"""Layout-only steps of the score chain: dtype casts and transposes.
+"""Layout-only steps of the score chain: dtype casts, transposes and copies.
 
 ``scores.astype(jnp.float32)`` before ``jax.nn.softmax`` (mixed precision code:
 Flax, Hugging Face) and einsum output permutations change no value the kernel
@@ -11,6 +11,8 @@ import dataclasses
 
 import jax.numpy as jnp
 import numpy as np
+
+from flashpass import compat
 
 from .chain import Step, rule
 from .common import Miss, where
@@ -56,4 +58,13 @@ def _transpose(scope, node, out):
 
 @rule("copy", "copy_p")
 def _copy(scope, node, out):
+    return [Identity(node, node.ins[0])]
+
+
+@rule("reshard")
+def _reshard(scope, node, out):
+    # Only a reshard that moves nothing is a copy; a real one changes where the
+    # scores live, which the kernel call would lose.
+    if not compat.same_layout(scope.aval(node.ins[0]), scope.aval(node.out)):
+        return Miss(f"the scores are resharded{where(node)}", node)
     return [Identity(node, node.ins[0])]

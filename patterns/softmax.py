@@ -220,11 +220,17 @@ def _feeds_a_product(scope: Scope, e, sum_nodes: set) -> bool:
         for node, _ in scope.consumers(stack.pop()):
             if node in sum_nodes:
                 continue
-            if node.prim in ("convert_element_type", "slice"):  # (a slice: attention sinks)
+            # Layout only: a slice (attention sinks), a cast, a transpose or a
+            # reshape (GQA heads merged for the softmax and split back for P·V).
+            if node.prim in _LAYOUT_PRIMS:
                 stack.append(node.out)
             elif node.prim == "dot_general":
                 return True
     return False
+
+
+#: What may sit between the exp and its product, for `_feeds_a_product`.
+_LAYOUT_PRIMS = ("convert_element_type", "slice", "reshape", "transpose", "squeeze")
 
 
 def _is_reciprocal(scope: Scope, node: Node) -> bool:

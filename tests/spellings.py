@@ -558,6 +558,21 @@ def gemma_gqa_head_bias(q, k, v, bias):
     return jnp.einsum("BTKGS,BSKH->BTKGH", probs, v).reshape(b, t, n, h)
 
 
+def deferred_regrouped(q, k, v):
+    # MaxText's AttentionOp (dot_product): GQA scores [B, K, G, T, S] merged to
+    # [B, K*G, T, S] for an unnormalised exp, the exps split back for P·V, the
+    # output merged to [B, T, K*G, H] and divided by the row sums moved to
+    # [B, T, K*G, 1] by a transpose alone.
+    b, t, n, h = q.shape
+    kv, s = k.shape[2], k.shape[1]
+    logits = jnp.einsum("btkgd,bskd->bkgts", q.reshape(b, t, kv, n // kv, h) * 0.3, k)
+    logits = logits.reshape(b, n, t, s)
+    e = jnp.exp(logits - logits.max(-1, keepdims=True))
+    total = jnp.transpose(e.sum(-1, keepdims=True), (0, 2, 1, 3))
+    out = jnp.einsum("bkgts,bskd->btkgd", e.reshape(b, kv, n // kv, t, s), v)
+    return out.reshape(b, t, n, h) / total
+
+
 def _gqa_mqa_args(rng):
     # one kv head: the size-1 kv-head axis is dropped by the reshape and restored
     return (_normal(rng, (B, T, 4, D)), _normal(rng, (B, S, 1, D)), _normal(rng, (B, S, 1, D)))
@@ -567,6 +582,7 @@ POSITIVE.update(
     {
         "gemma_gqa": (gemma_gqa, _gqa_args),
         "gemma_mqa": (gemma_gqa, _gqa_mqa_args),
+        "deferred_regrouped": (deferred_regrouped, _gqa_args),
         "gemma_gqa_head_bias": (
             gemma_gqa_head_bias,
             lambda r: (*_gqa_args(r), _normal(r, (1, T, 4, S))),

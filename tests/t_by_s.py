@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 
 from flashpass import compat
+from flashpass.printer import KERNEL_PREFIX
 
 
 def is_t_by_s(shape, t: int, s: int, copies: int = 1) -> bool:
@@ -30,16 +31,21 @@ def t_by_s_shapes(shapes, t: int, s: int, copies: int = 1) -> list[tuple[int, ..
     return sorted({tuple(x) for x in shapes if is_t_by_s(x, t, s, copies)})
 
 
-def jaxpr_shapes(jaxpr) -> list[tuple[int, ...]]:
+def jaxpr_shapes(jaxpr, outside_kernels: bool = False) -> list[tuple[int, ...]]:
     """The shape of every input, constant and equation output of ``jaxpr`` (a
     Jaxpr or ClosedJaxpr) and, recursively, of its sub-jaxprs (scan, cond,
-    custom derivative, pjit bodies)."""
+    custom derivative, pjit bodies).  ``outside_kernels``: not inside a
+    flashpass kernel call (whose one tile may span a short sequence); its
+    outputs and residuals still count."""
     jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
     shapes = [tuple(getattr(v.aval, "shape", ())) for v in (*jaxpr.invars, *jaxpr.constvars)]
     for eqn in jaxpr.eqns:
         shapes += [tuple(getattr(v.aval, "shape", ())) for v in eqn.outvars]
+        name = eqn.params.get("name")
+        if outside_kernels and isinstance(name, str) and name.startswith(KERNEL_PREFIX):
+            continue
         for sub in compat.subjaxprs_of_params(eqn.params):
-            shapes += jaxpr_shapes(sub)
+            shapes += jaxpr_shapes(sub, outside_kernels)
     return shapes
 
 

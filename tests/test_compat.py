@@ -765,3 +765,17 @@ def test_experimental_modules_are_listed_and_exist():
 
 def _version(text: str) -> tuple[int, ...]:
     return tuple(int(p) for p in text.split("."))
+
+
+def test_same_layout():
+    # A reshard is a copy on the score chain only when it moves nothing.
+    from types import SimpleNamespace as NS
+
+    from jax.sharding import PartitionSpec as P
+
+    mesh = NS(empty=False, size=2)
+    sharded = NS(sharding=NS(mesh=mesh, spec=P("x")))
+    assert compat.same_layout(NS(sharding=None), NS(sharding=None))
+    assert compat.same_layout(sharded, NS(sharding=NS(mesh=mesh, spec=P("x"))))
+    assert not compat.same_layout(sharded, NS(sharding=NS(mesh=mesh, spec=P(None, "x"))))
+    assert not compat.same_layout(sharded, NS(sharding=None))

@@ -134,6 +134,7 @@ from ._sharding import (  # noqa: F401
     only_axis_effects,
     outside_mesh,
     reshard,
+    same_layout,
     shard_map,
     shard_map_params,
     vary_like,

@@ -25,6 +25,16 @@ def named_sharding_of(aval):
     return sharding
 
 
+def same_layout(src_aval, dst_aval) -> bool:
+    """Whether a ``reshard`` from ``src_aval`` to ``dst_aval`` moves nothing:
+    both unsharded (or on one device), or the same `NamedSharding` (JAX 0.12's
+    ``jnp.where`` reshards its operands to the sharding they already have)."""
+    src, dst = named_sharding_of(src_aval), named_sharding_of(dst_aval)
+    if src is None or dst is None:
+        return src is None and dst is None
+    return src.mesh == dst.mesh and src.spec == dst.spec
+
+
 def context_mesh():
     """The abstract mesh of the current trace context (``jax.set_mesh``,
     ``shard_map`` bodies); empty when none is set."""

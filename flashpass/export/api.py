@@ -119,6 +119,7 @@ def _lift(plan: _Plan, options) -> None:
         rewrites=first.rewrites,
         fallbacks=first.fallbacks,
         errors=first.errors,
+        unrecognised=first.unrecognised,
         platform=plan.platforms[0],
         jax_version=first.jax_version,
         route="lift",

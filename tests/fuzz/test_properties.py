@@ -26,6 +26,7 @@ import dataclasses
 import attention_programs as ap
 import jax
 import jax.numpy as jnp
+import no_silent
 import numpy as np
 import numpy_eval
 from hypothesis import given, note, settings
@@ -54,7 +55,10 @@ def _optimized(program, kernel="reference"):
     fn, args = program.build(seed=0)
     note(program.source())
     opt = flashpass.optimize(fn, kernel=kernel)
-    return fn, args, opt, opt.explain(*args)
+    with no_silent.min_len(min(min(site.t, site.s) for site in program.sites)):
+        report = opt.explain(*args)
+        no_silent.assert_no_silent_miss(opt, report, *args)
+    return fn, args, opt, report
 
 
 def _assert_rewrite_exact(program, args, opt, report) -> None:

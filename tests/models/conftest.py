@@ -8,6 +8,7 @@ kernel is forced: the default order skips short sequences) and calls the
 * every attention site is rewritten (``len(report.rewrites) == sites``, no
   fallbacks) with the blockwise kernel,
 * every report location points at the library's own source file,
+* no softmax-like ``exp`` is left without a report entry (tests/no_silent.py),
 * outputs and gradients with respect to the parameters (of a scalar loss of
   the forward pass) match the original function's.
 
@@ -37,6 +38,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
+from no_silent import assert_no_silent_miss  # noqa: E402
 
 import flashpass  # noqa: E402
 
@@ -107,6 +109,7 @@ def check_model(request):
         opt = flashpass.optimize(fn, kernel="blockwise")
         report = opt.explain(params, *inputs)
         _record(request, report, library, case, sites, not_attention)
+        assert_no_silent_miss(opt, report, params, *inputs)
         kept = sorted(
             next((i for i, w in enumerate(not_attention) if w in f.reason), -1)
             for f in report.fallbacks

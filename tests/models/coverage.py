@@ -72,7 +72,9 @@ class Table:
             '`flashpass.optimize(fn, kernel="blockwise")` and checks the rewritten-site '
             "count, the report locations, and outputs and parameter gradients against "
             "the original.  *Sites* counts attention sites in the traced program (a "
-            "layer stack under `nn.scan` is one site however many layers it scans).",
+            "layer stack under `nn.scan` is one site however many layers it scans).  "
+            "Each also checks that no softmax-like `exp` (as big as a score matrix, "
+            "reaching a product) is left without a report entry (tests/no_silent.py).",
             "",
         ]
         if versions:
