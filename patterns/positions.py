@@ -20,7 +20,7 @@ import numpy as np
 
 from flashpass.spec import Causal, PositionMask, PrefixLengths, excludes
 
-from .common import Profile, profile, scalar_value
+from .common import Profile, scalar_value
 from .lengths import match_kv_lengths
 from .masks import classify, compose, halfspaces, mask_recogniser
 
@@ -49,6 +49,8 @@ def prefix_lengths(build, factor: Profile, keep_when: bool, fill: float) -> bool
         if found is None:
             continue
         lengths, shift = found
+        if lengths.is_scalar and scope.fold(lengths.base) is not None:
+            return False  # one static length: `structured.recognise_prefix`'s `Prefix`
         index, shape4 = build.add_extra(lengths, None, scope.dtype(lengths.base))
         build.ops.append(PrefixLengths(index, shape4, fill, shift))
         return True

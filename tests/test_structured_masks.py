@@ -127,7 +127,7 @@ def _window_row_dependent(q, k, v):
 
 
 def _window_traced_positions(q, k, v, pos):
-    # positions from the caller: nothing proves they are 0..T-1
+    # positions from the caller: nothing proves they are 0..T-1 (`PositionMask`)
     keep = (pos[None, :] <= pos[:, None]) & (pos[:, None] - pos[None, :] < 4)
     return jax.nn.softmax(jnp.where(keep, q @ k.swapaxes(-1, -2), -1e9), -1) @ v
 
@@ -148,7 +148,7 @@ def _window_gapped(q, k, v):
 
 
 def _segments_ordered(q, k, v, ids):
-    # ``<=`` of segment ids: not packed documents
+    # ``<=`` of segment ids: not packed documents (an O(T) comparison of data)
     keep = ids[:, None, :, None] <= ids[:, None, None, :]
     return jax.nn.softmax(jnp.where(keep, q @ k.swapaxes(-1, -2), -1e9), -1) @ v
 
@@ -242,11 +242,12 @@ NEAR_MISSES = {
     "window_traced_positions": (
         _window_traced_positions,
         lambda r: (*bnth(r), jnp.arange(spellings.T)),
-        ["Mask", "Mask"],
+        # `i - j < 4` of traced positions stays dense; `j <= i` is compared as data
+        ["Mask", "PositionMask(le, 0, 0)"],
     ),
     "window_soft_fill": (_window_soft_fill, bnth, ["Mask"]),
     "window_gapped": (_window_gapped, bnth, ["Mask"]),
-    "segments_ordered": (_segments_ordered, _with_ids, ["Mask"]),
+    "segments_ordered": (_segments_ordered, _with_ids, ["PositionMask(ge, 0, 0)"]),
     "segments_float": (_segments_float, _with_ids, ["Mask"]),
     "chunk_mismatched": (_chunk_mismatched, bnth, ["Segments"]),
     "prefix_shifted": (_prefix_shifted, bnth, ["Mask"]),

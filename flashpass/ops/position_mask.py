@@ -43,7 +43,9 @@ class PositionMask(KeepOp):
 
     def keep(self, qi, kj, extras, kv_len=None):
         q, k = extras[self.q_index], extras[self.kv_index]
-        return _CMP[self.cmp](k + jnp.asarray(self.kv_add, k.dtype), q + jnp.asarray(self.q_add, q.dtype))
+        return _CMP[self.cmp](
+            k + jnp.asarray(self.kv_add, k.dtype), q + jnp.asarray(self.q_add, q.dtype)
+        )
 
     def at_offset(self, d, t, s):
         return "masks on positions from inputs are not taken by ring steps yet"
