@@ -46,8 +46,11 @@ class Alibi(ScoreOp):
         return s + slope * self.distance(at).astype(s.dtype)
 
     def at_offset(self, d, t, s):
-        # (A ring step's slopes cotangent would need its own accumulation.)
-        return "ALiBi slopes are not taken by ring steps"
+        # Global j - i is the local j' - i' - d (the query block starts d later);
+        # j alone needs the key block's own start, which no static spec states.
+        if not self.query_coef:
+            return "an ALiBi bias on key positions alone depends on the device's position"
+        return dataclasses.replace(self, offset=self.offset - d)
 
     def localized(self, shape4):
         return with_shape(self, shape4)
