@@ -3,7 +3,8 @@ O(H) descriptors, never as a ``[B|1, H|1, T, S]`` array (issue #28):
 
 * a per-example key (padding) mask ``attention_mask[:, None, None, :]``, bool
   or int, alone and combined with causal / window structure (`Mask` of shape
-  ``[B, 1, 1, S]``, beside the structured descriptors);
+  ``[B, 1, 1, S]``, beside the structured descriptors), or made additive with
+  a finite fill (a `Bias` of that shape);
 * ALiBi ``slope[h] * (j - i)`` and ``slope[h] * j`` (`Alibi`, O(H) slopes, a
   constant or an input whose gradient is checked);
 * a prefix-LM with per-example traced prefix lengths (`PrefixLengths`);
@@ -22,10 +23,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from t_by_s import assert_no_t_by_s, jaxpr_shapes
+from t_by_s import assert_no_t_by_s, jaxpr_shapes, kernel_operand_shapes
 
 import flashpass
-from flashpass import compat
 from flashpass.testing import assert_same_function
 
 B, H, T, D = 2, 2, 1024, 8
@@ -63,6 +63,12 @@ def key_bool(q, k, v, valid):
 
 def key_int(q, k, v, valid):
     return _attend(q, k, v, valid.astype(jnp.int32)[:, None, None, :] > 0)
+
+
+def key_additive(q, k, v, valid):
+    # made additive with a finite fill: an O(B·S) bias (a fully padded row's
+    # gradient flows through s + fill, so it is not read as a mask)
+    return _attend(q, k, v, bias=jnp.where(valid, 0.0, -1e9)[:, None, None, :])
 
 
 def causal_and_key(q, k, v, valid):
@@ -122,6 +128,7 @@ def _positions():
 KINDS = {
     "key_bool": (key_bool, _valid, "boolean", "mask"),
     "key_int": (key_int, _valid, "boolean", "mask"),
+    "key_additive": (key_additive, _valid, "none", "bias"),
     "causal_and_key": (causal_and_key, _valid, "causal+boolean", "mask"),
     "window_and_key": (window_and_key, _valid, "causal+window+boolean", "mask"),
     "keras_bool_merge": (keras_bool_merge, _valid, "causal+boolean", "mask"),
@@ -140,25 +147,11 @@ KINDS = {
 #: The training steps run by default (the others are marked slow).
 QUICK_STEPS = {"causal_and_key", "alibi_input", "prefix_lengths", "gemma_positions"}
 #: Kinds whose rewrite check is marked slow (spellings the quick ones cover).
-SLOW_KINDS = {"key_int", "keras_bool_merge", "alibi_keys"}
+SLOW_KINDS = {"key_int", "key_additive", "keras_bool_merge", "alibi_keys"}
 
 
 def _marked(names, quick):
     return [n if n in quick else pytest.param(n, marks=pytest.mark.slow) for n in names]
-
-
-def _kernel_inputs(closed):
-    """Shapes of every kernel call's operands and every captured constant."""
-    jaxpr, _ = compat.closed_parts(closed)
-    shapes = [tuple(v.aval.shape) for v in jaxpr.constvars]
-    for eqn in jaxpr.eqns:
-        name = eqn.params.get("name")
-        if isinstance(name, str) and name.startswith("flashpass_"):
-            shapes += [tuple(v.aval.shape) for v in eqn.invars]
-            continue
-        for sub in compat.subjaxprs_of_params(eqn.params):
-            shapes += _kernel_inputs(sub)
-    return shapes
 
 
 @pytest.mark.parametrize("name", _marked(sorted(KINDS), set(KINDS) - SLOW_KINDS))
@@ -171,16 +164,17 @@ def test_kind_reaches_the_kernel_without_a_t_by_s_operand(name, rng):
     site = report.rewrites[0]
     assert site.mask == mask, str(report)
     ops = {op["op"] for op in site.spec["score_ops"]}
-    assert not ops & {"bias"}, site.spec["score_ops"]  # (an O(H) bias would pass below)
+    if op_name != "bias":
+        assert "bias" not in ops, site.spec["score_ops"]  # (an O(H) bias would pass below)
     assert op_name in ops, ops
     extras = [tuple(e["shape"]) for e in site.spec["extras"]]
-    if op_name == "mask":  # the per-example key mask
+    if op_name in ("mask", "bias"):  # the per-example key mask
         assert (B, 1, 1, T) in extras, extras
     assert all(np.prod(e) <= B * H * T for e in extras), extras
     # The original materialises T x S; the rewrite hands the kernel none.
     original = jax.make_jaxpr(fn)(*args)
     assert_no_t_by_s(
-        _kernel_inputs(opt.rewritten_jaxpr(*args)), T, T, control=jaxpr_shapes(original)
+        kernel_operand_shapes(opt.rewritten_jaxpr(*args)), T, T, control=jaxpr_shapes(original)
     )
     # First call under jit: forward and gradients (every float input).  Bloom's
     # slope * j reaches 500: float32 scores keep ~3e-5 absolute there.
@@ -208,7 +202,7 @@ def test_one_training_step_per_kind(name, rng):
     opt = flashpass.optimize(step, kernel="blockwise")
     report = opt.explain(params, x, extra)
     assert len(report.rewrites) == 1 and not report.fallbacks, str(report)
-    assert_no_t_by_s(_kernel_inputs(opt.rewritten_jaxpr(params, x, extra)), T, T)
+    assert_no_t_by_s(kernel_operand_shapes(opt.rewritten_jaxpr(params, x, extra)), T, T)
     want, got = jax.jit(step)(params, x, extra), jax.jit(opt)(params, x, extra)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
