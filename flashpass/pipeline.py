@@ -37,7 +37,7 @@ from .report import Fallback, InternalError, Report, Rewrite, Unrecognised
 from .rewrite import Plan, rewrite
 from .ring import cases as ring_cases
 from .select import PlannedSite, choose, resolve_order
-from .spec import Bias, Causal
+from .spec import Alibi, Bias, Causal
 
 logger = logging.getLogger("flashpass")
 
@@ -282,7 +282,7 @@ def _rewrite_entry(placed: Placed, scope_name: str) -> Rewrite:
         dtype=np.dtype(spec.q_dtype).name,
         causal=bool(spec.ops_of(Causal)),
         mask="+".join(kinds) or "none",
-        bias=bool(spec.ops_of(Bias)),
+        bias=bool(spec.ops_of(Bias) or spec.ops_of(Alibi)),
         scale=spec.scale,
         scope=scope_name,
         spec=spec.describe(),

@@ -180,7 +180,7 @@ def structured_reasons(spec: AttentionSpec, accepted: frozenset = frozenset()) -
     }
     return [
         f"{kind.reason_words} is not supported by this kernel; the 'blockwise' "
-        "kernel takes it as a descriptor and skips the blocks it excludes"
+        f"kernel {kind.reason_hint}"
         for kind in sorted(found, key=lambda k: k.__name__)
     ]
 

@@ -113,10 +113,12 @@ def _walk(scope: Scope, atom, steps: list) -> Chain | Miss:
 def ensure_loaded() -> None:
     """Import the piece modules so their rules are registered."""
     from . import (  # noqa: F401
+        alibi,
         bias,
         layout,
         lengths,
         masks,
+        positions,
         regroup,
         scale,
         sink_window,

@@ -52,6 +52,8 @@ class BiasStep(Step):
             add_mask(build, *found)
             return None
         prof, sign = self.profile, self.sign
+        if any(recognise(build, prof, sign) for recognise in BIAS_RECOGNISERS):
+            return None
         causal = classify(scope, prof, build.roles, additive=True, sign=sign)
         if isinstance(causal, Causal):
             build.add_causal(causal, CausalSource("bias", prof, sign=sign))
@@ -94,6 +96,18 @@ class CausalSource:
 #: last, to a dense `Mask`.  A recogniser must prove its descriptor equals the
 #: factor for every index (by value or symbolically), never assume it.
 MASK_RECOGNISERS: list = []
+
+
+#: Position-bias recognisers (ALiBi...), tried on an additive bias that is not
+#: an additive mask: ``recognise(build, bias, sign)`` returns True after adding
+#: its op(s) to ``build``, or False; it must prove its op equals the bias.
+BIAS_RECOGNISERS: list = []
+
+
+def bias_recogniser(fn):
+    """Register a position-bias recogniser (see `BIAS_RECOGNISERS`)."""
+    BIAS_RECOGNISERS.append(fn)
+    return fn
 
 
 def mask_recogniser(fn):

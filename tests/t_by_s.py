@@ -49,6 +49,21 @@ def jaxpr_shapes(jaxpr, outside_kernels: bool = False) -> list[tuple[int, ...]]:
     return shapes
 
 
+def kernel_operand_shapes(jaxpr, constants: bool = True) -> list[tuple[int, ...]]:
+    """The shapes of every flashpass kernel call's operands in a rewritten
+    jaxpr (recursively) and, with ``constants``, of its captured constants."""
+    jaxpr, _ = compat.closed_parts(jaxpr)
+    shapes = [tuple(v.aval.shape) for v in jaxpr.constvars] if constants else []
+    for eqn in jaxpr.eqns:
+        name = eqn.params.get("name")
+        if isinstance(name, str) and name.startswith("flashpass_"):
+            shapes += [tuple(v.aval.shape) for v in eqn.invars]
+            continue
+        for sub in compat.subjaxprs_of_params(eqn.params):
+            shapes += kernel_operand_shapes(sub, constants)
+    return shapes
+
+
 def assert_no_t_by_s(shapes, t: int, s: int, *, copies: int = 1, control=None):
     """No array of ``shapes`` could hold ``copies`` ``T x S`` matrices (e.g.
     one per layer, batch row and head: a residual stacked over layers, where a

@@ -23,7 +23,19 @@ from flashpass.ops import (
     Positions,
     SinkWindow,
 )
-from flashpass.spec import Causal, Chunk, Mask, Prefix, Scale, Softcap, Window, fill_after
+from flashpass.spec import (
+    Alibi,
+    Causal,
+    Chunk,
+    Mask,
+    PositionMask,
+    Prefix,
+    PrefixLengths,
+    Scale,
+    Softcap,
+    Window,
+    fill_after,
+)
 
 T, S = 13, 17
 
@@ -117,3 +129,67 @@ def test_tables_come_from_the_kinds():
     assert set(STRUCTURED) == {kind for kind in KINDS if kind.structured}
     words = [kind.word for kind in KINDS if kind.word]
     assert len(words) == len(set(words))
+
+
+# --------------------------------------------------------------------------- data-dependent kinds
+
+
+def _data_extras():
+    """Extras of the data-dependent kinds on a [2, 1, T, S] block: ALiBi
+    slopes per head, prefix lengths per example, positions per example."""
+    rng = np.random.default_rng(0)
+    slopes = jnp.asarray(rng.standard_normal((1, 2, 1, 1)), jnp.float32)
+    lengths = jnp.asarray([[[[0]]], [[[5]]]], jnp.int32)
+    pos = np.stack([np.arange(S), np.r_[np.arange(6), np.arange(S - 6)]]).astype(np.int32)
+    return [slopes, lengths, jnp.asarray(pos[:, None, :T, None]), jnp.asarray(pos[:, None, None])]
+
+
+def _brute(op, extras):
+    """The op's definition entry by entry ([2, 2, T, S] of scores 0)."""
+    slopes, lengths, q_pos, kv_pos = (np.asarray(x) for x in extras)
+    out = np.zeros((2, 2, T, S))
+    for b, h, i, j in itertools.product(range(2), range(2), range(T), range(S)):
+        if type(op).__name__ == "Alibi":
+            out[b, h, i, j] = slopes[0, h, 0, 0] * (j - op.query_coef * i + op.offset)
+        elif type(op).__name__ == "PrefixLengths":
+            keep = j <= i or j < lengths[b, 0, 0, 0] + op.shift
+            out[b, h, i, j] = 0 if keep else op.fill
+        else:
+            k, q = kv_pos[b, 0, 0, j] + op.kv_add, q_pos[b, 0, i, 0] + op.q_add
+            keep = {"lt": k < q, "le": k <= q, "gt": k > q, "ge": k >= q}[op.cmp]
+            out[b, h, i, j] = 0 if keep else op.fill
+    return out
+
+
+DATA_OPS = [
+    Alibi(0, (1, 2, 1, 1), 1, 0),
+    Alibi(0, (1, 2, 1, 1), 0, 3),
+    PrefixLengths(1, (2, 1, 1, 1), -1e9, 0),
+    PrefixLengths(1, (2, 1, 1, 1), -1e9, 1),
+    PositionMask(2, 3, "gt", -1e9, 0, -3),
+    PositionMask(2, 3, "le", -1e9),
+]
+
+
+@pytest.mark.parametrize("op", DATA_OPS, ids=repr)
+def test_data_kinds_apply_their_definition_also_transposed(op):
+    extras = _data_extras()
+    s = jnp.zeros((2, 2, T, S), jnp.float32)
+    q, k = jnp.arange(T), jnp.arange(S)
+    got = op.apply(s, extras, Positions(s.shape, q, k, kv_len=S))
+    np.testing.assert_allclose(np.asarray(got), _brute(op, extras), rtol=1e-6)
+    # The blockwise backward's key-major tile: extras and positions transposed.
+    ext = [jnp.swapaxes(x, -1, -2) for x in extras]
+    st = jnp.zeros((2, 2, S, T), jnp.float32)
+    tr = op.apply(st, ext, Positions(st.shape, -k, -q, transposed=True, kv_len=S))
+    np.testing.assert_allclose(np.asarray(tr).swapaxes(-1, -2), np.asarray(got), rtol=1e-6)
+
+
+def test_data_kinds_at_offset():
+    assert Alibi(0, (1, 2, 1, 1), 1, 2).at_offset(8, 8, 8) == Alibi(0, (1, 2, 1, 1), 1, -6)
+    assert isinstance(Alibi(0, (1, 2, 1, 1), 0).at_offset(8, 8, 8), str)
+    assert isinstance(PrefixLengths(0, (2, 1, 1, 1), -1e9).at_offset(0, 8, 8), str)
+    op = PositionMask(0, 1, "lt", -1e9)
+    assert op.at_offset(8, 8, 8) == op
+    assert Alibi(0, (1, 2, 1, 1), 1).grad_extras() == (0,)
+    assert op.grad_extras() == ()

@@ -24,9 +24,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax import lax
+from t_by_s import kernel_operand_shapes
 
 import flashpass
-from flashpass import compat, graph
+from flashpass import graph
 from flashpass.kernels.blockwise import BlockwiseKernel
 from flashpass.kernels.reference import reference_attention
 from flashpass.ops import KINDS, SinkWindow
@@ -71,20 +72,6 @@ def _grads(fn, args):
     return jax.grad(loss, argnums=(0, 1, 2))(*args)
 
 
-def _kernel_inputs(closed):
-    """Shapes of every kernel call's inputs in a (rewritten) jaxpr."""
-    shapes = []
-    jaxpr, _ = compat.closed_parts(closed)
-    for eqn in jaxpr.eqns:
-        name = eqn.params.get("name")
-        if isinstance(name, str) and name.startswith("flashpass_"):
-            shapes += [tuple(v.aval.shape) for v in eqn.invars]
-            continue
-        for sub in compat.subjaxprs_of_params(eqn.params):
-            shapes += _kernel_inputs(sub)
-    return shapes
-
-
 def _assert_close(a, b, tol=2e-5):
     for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b), strict=True):
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=tol, atol=tol)
@@ -105,7 +92,7 @@ def test_spelling_becomes_descriptors(name, rng):
     assert report.rewrites[0].mask == "+".join(words)
     # No T x S kernel input: nothing but q/k/v has two sequence-long axes.
     t = spellings.T
-    for shape in _kernel_inputs(opt.rewritten_jaxpr(*args)):
+    for shape in kernel_operand_shapes(opt.rewritten_jaxpr(*args), constants=False):
         assert sum(d >= t for d in shape) <= 1, (shape, got)
     _assert_close(opt(*args), fn(*args))
     _assert_close(_grads(opt, args[:3] + args[3:]), _grads(fn, args))
@@ -127,7 +114,7 @@ def _window_row_dependent(q, k, v):
 
 
 def _window_traced_positions(q, k, v, pos):
-    # positions from the caller: nothing proves they are 0..T-1
+    # positions from the caller: nothing proves they are 0..T-1 (`PositionMask`)
     keep = (pos[None, :] <= pos[:, None]) & (pos[:, None] - pos[None, :] < 4)
     return jax.nn.softmax(jnp.where(keep, q @ k.swapaxes(-1, -2), -1e9), -1) @ v
 
@@ -148,7 +135,7 @@ def _window_gapped(q, k, v):
 
 
 def _segments_ordered(q, k, v, ids):
-    # ``<=`` of segment ids: not packed documents
+    # ``<=`` of segment ids: not packed documents (an O(T) comparison of data)
     keep = ids[:, None, :, None] <= ids[:, None, None, :]
     return jax.nn.softmax(jnp.where(keep, q @ k.swapaxes(-1, -2), -1e9), -1) @ v
 
@@ -242,11 +229,12 @@ NEAR_MISSES = {
     "window_traced_positions": (
         _window_traced_positions,
         lambda r: (*bnth(r), jnp.arange(spellings.T)),
-        ["Mask", "Mask"],
+        # `i - j < 4` of traced positions stays dense; `j <= i` is compared as data
+        ["Mask", "PositionMask(le, 0, 0)"],
     ),
     "window_soft_fill": (_window_soft_fill, bnth, ["Mask"]),
     "window_gapped": (_window_gapped, bnth, ["Mask"]),
-    "segments_ordered": (_segments_ordered, _with_ids, ["Mask"]),
+    "segments_ordered": (_segments_ordered, _with_ids, ["PositionMask(ge, 0, 0)"]),
     "segments_float": (_segments_float, _with_ids, ["Mask"]),
     "chunk_mismatched": (_chunk_mismatched, bnth, ["Segments"]),
     "prefix_shifted": (_prefix_shifted, bnth, ["Mask"]),
@@ -282,7 +270,7 @@ def test_additive_mask_read_back_by_comparison(rng):
     report = opt.explain(*args)
     assert len(report.rewrites) == 1 and not report.fallbacks, str(report)
     assert sorted(_described(report.rewrites[0].spec)) == ["Causal(0)", "Segments"]
-    for shape in _kernel_inputs(opt.rewritten_jaxpr(*args)):
+    for shape in kernel_operand_shapes(opt.rewritten_jaxpr(*args), constants=False):
         assert sum(d >= spellings.T for d in shape) <= 1, shape
     _assert_close(opt(*args), _additive_ids(*args))
     _assert_close(_grads(opt, args), _grads(_additive_ids, args))

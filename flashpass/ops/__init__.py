@@ -8,13 +8,16 @@ A new mask kind is one module here, added to `KINDS`.
 
 from __future__ import annotations
 
+from .alibi import Alibi
 from .base import EXCLUDED, KeepOp, Positional, Positions, ScoreOp
 from .bias_mask import Bias, Mask, step_shape
 from .causal import Causal
 from .chunk import Chunk
 from .dropout import Dropout
 from .kv_lengths import KvLengths, valid_lengths
+from .position_mask import PositionMask
 from .prefix import Prefix
+from .prefix_lengths import PrefixLengths
 from .scale import Scale, Softcap
 from .segments import Segments
 from .sink import Sink
@@ -24,7 +27,7 @@ from .window import Window
 #: Every score-op kind, in the order reports name their words and docs their
 #: descriptors.
 KINDS = (Scale, Bias, Causal, Window, Chunk, Prefix, Segments, KvLengths, Sink, Mask)
-KINDS += (Softcap, Dropout, SinkWindow)
+KINDS += (Softcap, Dropout, SinkWindow, PrefixLengths, PositionMask, Alibi)
 
 #: Score ops that exclude keys by position or segment id, so kernels may skip
 #: whole blocks (`Causal` is one of them).
@@ -42,6 +45,7 @@ for _kind in KINDS:
 
 __all__ = [
     "DESCRIPTORS",
+    "Alibi",
     "EXCLUDED",
     "KINDS",
     "STRUCTURED",
@@ -53,8 +57,10 @@ __all__ = [
     "KvLengths",
     "Mask",
     "Positional",
+    "PositionMask",
     "Positions",
     "Prefix",
+    "PrefixLengths",
     "Scale",
     "ScoreOp",
     "Segments",

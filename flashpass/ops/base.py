@@ -70,6 +70,8 @@ class ScoreOp:
     word: ClassVar[str | None] = None
     #: How a kernel's decline reason names it (structured kinds).
     reason_words: ClassVar[str | None] = None
+    #: What the 'blockwise' kernel does with it instead, for that reason.
+    reason_hint: ClassVar[str] = "takes it as a descriptor and skips the blocks it excludes"
     #: Excludes keys by position or segment id (`flashpass.spec.STRUCTURED`), so
     #: a kernel may skip whole blocks it excludes.
     structured: ClassVar[bool] = False
@@ -83,6 +85,11 @@ class ScoreOp:
 
     def extras_read(self) -> tuple[int, ...]:
         """Indices of the extras the op reads."""
+        return ()
+
+    def grad_extras(self) -> tuple[int, ...]:
+        """Indices of the float extras the scores depend on differentiably
+        (a bias, slopes): their cotangents are the tile sums of ``dS``."""
         return ()
 
     def final_score(self, value: float) -> float:

@@ -23,6 +23,9 @@ class Bias(ScoreOp):
     def extras_read(self):
         return (self.index,)
 
+    def grad_extras(self):
+        return (self.index,)
+
     def apply(self, s, extras, at):
         return s + extras[self.index].astype(s.dtype)
 

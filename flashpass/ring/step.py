@@ -15,8 +15,8 @@ from jax import lax
 from flashpass.kernels.dropout import apply_dropout, keep_mask
 from flashpass.ops import valid_lengths
 
-from ..ops import KeepOp, Positional
-from ..spec import AttentionSpec, Bias, Causal, KvLengths, Mask, Scale, Segments, Sink, Softcap
+from ..ops import KeepOp, Positional, Positions
+from ..spec import AttentionSpec, Bias, Causal, KvLengths, Scale, Segments, Sink, Softcap
 from . import cases
 
 
@@ -55,12 +55,14 @@ class RingStep:
         # Extras that vary along the keys: read at key positions only and, on a
         # sequence-sharded site, sharded like k (`moving`: they travel with K/V),
         # or whole along the keys (`sliced` at the visiting block).
-        keyed = {op.kv_index for op in self.segments}
-        keyed |= {op.index for op in spec.score_ops if isinstance(op, Bias | Mask)}
+        keyed = {
+            i for op in spec.score_ops if isinstance(op, Bias | KeepOp) for i in op.extras_read()
+        }
         keyed = {i for i in keyed if spec.extras[i].shape[3] > 1}
         self.moving = tuple(sorted(i for i in keyed if q_global and spec.extras[i].shape[2] == 1))
         self.sliced = tuple(sorted(keyed - set(self.moving)))
-        self.biases = tuple(op.index for op in spec.ops_of(Bias))  # (their cotangents)
+        # (Their cotangents: biases, ALiBi slopes.)
+        self.biases = tuple(sorted({i for op in spec.score_ops for i in op.grad_extras()}))
         self.by_length = bool(self.lengths) and all(
             isinstance(op, Scale | Softcap | Causal | KvLengths | Sink) for op in spec.score_ops
         )
@@ -109,11 +111,12 @@ class RingStep:
         cols = k0 + jnp.arange(s.shape[-1])[None, :]
         extras = _Heads5(extras, heads5)
         total = spec.kv_len * self.n
+        at = Positions(s.shape, rows[:, 0], cols[0], kv_len=total)
         for op in spec.score_ops:
             if isinstance(op, KeepOp):  # (kv lengths: the local queries' own limits, or 1)
                 s = jnp.where(op.keep(rows, cols, extras, total), s, op.fill)
             else:  # the row statistics (`sink_rows`) and weights (`dropped`) take the rest
-                s = op.apply(s, extras, None)
+                s = op.apply(s, extras, at)
         return s
 
     def heads5(self, x):

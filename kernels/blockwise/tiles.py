@@ -17,7 +17,7 @@ from jax import lax
 
 from flashpass import compat
 from flashpass.ops import valid_lengths
-from flashpass.spec import AttentionSpec, Bias, KvLengths, Mask
+from flashpass.spec import AttentionSpec, KvLengths, Mask
 
 from ..reference import apply_score_ops
 from .bounds import segments_case
@@ -229,7 +229,7 @@ def scaled_q(plan: Plan, q):
 
 
 def bias_indices(spec: AttentionSpec, extras) -> tuple[int, ...]:
-    idx = sorted({op.index for op in spec.score_ops if isinstance(op, Bias)})
+    idx = sorted({i for op in spec.score_ops for i in op.grad_extras()})
     return tuple(i for i in idx if jnp.issubdtype(extras[i].dtype, jnp.inexact))
 
 

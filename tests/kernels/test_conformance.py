@@ -71,9 +71,12 @@ from flashpass.ops import SinkWindow
 from flashpass.spec import (
     DESCRIPTORS,
     FLOAT_DTYPES,
+    Alibi,
     Chunk,
     KvLengths,
+    PositionMask,
     Prefix,
+    PrefixLengths,
     Segments,
     Sink,
     Window,
@@ -198,6 +201,34 @@ def _sink_window(dtype):
     return spec_of(t=64, dtype=dtype, ops=[Scale(0.25), SinkWindow(3, 5, -1e9)]), []
 
 
+def _alibi(dtype):
+    """ALiBi slopes per head (one negative: a growing bias) and a causal mask."""
+    ops = [Scale(0.25), Alibi(0, (1, 2, 1, 1), 1, 0), Causal(0, -1e9)]
+    spec = spec_of(t=40, dtype=dtype, ops=ops, extras=[((1, 2, 1, 1), dtype)])
+    return spec, [jnp.asarray(np.array([0.5, -0.0625]).reshape(1, 2, 1, 1), dtype)]
+
+
+def _prefix_lengths(dtype):
+    """Prefix-LM with per-example prefixes of 0 (causal) and 13 keys."""
+    ops = [Scale(0.25), PrefixLengths(0, (2, 1, 1, 1), -1e9, 0)]
+    spec = spec_of(t=40, dtype=dtype, ops=ops, extras=[((2, 1, 1, 1), np.int32)])
+    return spec, [jnp.asarray(np.array([0, 13], np.int32).reshape(2, 1, 1, 1))]
+
+
+def _positions(dtype):
+    """gemma's sliding mask on positions from an input (``kv > q - 5``, with
+    the causal ``kv <= q``); example 1's positions restart at 17 (two documents)."""
+    pos = np.stack([np.arange(40), np.r_[np.arange(17), np.arange(23)]]).astype(np.int32)
+    ops = [
+        Scale(0.25),
+        PositionMask(0, 1, "gt", -1e9, 0, -5),
+        PositionMask(0, 1, "le", -1e9),
+    ]
+    extras = [((2, 1, 40, 1), np.int32), ((2, 1, 1, 40), np.int32)]
+    spec = spec_of(t=40, dtype=dtype, ops=ops, extras=extras)
+    return spec, [jnp.asarray(pos[:, None, :, None]), jnp.asarray(pos[:, None, None, :])]
+
+
 CASES = {
     "causal": _causal,
     "bool_mask": _bool_mask,
@@ -215,6 +246,9 @@ CASES = {
     "kv_lengths": _kv_lengths,
     "sinks": _sinks,
     "sink_window": _sink_window,
+    "alibi": _alibi,
+    "prefix_lengths": _prefix_lengths,
+    "positions": _positions,
 }
 DTYPES = {"f32": F32, "bf16": BF16}
 #: `check` is also asked about these (no numerics).
@@ -296,6 +330,9 @@ WORDS = {
     "kv_lengths": "kv lengths",
     "sinks": "sink",
     "sink_window": "sink tokens",
+    "alibi": "ALiBi",
+    "prefix_lengths": "prefix",
+    "positions": "positions",
 }
 
 
