@@ -47,8 +47,8 @@ def rewrite(exp: jax.export.Exported, *, platforms=None, **options) -> jax.expor
     deserializes like any other.  An artifact that cannot be lifted (sharded
     over several devices, shape-polymorphic, with effects) is returned
     unchanged; `explain` says why.  An artifact exported over several devices
-    keeps its input and output shardings and its sharding constraints (Auto
-    mesh axes; this host needs as many devices).
+    keeps its input and output shardings and its sharding constraints (a
+    mesh of all-Auto or all-Explicit axes; this host needs as many devices).
     """
     return rewrite_and_explain(exp, platforms=platforms, **options)[0]
 

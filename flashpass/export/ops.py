@@ -446,12 +446,10 @@ def _custom_call(interp, op, operands):
 
 @_rule("sdy.sharding_constraint")
 def _sharding_constraint(interp, op, operands):
-    if not interp.lifted.meshes:  # one device: the constraint changes nothing
-        return operands
     (x,) = operands
-    x = materialize(x)
-    text = str(op.attributes["sharding"])
-    return [lax.with_sharding_constraint(x, sharded.constraint(text, interp.lifted.meshes, x.ndim))]
+    if not interp.lifted.meshes or isinstance(x, Splat):  # one device, or a splat constant:
+        return operands  # the constraint changes no value
+    return [sharded.constrain(materialize(x), str(op.attributes["sharding"]), interp.lifted.meshes)]
 
 
 def rule_names() -> list[str]:

@@ -63,19 +63,27 @@ def layout(exp: jax.export.Exported, module) -> Layout | None:
             f"{jax.device_count()} (lift re-exports on as many devices as the artifact)"
         )
     devices = jax.devices()[: exp.nr_devices]
-    meshes = {name: _concrete(axes, devices, exp) for name, axes in _module_meshes(module).items()}
     abstract = {s.mesh for s in named[0] + named[1] if s is not None}
     if len(abstract) > 1:
         raise LiftError("the artifact's shardings use several meshes (lift keeps one mesh)")
-    mesh = None
+    types = {AxisType.Auto}
     if abstract:
         (one,) = abstract
-        if any(t != AxisType.Auto for t in one.axis_types):
+        types = set(one.axis_types)
+        if types not in ({AxisType.Auto}, {AxisType.Explicit}):
             raise LiftError(
                 f"the artifact's mesh has {'/'.join(str(t) for t in one.axis_types)} axes "
-                "(lift reproduces Auto axes only)"
+                "(lift reproduces all-Auto or all-Explicit meshes)"
             )
-        mesh = _concrete(tuple(zip(one.axis_names, one.axis_sizes, strict=True)), devices, exp)
+    (kind,) = types
+    meshes = {
+        name: _concrete(axes, devices, exp, kind) for name, axes in _module_meshes(module).items()
+    }
+    mesh = None
+    if abstract:
+        mesh = _concrete(
+            tuple(zip(one.axis_names, one.axis_sizes, strict=True)), devices, exp, kind
+        )
 
     def concrete(shardings):
         return tuple(None if s is None else NamedSharding(mesh, s.spec) for s in shardings)
@@ -98,12 +106,37 @@ def _module_meshes(module) -> dict:
     return found
 
 
-def _concrete(axes, devices, exp) -> Mesh:
+def _concrete(axes, devices, exp, kind) -> Mesh:
     sizes = tuple(n for _, n in axes)
     if int(np.prod(sizes, dtype=int)) != exp.nr_devices:
         raise LiftError(f"a mesh of {sizes} devices in an artifact over {exp.nr_devices} devices")
     names = tuple(a for a, _ in axes)
-    return Mesh(np.asarray(devices).reshape(sizes), names, axis_types=(AxisType.Auto,) * len(names))
+    return Mesh(np.asarray(devices).reshape(sizes), names, axis_types=(kind,) * len(names))
+
+
+def constrain(x, text: str, meshes: dict):
+    """``x`` under an ``sdy.sharding_constraint`` whose sharding attribute is ``text``.
+
+    On Auto axes it is ``with_sharding_constraint``.  On Explicit axes the
+    sharding is in ``x``'s type, which JAX's own ops already propagate (the
+    constraints JAX exports there restate it): a constraint the type already
+    satisfies, or one on a constant, is dropped so the matcher sees the
+    program as written, any other is a ``reshard``."""
+    sharding = constraint(text, meshes, x.ndim)
+    if AxisType.Explicit not in sharding.mesh.axis_types:
+        return jax.lax.with_sharding_constraint(x, sharding)
+    if PartitionSpec.UNCONSTRAINED in sharding.spec:
+        raise LiftError(f"an open dimension on Explicit mesh axes is not reproduced: {text[:120]}")
+    if isinstance(x, np.ndarray | np.generic):
+        return x
+    typed = compat.named_sharding_of(jax.typeof(x))
+    if typed is not None and _padded(typed.spec, x.ndim) == _padded(sharding.spec, x.ndim):
+        return x
+    return jax.sharding.reshard(x, sharding)
+
+
+def _padded(spec, ndim: int) -> tuple:
+    return tuple(spec) + (None,) * (ndim - len(spec))
 
 
 def constraint(text: str, meshes: dict, ndim: int) -> NamedSharding:

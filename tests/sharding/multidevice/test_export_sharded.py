@@ -1,7 +1,8 @@
-"""`flashpass.export` on artifacts exported over 8 devices (Auto mesh axes).
+"""`flashpass.export` on artifacts exported over 8 devices.
 
 A batch- or head-sharded attention program, exported with ``jax.jit``'s
-in/out shardings (and a sharding constraint inside), is rewritten by the
+in/out shardings (on Auto mesh axes with a sharding constraint inside, or on
+Explicit axes, where JAX exports the constraints its types imply), is rewritten by the
 lift route: the result keeps the artifact's HloShardings and the constraint,
 and, called on the same 8 devices, equals the unsharded original forward and
 backward (``vjp_order=1``) with the sharded original's output and gradient
@@ -30,31 +31,33 @@ def mha(q, k, v):
     return jnp.einsum("bhts,bshd->bthd", jax.nn.softmax(s, axis=-1), v)
 
 
-#: name -> (mesh shape, axis names, q/k/v and output spec)
+#: name -> (mesh shape, axis names, q/k/v and output spec, Explicit axes)
 CASES = {
-    "batch": ((4, 2), ("data", "rest"), P("data")),
-    "heads": ((8,), ("model",), P(None, None, "model")),
-    "batch_heads": ((2, 4), ("data", "model"), P("data", None, "model")),
+    "batch": ((4, 2), ("data", "rest"), P("data"), False),
+    "heads": ((8,), ("model",), P(None, None, "model"), False),
+    "batch_heads": ((2, 4), ("data", "model"), P("data", None, "model"), False),
+    "explicit_batch_heads": ((4, 2), ("data", "model"), P("data", None, "model"), True),
 }
 
 
-def _exported(mesh_, spec, fn=mha, constrain=True):
+def _exported(mesh_, spec, explicit=False):
     sharding = jax.sharding.NamedSharding(mesh_, spec)
 
     def program(q, k, v):
-        out = fn(q, k, v)
-        return jax.lax.with_sharding_constraint(out, sharding) if constrain else out
+        out = mha(q, k, v)
+        return out if explicit else jax.lax.with_sharding_constraint(out, sharding)
 
     structs = [jax.ShapeDtypeStruct(SHAPE, jnp.float32, sharding=sharding)] * 3
-    exp = jax.export.export(jax.jit(program, out_shardings=sharding))(*structs)
+    out_shardings = None if explicit else sharding  # Explicit: the output's type has it
+    exp = jax.export.export(jax.jit(program, out_shardings=out_shardings))(*structs)
     return jax.export.deserialize(exp.serialize(vjp_order=1))
 
 
 @pytest.mark.parametrize("case", CASES)
 def test_sharded_artifact_is_rewritten_with_its_shardings(case):
-    shape, names, spec = CASES[case]
-    mesh_ = mesh(shape, names, explicit=False)
-    exp = _exported(mesh_, spec)
+    shape, names, spec, explicit = CASES[case]
+    mesh_ = mesh(shape, names, explicit=explicit)
+    exp = _exported(mesh_, spec, explicit)
     new, report = fx.rewrite_and_explain(exp, kernel=KERNEL)
     assert report.route == "lift" and len(report.rewrites) == 1, str(report)
     new = jax.export.deserialize(new.serialize(vjp_order=1))
@@ -72,20 +75,21 @@ def test_sharded_artifact_is_rewritten_with_its_shardings(case):
 
 def test_the_rewritten_artifact_holds_the_kernel():
     """The comparison above can fail: the rewrite's program is not the original's."""
-    shape, names, spec = CASES["batch_heads"]
+    shape, names, spec, _ = CASES["batch_heads"]
     exp = _exported(mesh(shape, names, explicit=False), spec)
     new = fx.rewrite(exp, kernel=KERNEL)
     assert "flashpass" in new.mlir_module() and "flashpass" not in exp.mlir_module()
 
 
-def test_explicit_mesh_axes_are_kept_with_the_reason():
-    mesh_ = mesh((4, 2), ("data", "rest"), explicit=True)
+def test_mixed_mesh_axis_types_are_kept_with_the_reason():
+    types = (jax.sharding.AxisType.Explicit, jax.sharding.AxisType.Auto)
+    mesh_ = jax.make_mesh((4, 2), ("data", "rest"), types, devices=jax.devices()[:8])
     sharding = jax.sharding.NamedSharding(mesh_, P("data"))
     structs = [jax.ShapeDtypeStruct(SHAPE, jnp.float32, sharding=sharding)] * 3
     exp = jax.export.export(jax.jit(mha))(*structs)
     new, report = fx.rewrite_and_explain(exp, kernel=KERNEL)
     assert new is exp
-    assert report.route == "kept" and "Explicit" in report.kept_reason, str(report)
+    assert report.route == "kept" and "all-Auto or all-Explicit" in report.kept_reason, str(report)
 
 
 def test_shard_map_inside_is_kept_with_the_reason():
