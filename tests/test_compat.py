@@ -518,12 +518,14 @@ def test_exported_shardings():
     sharding = NamedSharding(mesh, P("x"))
     struct = jax.ShapeDtypeStruct((2, 3), jnp.float32, sharding=sharding)
     exp = jax.export.export(jax.jit(jnp.sin, out_shardings=sharding))(struct)
-    with uses("jax.export.Exported._in_named_shardings / _export.named_to_hlo_sharding"):
+    with uses("jax.export.Exported._in_named_shardings / NamedSharding._to_xla_hlo_sharding"):
         named_in, named_out = compat.exported_named_shardings(exp)
         assert named_in[0].spec == P("x") and named_out[0].spec == P("x")
         round_trip = jax.export.deserialize(exp.serialize())
         hlo = compat.exported_hlo_shardings(round_trip)
-        assert hlo == (round_trip.in_shardings_hlo, round_trip.out_shardings_hlo)
+        assert hlo[0][0] == sharding._to_xla_hlo_sharding(2)
+        if round_trip.in_shardings_hlo[0] is not None:  # JAX 0.10 fills them, 0.12 does not
+            assert hlo == (round_trip.in_shardings_hlo, round_trip.out_shardings_hlo)
         assert compat.exported_hlo_shardings(exp) == hlo
 
 

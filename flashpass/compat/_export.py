@@ -138,23 +138,24 @@ def exported_named_shardings(exp: jax.export.Exported):
     """``(in, out)``: the artifact's `NamedSharding`s over abstract meshes
     (``None`` where unspecified), or ``None`` when it records only
     HloShardings (an artifact from a JAX before named shardings)."""
-    if not getattr(exp, "_has_named_shardings", False):
+    # JAX 0.12 has named shardings only; JAX 0.10 flags artifacts that have them.
+    if not getattr(exp, "_has_named_shardings", hasattr(exp, "_in_named_shardings")):
         return None
     return tuple(exp._in_named_shardings), tuple(exp._out_named_shardings)
 
 
 def exported_hlo_shardings(exp: jax.export.Exported):
-    """``(in, out)``: the artifact's HloShardings as a deserialized `Exported`
-    reports them in ``in_shardings_hlo``/``out_shardings_hlo`` (computed from
-    the named shardings when the artifact has them)."""
+    """``(in, out)``: the artifact's HloShardings, computed from its named
+    shardings where it has them (as JAX 0.10's deserializer fills
+    ``in_shardings_hlo``/``out_shardings_hlo``; JAX 0.12 leaves those None)."""
     named = exported_named_shardings(exp)
     if named is None:
         return tuple(exp.in_shardings_hlo), tuple(exp.out_shardings_hlo)
-    from jax._src.export import _export
 
     def hlo(shardings, avals):
         return tuple(
-            _export.named_to_hlo_sharding(s, a) for s, a in zip(shardings, avals, strict=True)
+            None if s is None else s._to_xla_hlo_sharding(a.ndim)
+            for s, a in zip(shardings, avals, strict=True)
         )
 
     return hlo(named[0], exp.in_avals), hlo(named[1], exp.out_avals)

@@ -63,9 +63,11 @@ def test_sharded_artifact_is_rewritten_with_its_shardings(case):
     new = jax.export.deserialize(new.serialize(vjp_order=1))
 
     assert new.nr_devices == exp.nr_devices == 8
-    assert new.in_shardings_hlo == exp.in_shardings_hlo
+    assert new.in_shardings_hlo == exp.in_shardings_hlo  # None on JAX 0.12
     assert new.out_shardings_hlo == exp.out_shardings_hlo
-    assert compat.exported_hlo_shardings(new) == compat.exported_hlo_shardings(exp)
+    hlo = compat.exported_hlo_shardings(new)
+    assert hlo == compat.exported_hlo_shardings(exp)
+    assert all(h is not None for h in hlo[0] + hlo[1])
     assert "sdy.sharding_constraint" in new.mlir_module()
     assert "sdy.sharding_constraint" in exp.mlir_module()
 
