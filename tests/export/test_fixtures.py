@@ -37,49 +37,24 @@ def _original(data):
     return prepare(module).function()
 
 
+@pytest.mark.parametrize("route", ["torchax", "torch_xla"])
 @pytest.mark.parametrize("impl", ["sdpa", "eager"])
-def test_torchax_llama_is_rewritten(impl):
-    data = (FIXTURES / f"llama_{impl}_torchax.mlirbc").read_bytes()
+def test_llama_is_rewritten(route, impl):
+    data = (FIXTURES / f"llama_{impl}_{route}.mlirbc").read_bytes()
     exp = fx.load(data)
     new, report = fx.rewrite_and_explain(exp, kernel="blockwise")
     assert len(report.rewrites) == 2 and not report.fallbacks, str(report)  # two layers
-    assert all(r.mask == "causal" for r in report.rewrites), str(report)
+    if route == "torchax":  # torch_xla's eager mask reaches the scores as a dense bias
+        assert all(r.mask == "causal" for r in report.rewrites), str(report)
     new = jax.export.deserialize(new.serialize(vjp_order=1))
 
     args = _inputs(exp)
     want = exp.call(*args)  # the artifact as PyTorch exported it
     np.testing.assert_allclose(jax.jit(new.call)(*args), want, atol=1e-4)
 
-    # Gradient against the fixture lifted but not rewritten (a bare module
+    # Gradient in the weights (main's float inputs; torch_xla puts the tokens
+    # among them) against the fixture lifted but not rewritten (a bare module
     # ships no derivative of its own).
-    original = _original(data)
-    weights = args[:-1]
-
-    def loss_new(w):
-        return jnp.sum(new.call(*w, args[-1]) ** 2)
-
-    def loss_original(w):
-        (logits,) = original(*w, args[-1])
-        return jnp.sum(logits**2)
-
-    got = jax.jit(jax.grad(loss_new))(weights)
-    expected = jax.grad(loss_original)(weights)
-    for g, e in zip(got, expected, strict=True):
-        np.testing.assert_allclose(g, e, atol=2e-3, rtol=2e-3)
-
-
-@pytest.mark.parametrize("impl", ["sdpa", "eager"])
-def test_torch_xla_llama_is_rewritten(impl):
-    data = (FIXTURES / f"llama_{impl}_torch_xla.mlirbc").read_bytes()
-    exp = fx.load(data)
-    new, report = fx.rewrite_and_explain(exp, kernel="blockwise")
-    assert len(report.rewrites) == 2 and not report.fallbacks, str(report)  # two layers
-    new = jax.export.deserialize(new.serialize(vjp_order=1))
-
-    args = _inputs(exp)
-    np.testing.assert_allclose(jax.jit(new.call)(*args), exp.call(*args), atol=1e-4)
-
-    # The weights are main's float inputs (torch_xla puts the tokens among them).
     original = _original(data)
     floats = [i for i, a in enumerate(exp.in_avals) if jnp.issubdtype(a.dtype, jnp.floating)]
 
