@@ -563,6 +563,25 @@ def test_exported_from_module_and_vjp():
         np.testing.assert_allclose(round_trip.call(x, y), exp.call(x, y))
 
 
+def test_exported_shardings():
+    from jax.sharding import AxisType, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh = jax.make_mesh((1,), ("x",), (AxisType.Auto,), devices=jax.devices()[:1])
+    sharding = NamedSharding(mesh, P("x"))
+    struct = jax.ShapeDtypeStruct((2, 3), jnp.float32, sharding=sharding)
+    exp = jax.export.export(jax.jit(jnp.sin, out_shardings=sharding))(struct)
+    with uses("jax.export.Exported._in_named_shardings / NamedSharding._to_xla_hlo_sharding"):
+        named_in, named_out = compat.exported_named_shardings(exp)
+        assert named_in[0].spec == P("x") and named_out[0].spec == P("x")
+        round_trip = jax.export.deserialize(exp.serialize())
+        hlo = compat.exported_hlo_shardings(round_trip)
+        assert hlo[0][0] == sharding._to_xla_hlo_sharding(2)
+        if round_trip.in_shardings_hlo[0] is not None:  # JAX 0.10 fills them, 0.12 does not
+            assert hlo == (round_trip.in_shardings_hlo, round_trip.out_shardings_hlo)
+        assert compat.exported_hlo_shardings(exp) == hlo
+
+
 # --------------------------------------------------------------------------- more entry points
 
 

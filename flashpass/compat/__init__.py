@@ -19,6 +19,8 @@ from __future__ import annotations
 from ._debug import name_stack, trace_as  # noqa: F401
 from ._export import (  # noqa: F401
     exported_from_module,
+    exported_hlo_shardings,
+    exported_named_shardings,
     exported_with_vjp,
     func_dialect,
     ir_element_type,

@@ -132,3 +132,30 @@ def ir_element_type(dtype):
     from jax._src.interpreters import mlir as jax_mlir
 
     return jax_mlir.dtype_to_ir_type(dtype)
+
+
+def exported_named_shardings(exp: jax.export.Exported):
+    """``(in, out)``: the artifact's `NamedSharding`s over abstract meshes
+    (``None`` where unspecified), or ``None`` when it records only
+    HloShardings (an artifact from a JAX before named shardings)."""
+    # JAX 0.12 has named shardings only; JAX 0.10 flags artifacts that have them.
+    if not getattr(exp, "_has_named_shardings", hasattr(exp, "_in_named_shardings")):
+        return None
+    return tuple(exp._in_named_shardings), tuple(exp._out_named_shardings)
+
+
+def exported_hlo_shardings(exp: jax.export.Exported):
+    """``(in, out)``: the artifact's HloShardings, computed from its named
+    shardings where it has them (as JAX 0.10's deserializer fills
+    ``in_shardings_hlo``/``out_shardings_hlo``; JAX 0.12 leaves those None)."""
+    named = exported_named_shardings(exp)
+    if named is None:
+        return tuple(exp.in_shardings_hlo), tuple(exp.out_shardings_hlo)
+
+    def hlo(shardings, avals):
+        return tuple(
+            None if s is None else s._to_xla_hlo_sharding(a.ndim)
+            for s, a in zip(shardings, avals, strict=True)
+        )
+
+    return hlo(named[0], exp.in_avals), hlo(named[1], exp.out_avals)

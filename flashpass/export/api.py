@@ -9,7 +9,7 @@ import jax
 from flashpass import compat
 from flashpass.api import Optimized
 
-from . import combine
+from . import combine, sharded
 from .lift import LiftedModule, prepare
 from .report import ExportReport
 from .values import LiftError
@@ -23,6 +23,7 @@ class _Plan:
     exp: jax.export.Exported
     platforms: tuple
     lifted: LiftedModule | None = None
+    layout: sharded.Layout | None = None  # several devices: the meshes and shardings
     optimized: dict = dataclasses.field(default_factory=dict)  # platform -> Optimized
     report: ExportReport | None = None
 
@@ -45,7 +46,9 @@ def rewrite(exp: jax.export.Exported, *, platforms=None, **options) -> jax.expor
     it calls, serializes (use ``vjp_order=1`` to ship the derivative) and
     deserializes like any other.  An artifact that cannot be lifted (sharded
     over several devices, shape-polymorphic, with effects) is returned
-    unchanged; `explain` says why.
+    unchanged; `explain` says why.  An artifact exported over several devices
+    keeps its input and output shardings and its sharding constraints (a
+    mesh of all-Auto or all-Explicit axes; this host needs as many devices).
     """
     return rewrite_and_explain(exp, platforms=platforms, **options)[0]
 
@@ -57,7 +60,11 @@ def rewrite_and_explain(
     plan = _plan(exp, platforms, options)
     if plan.report.route == "kept":
         return exp, plan.report
-    return _export(plan), plan.report
+    new = _export(plan)
+    if compat.exported_hlo_shardings(new) != compat.exported_hlo_shardings(exp):
+        reason = "the re-exported shardings differ from the artifact's"
+        return exp, ExportReport(route="kept", kept_reason=reason, platforms=plan.platforms)
+    return new, plan.report
 
 
 def _plan(exp, platforms, options) -> _Plan:
@@ -82,8 +89,8 @@ def _plan(exp, platforms, options) -> _Plan:
 
 
 def _not_liftable(exp, platforms) -> str | None:
-    if exp.nr_devices != 1:
-        return f"the artifact is sharded over {exp.nr_devices} devices (lift keeps one device)"
+    if exp.nr_devices != 1 and len(platforms) > 1:
+        return "the artifact is sharded and has several platforms (lift keeps one of the two)"
     if exp.ordered_effects or exp.unordered_effects:
         return "the artifact has effects (lift keeps effect-free programs)"
     if any(not all(isinstance(d, int) for d in a.shape) for a in exp.in_avals):
@@ -102,6 +109,11 @@ def _lift(plan: _Plan, options) -> None:
     exp = plan.exp
     module = compat.parse_module(exp.mlir_module_serialized, compat.mlir_context())
     lifted = prepare(module)
+    plan.layout = sharded.layout(exp, module)
+    in_shardings = (None,) * len(exp.in_avals)
+    if plan.layout is not None:
+        lifted.meshes = plan.layout.meshes
+        in_shardings = plan.layout.in_shardings
     kept = [exp.in_avals[i] for i in exp.module_kept_var_idx]
     if [(a.shape, a.dtype) for a in lifted.in_avals] != [(a.shape, a.dtype) for a in kept]:
         raise LiftError("main's inputs do not match the artifact's avals")
@@ -113,7 +125,11 @@ def _lift(plan: _Plan, options) -> None:
         fn.__name__ = exp.fun_name if exp.fun_name.isidentifier() else "main"
         optimized = Optimized(fn, platform=_OPTIMIZE_PLATFORM[p], **options)
         plan.optimized[p] = optimized
-        reports[p] = optimized.explain(*_structs(kept))
+        structs = [
+            jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=in_shardings[i])
+            for i, a in ((i, exp.in_avals[i]) for i in exp.module_kept_var_idx)
+        ]
+        reports[p] = optimized.explain(*structs)
     first = reports[plan.platforms[0]]
     plan.report = ExportReport(
         rewrites=first.rewrites,
@@ -131,12 +147,18 @@ def _lift(plan: _Plan, options) -> None:
 
 def _export(plan: _Plan) -> jax.export.Exported:
     """Export each platform's rewritten program, then join them (`combine.join`)."""
-    exp, platforms = plan.exp, plan.platforms
-    args, kwargs = jax.tree_util.tree_unflatten(exp.in_tree, _structs(exp.in_avals))
+    exp, platforms, layout = plan.exp, plan.platforms, plan.layout
+    structs, shardings = _structs(exp.in_avals), {}
+    if layout is not None:
+        structs = layout.structs(exp.in_avals, layout.in_shardings)
+        # The inputs' shardings ride on their structs; the outputs' are a pytree.
+        outs = jax.tree_util.tree_unflatten(exp.out_tree, layout.out_shardings)
+        shardings = dict(out_shardings=outs)
+    args, kwargs = jax.tree_util.tree_unflatten(exp.in_tree, structs)
     exps = []
     for p in platforms:
-        program = _program(exp, plan.optimized[p])
-        exps.append(jax.export.export(jax.jit(program), platforms=(p,))(*args, **kwargs))
+        program = jax.jit(_program(exp, plan.optimized[p]), **shardings)
+        exps.append(jax.export.export(program, platforms=(p,))(*args, **kwargs))
     return exps[0] if len(exps) == 1 else combine.join(exps, platforms)
 
 

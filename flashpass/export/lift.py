@@ -42,6 +42,7 @@ class LiftedModule:
     out_avals: tuple
     has_platform_index: bool
     islands: dict = dataclasses.field(default_factory=dict)  # op name -> Island
+    meshes: dict = dataclasses.field(default_factory=dict)  # sdy mesh -> Mesh (several devices)
 
     def function(self, platform_index: int = 0, platforms=("cpu",)):
         """A JAX function ``f(*arrays) -> tuple of arrays`` computing ``main``.
@@ -157,6 +158,8 @@ class _Interpreter:
                 return rule(self, op, operands)
             except ops.NoRule:
                 pass  # a variant of the op the table does not cover: an island
+        if name.startswith("sdy."):  # a sharding op run alone would lose its meaning
+            raise LiftError(f"{name} is not lifted (its sharding would not be kept)")
         return self.island(op, name, operands)
 
     def island(self, op, name: str, operands: list) -> list:

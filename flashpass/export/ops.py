@@ -17,6 +17,7 @@ from jax import lax
 
 from flashpass import compat
 
+from . import sharded
 from .values import LiftError, Splat, constant_value, dense_constant, materialize, tensor_aval
 
 
@@ -437,13 +438,18 @@ def _custom_call(interp, op, operands):
     ir = compat.ir_module()
     target = ir.StringAttr(op.attributes["call_target_name"]).value
     if target in _IDENTITY_CUSTOM_CALLS and len(operands) == 1 and len(op.results) == 1:
+        if interp.lifted.meshes:
+            raise LiftError(f"custom_call @{target} in a multi-device artifact is not reproduced")
         return operands
     raise NoRule
 
 
 @_rule("sdy.sharding_constraint")
 def _sharding_constraint(interp, op, operands):
-    return operands
+    (x,) = operands
+    if not interp.lifted.meshes or isinstance(x, Splat):  # one device, or a splat constant:
+        return operands  # the constraint changes no value
+    return [sharded.constrain(materialize(x), str(op.attributes["sharding"]), interp.lifted.meshes)]
 
 
 def rule_names() -> list[str]:

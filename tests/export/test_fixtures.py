@@ -1,5 +1,6 @@
-"""A tiny Hugging Face Llama exported from PyTorch through torchax (SDPA and
-eager attention; tests/export/fixtures/make_fixtures.py), rewritten here."""
+"""A tiny Hugging Face Llama exported from PyTorch through torchax and through
+torch_xla (SDPA and eager attention; tests/export/fixtures/make_fixtures.py),
+rewritten here."""
 
 from __future__ import annotations
 
@@ -21,7 +22,9 @@ def _inputs(exp, seed=0):
     rng = np.random.default_rng(seed)
     out = []
     for a in exp.in_avals:
-        if jnp.issubdtype(a.dtype, jnp.integer):
+        if a.dtype == jnp.bool_:  # torch_xla lifts the True the causal mask is built from
+            out.append(jnp.ones(a.shape, a.dtype))
+        elif jnp.issubdtype(a.dtype, jnp.integer):
             out.append(jnp.asarray(rng.integers(0, 128, a.shape), a.dtype))
         else:
             out.append(jnp.asarray(rng.standard_normal(a.shape) * 0.2, a.dtype))
@@ -34,31 +37,41 @@ def _original(data):
     return prepare(module).function()
 
 
+@pytest.mark.parametrize("route", ["torchax", "torch_xla"])
 @pytest.mark.parametrize("impl", ["sdpa", "eager"])
-def test_torchax_llama_is_rewritten(impl):
-    data = (FIXTURES / f"llama_{impl}_torchax.mlirbc").read_bytes()
+def test_llama_is_rewritten(route, impl):
+    data = (FIXTURES / f"llama_{impl}_{route}.mlirbc").read_bytes()
     exp = fx.load(data)
     new, report = fx.rewrite_and_explain(exp, kernel="blockwise")
     assert len(report.rewrites) == 2 and not report.fallbacks, str(report)  # two layers
-    assert all(r.mask == "causal" for r in report.rewrites), str(report)
+    if route == "torchax":  # torch_xla's eager mask reaches the scores as a dense bias
+        assert all(r.mask == "causal" for r in report.rewrites), str(report)
     new = jax.export.deserialize(new.serialize(vjp_order=1))
 
     args = _inputs(exp)
     want = exp.call(*args)  # the artifact as PyTorch exported it
     np.testing.assert_allclose(jax.jit(new.call)(*args), want, atol=1e-4)
 
-    # Gradient against the fixture lifted but not rewritten (a bare module
+    # Gradient in the weights (main's float inputs; torch_xla puts the tokens
+    # among them) against the fixture lifted but not rewritten (a bare module
     # ships no derivative of its own).
     original = _original(data)
-    weights = args[:-1]
+    floats = [i for i, a in enumerate(exp.in_avals) if jnp.issubdtype(a.dtype, jnp.floating)]
+
+    def with_weights(w):
+        full = list(args)
+        for i, x in zip(floats, w, strict=True):
+            full[i] = x
+        return full
 
     def loss_new(w):
-        return jnp.sum(new.call(*w, args[-1]) ** 2)
+        return jnp.sum(new.call(*with_weights(w)) ** 2)
 
     def loss_original(w):
-        (logits,) = original(*w, args[-1])
+        (logits,) = original(*with_weights(w))
         return jnp.sum(logits**2)
 
+    weights = [args[i] for i in floats]
     got = jax.jit(jax.grad(loss_new))(weights)
     expected = jax.grad(loss_original)(weights)
     for g, e in zip(got, expected, strict=True):
