@@ -41,6 +41,9 @@ class Rewrite:
     #: True when the site applies dropout to the attention weights (the kernel
     #: regenerates the program's own keep-mask).
     dropout: bool = False
+    #: Why a mask the program adds to or writes into the scores stays a dense
+    #: array operand of the kernel (docs/troubleshooting.md), one line each.
+    dense: tuple = ()
 
     @property
     def passes(self) -> str:
@@ -161,6 +164,10 @@ class Report:
             for i, e in enumerate(self.errors):
                 error = _display_paths(e.error)
                 lines.append(f"  [{i}] {display_path(e.location)}: {e.stage} failed: {error}")
+        dense = [(i, note) for i, r in enumerate(self.rewrites) for note in r.dense]
+        if dense:
+            lines += ["", "masks kept as dense arrays:"]
+            lines += [f"  [{i}] {_display_paths(note)}" for i, note in dense]
         declined = [(i, r) for i, r in enumerate(self.rewrites) if r.rejected]
         if declined:
             lines += ["", "kernels tried first:"]

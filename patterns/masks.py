@@ -21,8 +21,10 @@ import numpy as np
 from flashpass.site import Transform
 from flashpass.spec import EXCLUDING_FILL, Bias, Causal, Mask, excludes
 
+from .additive import add_additive
 from .chain import Step, rule
 from .common import Miss, Profile, profile, scalar_value, uniform_value, where
+from .indicators import boolean_factors
 
 
 @dataclasses.dataclass
@@ -47,6 +49,9 @@ class BiasStep(Step):
 
     def apply(self, build) -> Miss | None:
         scope = build.scope
+        why = add_additive(build, self.profile, self.sign)
+        if why is None:
+            return None
         found = additive_mask(scope, self.profile, self.sign, build.roles)
         if found is not None:
             add_mask(build, *found)
@@ -61,6 +66,8 @@ class BiasStep(Step):
             return Miss(f"scores biased by a {dtype} tensor{where(self.node)}", self.node)
         index, shape4 = build.add_extra(prof, Transform.NEG if sign < 0 else None, dtype)
         build.ops.append(Bias(index, shape4, dtype))
+        if why:
+            build.dense_notes.append(why + where(self.node))
         return None
 
 
@@ -254,6 +261,9 @@ def and_factors(scope, prof):
     pred = _compared_select(scope, node)
     if pred is not None:
         return and_factors(scope, compose(scope, compose(scope, prof, node.ins[0]), pred))
+    factors = boolean_factors(scope, prof)  # int/float masks combined arithmetically
+    if factors is not None:
+        return [f for factor in factors for f in and_factors(scope, factor)]
     return [prof]
 
 
