@@ -123,6 +123,11 @@ def add_mask(build, pred: Profile, keep_when: bool, fill: float) -> None:
             continue
         if any(recognise(build, factor, keep_when, fill) for recognise in MASK_RECOGNISERS):
             continue
+        parts = boolean_factors(build.scope, factor) if keep_when else None
+        if parts is not None:  # int masks combined arithmetically: one op per operand
+            for part in parts:
+                add_mask(build, part, keep_when, fill)
+            continue
         index, shape4 = build.add_extra(factor, None if keep_when else Transform.NOT, np.bool_)
         build.ops.append(Mask(index, shape4, fill))
 
@@ -261,9 +266,6 @@ def and_factors(scope, prof):
     pred = _compared_select(scope, node)
     if pred is not None:
         return and_factors(scope, compose(scope, compose(scope, prof, node.ins[0]), pred))
-    factors = boolean_factors(scope, prof)  # int/float masks combined arithmetically
-    if factors is not None:
-        return [f for factor in factors for f in and_factors(scope, factor)]
     return [prof]
 
 

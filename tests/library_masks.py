@@ -116,6 +116,14 @@ def int_bitand(q, k, v):
     return _out(jnp.where(m == 1, _scores(q, k), NEG), v)
 
 
+def int_segments_product(q, k, v, ids):
+    """Packed documents as an int product of two 0/1 masks, read with ``> 0``."""
+    i, j = _ij()
+    same = (ids[:, :, None] == ids[:, None, :]).astype(jnp.int32)[:, None]
+    m = same * (j <= i).astype(jnp.int32)
+    return _out(jnp.where(m > 0, _scores(q, k), NEG), v)
+
+
 def int_minimum_additive(q, k, v):
     i, j = _ij()
     m = jnp.minimum((j <= i).astype(jnp.int32), (i - j < W).astype(jnp.int32))
@@ -230,9 +238,10 @@ FORMS = {
     "add_bias_none_none": (add_bias_none_none, _none, CW),
     "add_maxtext_fill": (add_maxtext_fill, _none, ["Causal(0)"]),
     "add_window_sinks": (add_window_sinks, _sinks, [*CW, "Sink"]),
-    "int_minimum": (int_minimum, _none, CW),
-    "int_product": (int_product, _none, CW),
-    "int_bitand": (int_bitand, _none, CW),
+    "int_minimum": (int_minimum, _none, [f"Window({W - 1}, 0)"]),
+    "int_product": (int_product, _none, [f"Window({W - 1}, 0)"]),
+    "int_bitand": (int_bitand, _none, [f"Window({W - 1}, 0)"]),
+    "int_segments_product": (int_segments_product, _ids, ["Causal(0)", "Segments"]),
     "int_minimum_additive": (int_minimum_additive, _none, CW),
     "keras_hub_causal": (keras_hub_causal, _none, ["Causal(0)"]),
     "keras_hub_sliding": (keras_hub_sliding, _none, ["Causal(0)", f"Window({W - 1}, {W - 1})"]),
