@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax.numpy as jnp
 import numpy as np
 
 from flashpass.ops import Mask, Positional, Segments
@@ -59,7 +60,7 @@ def as_mask(scope, prof, sign: int):
     if sign < 0:
         return None
     found = two_valued(scope, prof)
-    if found is None or not np.issubdtype(np.dtype(scope.dtype(prof.base)), np.floating):
+    if found is None or not jnp.issubdtype(scope.dtype(prof.base), jnp.floating):
         return None
     low, high = float(found.when_false), float(found.when_true)
     if high == 0.0 and excludes(low):

@@ -101,7 +101,9 @@ def two_valued(scope, prof: Profile, depth: int = 0) -> TwoValued | None:
         if pred is None or any(c is None for c in cases):
             return leaf
         # select_n picks cases[pred]: map pred's two values through it.
-        pick = [cases[int(bool(v))] for v in _values(pred)]
+        if not all(int(v) in (0, 1) and int(v) == v for v in _values(pred)):
+            return leaf
+        pick = [cases[int(v)] for v in _values(pred)]
         return TwoValued(pred.factors, *pick)
     if prim in _BINARY and len(node.ins) == 2:
         found = _binary(scope, prof, node, dtype, sub)
