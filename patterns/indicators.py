@@ -28,6 +28,16 @@ import numpy as np
 
 from .common import Profile, profile, scalar_value
 
+#: Comparison primitives as NumPy functions (also `masks`' and `structured`'s).
+COMPARISONS = {
+    "ge": np.greater_equal,
+    "gt": np.greater,
+    "le": np.less_equal,
+    "lt": np.less,
+    "eq": np.equal,
+    "ne": np.not_equal,
+}
+
 _BINARY = {
     "add": np.add,
     "sub": np.subtract,
@@ -36,12 +46,7 @@ _BINARY = {
     "max": np.maximum,
     "and": np.bitwise_and,
     "or": np.bitwise_or,
-    "ge": np.greater_equal,
-    "gt": np.greater,
-    "le": np.less_equal,
-    "lt": np.less,
-    "eq": np.equal,
-    "ne": np.not_equal,
+    **COMPARISONS,
 }
 
 
@@ -54,10 +59,12 @@ class TwoValued:
     when_true: object
 
 
-def _compose(scope, prof: Profile, operand) -> Profile:
+def compose(scope, prof: Profile, operand) -> Profile:
+    """Profile of ``operand`` (an input of ``prof.base``'s equation, same shape)
+    against ``prof``'s target."""
     sub = profile(scope, operand, scope.shape(prof.base))
     axes = tuple(None if a is None else sub.axes[a] for a in prof.axes)
-    return Profile(sub.base, axes, prof.target)
+    return type(prof)(sub.base, axes, prof.target)
 
 
 def _scalar(scope, prof: Profile, dtype):
@@ -84,7 +91,7 @@ def two_valued(scope, prof: Profile, depth: int = 0) -> TwoValued | None:
     prim = node.prim
 
     def sub(x):
-        return two_valued(scope, _compose(scope, prof, x), depth + 1)
+        return two_valued(scope, compose(scope, prof, x), depth + 1)
 
     if prim == "convert_element_type":
         inner = sub(node.ins[0])
@@ -96,7 +103,7 @@ def two_valued(scope, prof: Profile, depth: int = 0) -> TwoValued | None:
         fn = np.negative if prim == "neg" else np.invert
         return None if inner is None else TwoValued(inner.factors, *map(fn, _values(inner)))
     if prim == "select_n" and len(node.ins) == 3:
-        cases = [_scalar(scope, _compose(scope, prof, x), dtype) for x in node.ins[1:]]
+        cases = [_scalar(scope, compose(scope, prof, x), dtype) for x in node.ins[1:]]
         pred = sub(node.ins[0])
         if pred is None or any(c is None for c in cases):
             return leaf
@@ -117,7 +124,7 @@ def _values(tv: TwoValued):
 
 def _binary(scope, prof, node, dtype, sub):
     fn = _BINARY[node.prim]
-    sides = [_compose(scope, prof, x) for x in node.ins]
+    sides = [compose(scope, prof, x) for x in node.ins]
     in_dtype = np.dtype(scope.dtype(node.ins[0]))
     consts = [_scalar(scope, s, in_dtype) for s in sides]
     if consts[0] is not None and consts[1] is not None:

@@ -24,7 +24,7 @@ from flashpass.spec import EXCLUDING_FILL, Bias, Causal, Mask, excludes
 from .additive import add_additive
 from .chain import Step, rule
 from .common import Miss, Profile, profile, scalar_value, uniform_value, where
-from .indicators import boolean_factors
+from .indicators import COMPARISONS, boolean_factors, compose
 
 
 @dataclasses.dataclass
@@ -229,14 +229,6 @@ def _select(scope, node, out):
     return readings
 
 
-def compose(scope, prof, operand):
-    """Profile of ``operand`` (an input of ``prof.base``'s equation, same shape)
-    against ``prof``'s target."""
-    sub = profile(scope, operand, scope.shape(prof.base))
-    axes = tuple(None if a is None else sub.axes[a] for a in prof.axes)
-    return type(prof)(sub.base, axes, prof.target)
-
-
 def and_factors(scope, prof):
     """Split a boolean ``a & b & ...`` profile into factor profiles.
 
@@ -269,15 +261,7 @@ def and_factors(scope, prof):
     return [prof]
 
 
-#: Comparison primitives as NumPy functions (also `structured`'s diagonal reader).
-_CMP_VALUE = {
-    "ge": np.greater_equal,
-    "gt": np.greater,
-    "le": np.less_equal,
-    "lt": np.less,
-    "eq": np.equal,
-    "ne": np.not_equal,
-}
+_CMP_VALUE = COMPARISONS  # (also `structured`'s diagonal reader)
 
 
 def _compared_select(scope, node):

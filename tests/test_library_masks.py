@@ -20,27 +20,18 @@ import jax.numpy as jnp
 import library_masks as lib
 import numpy as np
 import pytest
+import test_structured_masks
 from jax import lax
 from library_masks import NEG, T, W
 from t_by_s import assert_no_t_by_s, jaxpr_shapes
 
 import flashpass
 from flashpass import compat
-from flashpass.ops import KINDS
 from flashpass.testing import assert_same_function
-
-_NAMES = {kind.__name__.lower(): kind.__name__ for kind in KINDS}
-_IDS = {"index", "q_index", "kv_index", "fill", "shape", "same"}
 
 
 def _described(spec: dict) -> list[str]:
-    out = []
-    for op in spec["score_ops"]:
-        if op["op"] == "scale":
-            continue
-        args = [str(v) for k, v in op.items() if k != "op" and k not in _IDS]
-        out.append(f"{_NAMES[op['op']]}({', '.join(args)})" if args else _NAMES[op["op"]])
-    return sorted(out)
+    return sorted(test_structured_masks._described(spec))
 
 
 def _outside_kernels(closed) -> list:
