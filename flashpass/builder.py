@@ -37,6 +37,7 @@ class SiteBuilder:
         self.other_exclusions = False  # a key-excluding op not from a MaskStep
         self.sink: str | None = None  # "end"/"start": a sink column concatenated there
         self.problem: Miss | None = None  # set by a step's side array the layout can't take
+        self.dense_notes: list = []  # why a mask-like operand stays a dense array
 
     # ------------------------------------------------------------------ for steps
 
@@ -92,7 +93,8 @@ class SiteBuilder:
             if excludes(fill_after(op.fill, self.ops[i + 1 :])):
                 kept.append((op, source))
             else:
-                self.ops[i] = source.literal(self)
+                self.ops[i] = source.literal(self)  # None: one op of a group, dropped
+        self.ops = [op for op in self.ops if op is not None]
         self._causal = kept
         return None
 

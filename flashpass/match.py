@@ -294,6 +294,7 @@ def _build_site(scope: Scope, soft, chain, sp) -> AttentionSite | Miss:
         spec=spec,
         pattern="softmax(QKᵀ)V" + (f" [{', '.join(pieces)}]" if pieces else ""),
         location=root.location or soft.exp.location,
+        dense=tuple(build.dense_notes),
     )
     return site if escape is None else _with_backward(scope, site, root, escape)
 

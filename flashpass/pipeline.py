@@ -287,6 +287,7 @@ def _rewrite_entry(placed: Placed, scope_name: str) -> Rewrite:
         scope=scope_name,
         spec=spec.describe(),
         rejected=dict(p.rejected),
+        dense=p.site.dense,
         backward=p.site.backward is not None,
         layer=layers.layer_of(p.site.root),
         dropout=spec.dropout is not None,

@@ -46,6 +46,9 @@ class Rewrite:
     #: partitioner decides, by the shardings it chose
     #: (`flashpass.placement.deferred`).
     placement: str = ""
+    #: Why a mask the program adds to or writes into the scores stays a dense
+    #: array operand of the kernel (docs/troubleshooting.md), one line each.
+    dense: tuple = ()
 
     @property
     def passes(self) -> str:
@@ -205,6 +208,10 @@ class Report:
                 where = display_path(u.location)
                 where = f"{u.layer} ({where})" if u.layer and u.layer != where else where
                 lines.append(f"  [{i}] {where}: {_display_paths(u.reason)}")
+        dense = [(i, note) for i, r in enumerate(self.rewrites) for note in r.dense]
+        if dense:
+            lines += ["", "masks kept as dense arrays:"]
+            lines += [f"  [{i}] {_display_paths(note)}" for i, note in dense]
         declined = [(i, r) for i, r in enumerate(self.rewrites) if r.rejected]
         if declined:
             lines += ["", "kernels tried first:"]

@@ -221,6 +221,8 @@ class AttentionSite:
     #: In a differentiated program: the site's backward (`flashpass.backward`),
     #: replaced by the kernel's backward; None for a forward-only site.
     backward: object = None
+    #: Why a mask written into the scores stays a dense array (`Rewrite.dense`).
+    dense: tuple = ()
 
     @property
     def paths(self) -> set:

@@ -21,8 +21,10 @@ import numpy as np
 from flashpass.site import Transform
 from flashpass.spec import EXCLUDING_FILL, Bias, Causal, Mask, excludes
 
+from .additive import add_additive
 from .chain import Step, rule
 from .common import Miss, Profile, profile, scalar_value, uniform_value, where
+from .indicators import COMPARISONS, boolean_factors, compose
 
 
 @dataclasses.dataclass
@@ -47,6 +49,9 @@ class BiasStep(Step):
 
     def apply(self, build) -> Miss | None:
         scope = build.scope
+        why = add_additive(build, self.profile, self.sign)
+        if why is None:
+            return None
         found = additive_mask(scope, self.profile, self.sign, build.roles)
         if found is not None:
             add_mask(build, *found)
@@ -63,6 +68,8 @@ class BiasStep(Step):
             return Miss(f"scores biased by a {dtype} tensor{where(self.node)}", self.node)
         index, shape4 = build.add_extra(prof, Transform.NEG if sign < 0 else None, dtype)
         build.ops.append(Bias(index, shape4, dtype))
+        if why:
+            build.dense_notes.append(why + where(self.node))
         return None
 
 
@@ -129,6 +136,11 @@ def add_mask(build, pred: Profile, keep_when: bool, fill: float) -> None:
             build.add_causal(causal, source)
             continue
         if any(recognise(build, factor, keep_when, fill) for recognise in MASK_RECOGNISERS):
+            continue
+        parts = boolean_factors(build.scope, factor) if keep_when else None
+        if parts is not None:  # int masks combined arithmetically: one op per operand
+            for part in parts:
+                add_mask(build, part, keep_when, fill)
             continue
         index, shape4 = build.add_extra(factor, None if keep_when else Transform.NOT, np.bool_)
         build.ops.append(Mask(index, shape4, fill))
@@ -231,14 +243,6 @@ def _select(scope, node, out):
     return readings
 
 
-def compose(scope, prof, operand):
-    """Profile of ``operand`` (an input of ``prof.base``'s equation, same shape)
-    against ``prof``'s target."""
-    sub = profile(scope, operand, scope.shape(prof.base))
-    axes = tuple(None if a is None else sub.axes[a] for a in prof.axes)
-    return type(prof)(sub.base, axes, prof.target)
-
-
 def and_factors(scope, prof):
     """Split a boolean ``a & b & ...`` profile into factor profiles.
 
@@ -271,15 +275,7 @@ def and_factors(scope, prof):
     return [prof]
 
 
-#: Comparison primitives as NumPy functions (also `structured`'s diagonal reader).
-_CMP_VALUE = {
-    "ge": np.greater_equal,
-    "gt": np.greater,
-    "le": np.less_equal,
-    "lt": np.less,
-    "eq": np.equal,
-    "ne": np.not_equal,
-}
+_CMP_VALUE = COMPARISONS  # (also `structured`'s diagonal reader)
 
 
 def _compared_select(scope, node):

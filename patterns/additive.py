@@ -1,0 +1,117 @@
+"""Additive masks as descriptors: ``s + bias`` where the bias is a mask.
+
+``s + where(m, 0, NEG)``, ``s + (1 - m) * -1e9``, ``s + lax.select(m, zeros,
+full(NEG))``, ``s + bias[None, None]``, with ``NEG`` any excluding constant
+(``finfo.min``, ``-2.38e38``, ``-1e9``, ``-0.7 * finfo.max``) and ``m`` a
+boolean or a two-valued int/float mask (`indicators.two_valued`), are read by
+value as ``where(f_1 & f_2 & ..., s, NEG)``.  Each factor then goes to the
+mask readers (`masks.add_mask`'s: causal, window, chunk, prefix, sink window,
+segment ids...).
+
+The two spellings agree exactly, value and gradient, in every row that keeps
+a key: an excluded key's weight is ``exp(s + NEG - max) == 0`` either way, and
+so is its gradient.  In a row with every key excluded they do not (the
+additive row still depends on ``s``), so the descriptors are used only when
+every query row provably keeps a key: each new op keeps the diagonal
+``j = i`` (or ``j = i + S - T``), checked with the ops' own ``keep`` on every
+row.  Otherwise (a factor that stays a dense mask, segment ids from two
+arrays, kv lengths) the bias is kept whole, with the reason recorded for the
+report (`SiteBuilder.dense_notes`).  A fill of exactly ``-inf`` makes such a
+row NaN in both spellings: masks are then used whatever the factors.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
+
+from flashpass.ops import Mask, Positional, Segments
+from flashpass.site import Transform
+from flashpass.spec import Bias, excludes
+
+from .indicators import two_valued
+
+
+@dataclasses.dataclass(eq=False)
+class AdditiveSource:
+    """Where the descriptors of one additive mask came from: if a later op
+    undoes their fill's exclusion, the first is replaced by the original bias
+    and the others dropped (`SiteBuilder.build_ops`)."""
+
+    profile: object
+    sign: int
+    first: bool
+
+    def literal(self, build):
+        if not self.first:
+            return None
+        dtype = build.scope.dtype(self.profile.base)
+        index, shape4 = build.add_extra(
+            self.profile, Transform.NEG if self.sign < 0 else None, dtype
+        )
+        return Bias(index, shape4, dtype)
+
+
+def as_mask(scope, prof, sign: int):
+    """``(factors, keep_when, fill)`` when the bias ``sign * prof`` equals
+    ``where(all(factors) == keep_when, 0, fill)`` with an excluding ``fill``."""
+    if sign < 0:
+        return None
+    found = two_valued(scope, prof)
+    if found is None or not jnp.issubdtype(scope.dtype(prof.base), jnp.floating):
+        return None
+    low, high = float(found.when_false), float(found.when_true)
+    if high == 0.0 and excludes(low):
+        return list(found.factors), True, low
+    if low == 0.0 and excludes(high) and len(found.factors) == 1:
+        return list(found.factors), False, high  # keep where the one factor is False
+    return None
+
+
+def add_additive(build, prof, sign: int) -> str | None:
+    """Add the descriptors of an additive mask to ``build``; None when done,
+    else why the bias stays dense ("" when it is no mask at all)."""
+    from .masks import add_mask  # masks imports this module's caller
+
+    found = as_mask(build.scope, prof, sign)
+    if found is None:
+        return ""
+    factors, keep_when, fill = found
+    before = (len(build.ops), len(build.extras), len(build._causal))
+    for factor in factors:
+        add_mask(build, factor, keep_when, fill)
+    new_ops = build.ops[before[0] :]
+    why = None if fill == float("-inf") else _rows_keep_a_key(build, new_ops)
+    if why is not None:
+        del build.ops[before[0] :], build.extras[before[1] :], build._causal[before[2] :]
+        return why
+    for n, (op, _) in enumerate(build._causal[before[2] :]):
+        build._causal[before[2] + n] = (op, AdditiveSource(prof, sign, first=n == 0))
+    return None
+
+
+def _rows_keep_a_key(build, ops) -> str | None:
+    """None if every query row keeps a key under all of ``ops`` together, else
+    the factor that may empty a row (or stays dense), in words."""
+    t_len, s_len = build.layout.sizes["T"], build.layout.sizes["S"]
+    for op in ops:
+        if isinstance(op, Mask):
+            return "a factor of the additive mask is no structured mask (it stays a dense array)"
+        if isinstance(op, Segments) and not (op.same and t_len == s_len):
+            return "the segment ids of the additive mask may leave a query row with no key"
+        if not isinstance(op, Positional | Segments):
+            return f"the additive mask's {type(op).__name__} factor may leave a row with no key"
+    qi = np.arange(t_len)
+    for shift in sorted({0, s_len - t_len}):
+        kj = qi + shift
+        if kj.min() < 0 or kj.max() >= s_len:
+            continue
+        keep = np.ones(t_len, bool)
+        for op in ops:
+            if isinstance(op, Positional):
+                keep &= np.asarray(op.keep(qi, kj, None), bool)
+        if keep.all():
+            return None
+    return "the additive mask's factors may leave a query row with no key"
