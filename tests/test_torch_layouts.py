@@ -54,6 +54,14 @@ def hf_eager_matmul(q, k, v):
     return jnp.swapaxes(_matmul4(p, v), 1, 2)
 
 
+def hf_eager_softcap(q, k, v):
+    # Gemma 2's eager attention: scores soft-capped (tanh(s / cap) * cap) after
+    # the split, then the causal mask.
+    s = _matmul4(q, jnp.swapaxes(k, 2, 3)) * D**-0.5
+    s = jnp.tanh(s / 50.0) * 50.0 + _causal_bias(q.shape[2], k.shape[2])
+    return _matmul4(jax.nn.softmax(s, axis=-1), v)
+
+
 def hf_eager_padding(q, k, v, keep):
     # The same with a [B, 1, 1, S] padding bias, and the scale on the query.
     s = _matmul4(q * D**-0.5, jnp.swapaxes(k, 2, 3))
@@ -134,6 +142,7 @@ def _keep(rng, t=T):
 #: fill (finfo.min, -10000) is an additive bias, exact as such.
 POSITIVE = {
     "hf_eager_matmul": (hf_eager_matmul, _bhtd, ("causal", False)),
+    "hf_eager_softcap": (hf_eager_softcap, _bhtd, ("causal", False)),
     "hf_eager_padding": (
         hf_eager_padding,
         lambda r, t=T: (*_bhtd(r, t), _keep(r, t)),
@@ -174,7 +183,7 @@ def test_torch_layout_is_rewritten(name, rng):
         np.testing.assert_allclose(a, b, atol=1e-4)
 
 
-@pytest.mark.parametrize("name", ["hf_eager_matmul", "diffusers_baddbmm_mask"])
+@pytest.mark.parametrize("name", ["hf_eager_matmul", "hf_eager_softcap", "diffusers_baddbmm_mask"])
 def test_training_step_leaves_no_t_by_s(name, rng):
     # value_and_grad inside the traced step: autodiff's backward through the
     # merged layout is the kernel's (flashpass/backward.py), no T×S array left.
