@@ -187,6 +187,12 @@ CASES = {
 }
 
 
+def _library(case) -> str:
+    family = case.split("-")[0]
+    library = {"diffusers": "diffusers", "multihead": "torch.nn"}.get(family, "transformers")
+    return f"{library} via torchax"
+
+
 def _jax_model(case, t=T):
     """``(fn, weights, inputs)``: the module as ``fn(weights, *inputs)`` -> array,
     ``weights`` its floating-point parameters (integer and boolean buffers, such
@@ -207,10 +213,8 @@ def _jax_model(case, t=T):
 @pytest.mark.parametrize("case", sorted(MODELS))
 def test_torchax_model(case, check_model):
     fn, weights, inputs = _jax_model(case)
-    family = case.split("-")[0]
-    library = {"diffusers": "diffusers", "multihead": "torch.nn"}.get(family, "transformers")
     check_model(
-        fn, weights, *inputs, library=f"{library} via torchax", case=CASES[case], sites=1,
+        fn, weights, *inputs, library=_library(case), case=CASES[case], sites=1,
         where=WHERE,
     )  # fmt: skip
 
@@ -231,7 +235,7 @@ def _train_step(fn):
         "diffusers-AttnProcessor-padding",
     ],
 )
-def test_torchax_training_step(case):
+def test_torchax_training_step(case, record_coverage):
     # value_and_grad of a loss inside the step (the first call under jax.jit):
     # the forward and autodiff's backward of every site are the kernel's, the
     # loss and gradients equal the original step's, and no T×S array is left.
@@ -240,6 +244,8 @@ def test_torchax_training_step(case):
     opt = flashpass.optimize(step, kernel="blockwise")
     loss, grads = jax.jit(opt)(weights, *inputs)
     report = opt.reports[-1]
+    case_words = f"{CASES[case]}, value_and_grad train step"
+    record_coverage(report, library=_library(case), case=case_words, sites=1)
     assert len(report.rewrites) == 1 and not report.fallbacks, str(report)
     assert all(r.backward for r in report.rewrites), str(report)
     want_loss, want_grads = jax.jit(step)(weights, *inputs)
