@@ -102,6 +102,17 @@ def split_softmax_merged_pv(q, k, v):
     return _bmm(p.reshape(B * H, T, T), v.reshape(B * H, T, D))
 
 
+def split_then_transposed(q, k, v):
+    # [B·H, T, S] scores viewed as [B, H, T, S], transposed to [B, T, H, S] for
+    # the softmax, transposed back and merged for the bmm with v; q and k come
+    # transposed from [B, T, H, D] on the other side of the product.
+    qm = q.transpose(0, 2, 1, 3).reshape(B * H, T, D)  # q given as [B, T, H, D]
+    km = k.transpose(0, 2, 3, 1).reshape(B * H, D, T)  # kᵀ from [B, T, H, D]
+    s = _bmm(qm, km).reshape(B, H, T, T).transpose(0, 2, 1, 3) * 0.3
+    p = jax.nn.softmax(s, axis=-1).transpose(0, 2, 1, 3).reshape(B * H, T, T)
+    return _bmm(p, v.reshape(B * H, T, D))
+
+
 def torchax_sdpa(q, k, v):
     # torchax's scaled_dot_product_attention(is_causal=True): a zeros(L, S) bias
     # masked to -inf above the diagonal, q @ kᵀ * scale + bias, softmax, @ v.
@@ -155,6 +166,11 @@ POSITIVE = {
         ("none", True),
     ),
     "split_softmax_merged_pv": (split_softmax_merged_pv, _bhtd, ("causal", False)),
+    "split_then_transposed": (
+        split_then_transposed,
+        lambda r: [x.transpose(0, 2, 1, 3) for x in _bhtd(r)[:2]] + _bhtd(r)[2:],
+        ("none", False),
+    ),
     "torchax_sdpa": (torchax_sdpa, _bhtd, ("causal", False)),
     "torchax_sdpa_no_mask": (torchax_sdpa_no_mask, _bhtd, ("none", False)),
     "constant_bias": (constant_bias, _bhtd, ("none", True)),
