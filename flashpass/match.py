@@ -26,7 +26,7 @@ from flashpass.patterns.common import ESCAPE_HINT, Miss, profile, where
 from flashpass.patterns.dropout import dropout_op
 from flashpass.patterns.products import output_product, score_products
 from flashpass.patterns.regroup import PRIMS as REGROUP_PRIMS
-from flashpass.patterns.regroup import regroup
+from flashpass.patterns.regroup import batch_splits, regroup
 from flashpass.patterns.softmax import match_softmax
 from flashpass.patterns.softmax_like import softmax_like
 
@@ -34,7 +34,7 @@ from . import errors
 from .backward import match_backward
 from .builder import SiteBuilder
 from .graph import Const, Scope
-from .roles import UNIT
+from .roles import UNIT, Merged, flat
 from .scans import match_pair, match_remat
 from .site import AttentionSite, ExtraSource, Layout, Operand, OutputScale, RowKeep, present_roles
 from .spec import AttentionSpec, ExtraSpec
@@ -156,7 +156,8 @@ def match_site(scope: Scope, soft) -> AttentionSite | Escaped | Miss:
             f"new one), not the key axis{where(lost)}",
             lost,
         )
-    readings = score_products(scope, dot, positions[soft.axis])
+    n_batch = len(dot.params["dimension_numbers"][1][0])
+    readings = score_products(scope, dot, positions[soft.axis], batch_splits(chain.steps, n_batch))
     if not readings:
         return readings
     fallback = None
@@ -190,7 +191,7 @@ def _users_roles_miss(scope: Scope, soft, chain, key_axis: int) -> Miss | None:
     rfree = len(scope.shape(dot.ins[1])) - len(rc) - len(rb)
     if not nb <= key_axis < nb + lfree or rfree != 1:
         return None  # the key already is the second operand
-    readings = score_products(scope, dot, nb + lfree)
+    readings = score_products(scope, dot, nb + lfree, batch_splits(chain.steps, nb))
     for sp in readings or ():
         site = _build_site(scope, soft, chain, sp)
         if isinstance(site, Miss) and site.reason.startswith("softmax is over the query axis"):
@@ -203,6 +204,9 @@ def _build_site(scope: Scope, soft, chain, sp) -> AttentionSite | Miss:
     nodes = {dot, *soft.nodes, *(step.node for step in chain.steps)}
     q_shape, k_shape = scope.shape(sp.q), scope.shape(sp.k)
     sizes = {r: q_shape[a] for r, a in sp.q_axes.items() if r != "D"}
+    for r in [r for r in sizes if isinstance(r, Merged)]:  # a merged batch axis
+        sizes.update(r.parts)
+        del sizes[r]
     sizes["S"] = k_shape[sp.k_axes["S"]]
     layout = Layout(sizes)
     build = SiteBuilder(scope, sp.roles, layout)
@@ -228,7 +232,7 @@ def _build_site(scope: Scope, soft, chain, sp) -> AttentionSite | Miss:
         return out
     root = out.node
     out_roles = tuple(out.roles)
-    absent = [r for r in sp.roles if isinstance(r, tuple) and r not in out_roles]
+    absent = [r for r in flat(sp.roles) if isinstance(r, tuple) and r not in flat(out_roles)]
     if any(sizes[r] != 1 for r in absent):  # only a squeezed unit axis may be absent
         return Miss(f"P·V drops a batch axis of the scores{where(root)}", root)
     nodes |= out.casts | {root}

@@ -29,6 +29,7 @@ from .graph import Const, Node
 
 # UNIT: the role of a size-1 batch axis P·V keeps but the scores never had.
 from .roles import UNIT, Merged
+from .roles import parts as _parts
 from .spec import AttentionSpec
 
 
@@ -88,11 +89,6 @@ class Layout:
             self.sizes["T"] if present.get("T") else 1,
             self.sizes["S"] if present.get("S") else 1,
         )
-
-
-def _parts(role) -> list:
-    """The roles an axis holds: a `Merged` axis's parts, else the role itself."""
-    return [p for p, _ in role.parts] if isinstance(role, Merged) else [role]
 
 
 def present_roles(axes: dict) -> dict:
@@ -356,8 +352,9 @@ def _rows_kept(spec, extras, q_len: int):
 def _gather(x, axes: dict, groups: list):
     """Transpose ``x`` so its role axes come in group order, then merge groups
     (axes with no role are size-1 axes the scores never had: dropped; see
-    `patterns.regroup.resolve_units`)."""
-    x = jnp.asarray(x)
+    `patterns.regroup.resolve_units`).  A `Merged` axis (PyTorch's ``[B·H, T, D]``
+    operand of ``bmm``) is split into its roles first."""
+    x, axes = _split_merged(jnp.asarray(x), axes)
     unit = tuple(a for a in range(x.ndim) if a not in axes.values())
     if unit:
         x = jnp.squeeze(x, unit)

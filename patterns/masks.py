@@ -49,6 +49,11 @@ class BiasStep(Step):
 
     def apply(self, build) -> Miss | None:
         scope = build.scope
+        base = scope.fold(self.profile.base)
+        if base is not None and not np.any(np.asarray(base)):
+            # A bias that is zero by value (torchax's SDPA adds ``zeros(L, S)``
+            # when there is no mask) changes neither the scores nor a gradient.
+            return None
         why = add_additive(build, self.profile, self.sign)
         if why is None:
             return None

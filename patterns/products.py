@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 
 from flashpass.graph import Node, Scope
+from flashpass.roles import flat, score_batch_roles
 
 from .common import Miss, where
 from .probabilities import ScoreMasks, walk_probabilities
@@ -55,9 +56,14 @@ def _free_axes(rank: int, contract, batch) -> list[int]:
     return [a for a in range(rank) if a not in used]
 
 
-def score_products(scope: Scope, dot: Node, key_out_axis: int) -> list[ScoreProduct] | Miss:
+def score_products(
+    scope: Scope, dot: Node, key_out_axis: int, splits=None
+) -> list[ScoreProduct] | Miss:
     """Role assignments of the score ``dot_general`` given which output axis is
     the softmax (key) axis.
+
+    ``splits`` (batch axis -> sizes) reads a batch axis as several roles merged
+    (`roles.batch_roles`): the score chain splits it by those sizes.
 
     A query operand with two free axes is grouped-query attention written as a
     5-D einsum (``[B, T, Hkv, G, D]``): one free axis is the query position T,
@@ -100,12 +106,13 @@ def score_products(scope: Scope, dot: Node, key_out_axis: int) -> list[ScoreProd
         big_first = sorted(range(2), key=lambda i: -q_shape[qfree[i]])
         labelings = [tuple("T" if i == t else "G" for i in range(2)) for t in big_first]
     out = []
+    b_roles = score_batch_roles(nb, splits or {})
     for labels in labelings:
-        batch = {("b", i): a for i, a in enumerate(qb)}
+        batch = dict(zip(b_roles, qb, strict=True))
         q_axes = {**batch, **dict(zip(labels, qfree, strict=True)), "D": qc[0]}
-        k_axes = {**{("b", i): a for i, a in enumerate(kb)}, "S": kfree[0], "D": kc[0]}
+        k_axes = {**dict(zip(b_roles, kb, strict=True)), "S": kfree[0], "D": kc[0]}
         q_roles = list(labels)
-        roles: list = [("b", i) for i in range(nb)]
+        roles: list = list(b_roles)
         roles += ["S", *q_roles] if k_is_lhs else [*q_roles, "S"]
         out.append(ScoreProduct(dot, q, k, q_axes, k_axes, roles, nb))
     return out
@@ -161,7 +168,7 @@ def output_product(
         pc, pb, vc, vb, v = rc, rb, lc, lb, node.ins[0]
     if node.ins[0] is node.ins[1] or scope.resolve(node.ins[0]) == scope.resolve(node.ins[1]):
         return Miss(f"P·V multiplies the probabilities by themselves{where(node)}", node)
-    if score_roles is not None and (UNIT in p_roles or set(score_roles) - set(p_roles)):
+    if score_roles is not None and (UNIT in p_roles or set(flat(score_roles)) - set(flat(p_roles))):
         p_roles = resolve_units(p_roles, score_roles, pb)
         if isinstance(p_roles, str):
             return Miss(p_roles + where(node), node)
@@ -177,8 +184,11 @@ def output_product(
             node,
         )
     batch_roles = [p_roles[a] for a in pb]
-    want = sorted(r for r in p_roles if isinstance(r, tuple))
-    if sorted((r for r in batch_roles if r != UNIT), key=str) != sorted(want, key=str):
+    # A batch axis may hold several batch roles merged (`Merged`: PyTorch's bmm on
+    # [B·H, S, D] values), paired with v's axis of the same roles; a merged group
+    # ("G") is a free axis of P, never batched with v.
+    want = sorted(r for r in flat(p_roles) if isinstance(r, tuple))
+    if sorted(flat(r for r in batch_roles if r != UNIT), key=str) != sorted(want, key=str):
         return Miss(
             f"P·V batches over {batch_roles}, expected the score product's batch axes "
             f"{want}{where(node)}",

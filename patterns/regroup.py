@@ -26,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from flashpass.roles import UNIT, Merged
+from flashpass.roles import UNIT, Merged, flat
 from flashpass.roles import role_name as _name
 
 from .chain import Step, rule
@@ -97,6 +97,27 @@ def _moves(node, in_shape, out_shape):
     return kept, segs
 
 
+def batch_splits(steps, n_batch: int) -> dict:
+    """``batch axis -> sizes``: where the score chain (``steps``, from the score
+    product on) splits one batch axis of the score product into several axes,
+    the sizes it splits it into (PyTorch's ``bmm`` scores ``[B·H, T, S]`` viewed
+    as ``[B, H, T, S]``).  Only a proposal: reading the axis as merged roles of
+    these sizes is checked by `regroup` at every step, like any other merge."""
+    src = list(range(n_batch + 2))  # score axis -> score product axis (None: made)
+    out: dict = {}
+    for step in steps:
+        if isinstance(step, Regroup) and step.node.prim == "reshape":
+            moves = _moves(step.node, step.in_shape, step.out_shape)
+            for seg_in, seg_out in [] if isinstance(moves, str) else moves[1]:
+                axis = src[seg_in[0]] if len(seg_in) == 1 else None
+                if len(seg_out) > 1 and axis is not None and axis < n_batch:
+                    out.setdefault(axis, tuple(step.out_shape[j] for j in seg_out))
+        perm = step.permutation()
+        if perm is not None:
+            src = [None if p is None or p >= len(src) else src[p] for p in perm]
+    return out
+
+
 def axis_sources(node, in_shape, out_shape) -> tuple:
     """For each output axis, the input axis it is (unchanged), else None."""
     if node.prim == "broadcast_in_dim":  # a real broadcast is reported by `regroup`
@@ -150,10 +171,11 @@ def resolve_units(roles: list, want: list, batch_axes) -> list | str:
     a regrouping) back to ``roles``' unit axes: batch roles to the unit axes P·V
     batches over (``batch_axes``), the group to a free one.  Every size is 1, so the
     assignment changes no value; the counts must match exactly."""
-    merged = [r for r in roles if isinstance(r, Merged)]
+    merged = [r for r in roles if isinstance(r, Merged) and "G" in flat([r])]
     if merged:
         return f"the probabilities reach P·V with {merged[0]} merged into one axis"
-    missing = [r for r in want if r not in roles]
+    present = flat(roles)
+    missing = [r for r in flat(want) if r not in present]
     out = list(roles)
     for in_batch in (True, False):
         units = [t for t, r in enumerate(roles) if r == UNIT and (t in batch_axes) == in_batch]

@@ -280,7 +280,10 @@ def pytest_sessionfinish(session, exitstatus):
     if path is None or not TABLE.rows:
         return
     versions = {"jax": jax.__version__}
-    for name in ("flax", "equinox", "haiku", "keras", "keras_hub", "transformers", "penzai"):
+    for name in (
+        "flax", "equinox", "haiku", "keras", "keras_hub", "transformers", "penzai",
+        "torch", "torchax", "diffusers",
+    ):  # fmt: skip
         module = sys.modules.get(name)
         if module is not None and hasattr(module, "__version__"):
             versions[name] = module.__version__
