@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# The frameworks leg (not part of .ci/run): the model tests that need PyTorch or
+# MaxText, each in a virtual environment of its own.
+#
+#   ci/frameworks.sh            # both parts
+#   ci/frameworks.sh torchax    # PyTorch through torchax (Python 3.11)
+#   ci/frameworks.sh maxtext    # MaxText's own attention (Python 3.12, newest JAX)
+#
+# Why a leg of its own: the only torch that torchax 0.0.13 imports with is 2.12,
+# whose registry build is the CUDA one (about 5 GB installed; it runs on the CPU),
+# and its tests take 5 to 10 minutes on 2 cores; MaxText needs Python 3.12 and
+# the newest JAX. Without them the two test modules skip (pytest.importorskip),
+# so the main CI stays within its time. Times: ci/README.md.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+parts=("${@:-torchax maxtext}")
+# shellcheck disable=SC2206
+parts=(${parts[*]})
+
+torchax_leg() {
+    local venv=.ci-venv-torchax
+    python3 -m venv "$venv"
+    "$venv/bin/python" -m pip install --quiet --upgrade pip
+    "$venv/bin/python" -m pip install --quiet -e ".[test]" "torch==2.12.*" "torchax==0.0.13" \
+        "diffusers==0.35.*" -c constraints.txt
+    "$venv/bin/python" -m pip install --quiet --no-deps -r ci/no-deps.txt
+    "$venv/bin/python" -m pytest -q -p no:cacheprovider \
+        tests/models/test_torchax_models.py tests/test_torch_layouts.py tests/export/test_fixtures.py
+}
+
+maxtext_leg() {
+    local venv=.ci-venv-maxtext version
+    version=$(pyenv versions --bare 2>/dev/null | grep -E '^3\.12(\.[0-9]+)?$' | sort -V | tail -n 1 || true)
+    if ! PYENV_VERSION="$version" python3.12 -c 'import sys' >/dev/null 2>&1; then
+        echo "frameworks leg, maxtext: SKIPPED, no Python 3.12 (MaxText needs it)"
+        return 0
+    fi
+    PYENV_VERSION="$version" python3.12 -m venv "$venv"
+    "$venv/bin/python" -m pip install --quiet --upgrade pip
+    # MaxText's wheel declares no dependencies; these are what importing its
+    # AttentionOp and pyconfig needs.
+    "$venv/bin/python" -m pip install --quiet -e . pytest hypothesis "maxtext==0.2.5" flax aqtp \
+        tokamax chex omegaconf pydantic jaxtyping optax qwix absl-py pathwaysutils jinja2 \
+        -c ci/constraints-newest.txt
+    "$venv/bin/python" -m pytest -q -p no:cacheprovider tests/models/test_maxtext.py
+}
+
+status=0
+for part in "${parts[@]}"; do
+    echo "+ frameworks leg: $part"
+    "${part}_leg" || status=1
+done
+exit "$status"
