@@ -104,11 +104,12 @@ def profile(scope: Scope, atom, target: tuple[int, ...]) -> Profile:
             atom = scope.resolve(node.ins[node.outs.index(atom)])
             continue
         if node.prim == "reshape" and node.params.get("dimensions") is None:
-            mapped = _unit_reshape_map(scope.shape(node.ins[0]), scope.shape(atom))
-            if mapped is None:
+            found = _unit_reshape_source(scope, node, scope.shape(atom))
+            if found is None:
                 break
+            mapped, src = found
             axes = tuple(None if a is None else mapped[a] for a in axes)
-            atom = scope.resolve(node.ins[0])
+            atom = scope.resolve(src)
             continue
         break
     # Axes that survive must really carry the target extent (or be size-1 broadcasts).
@@ -118,6 +119,23 @@ def profile(scope: Scope, atom, target: tuple[int, ...]) -> Profile:
         for t, a in enumerate(axes)
     )
     return Profile(atom, axes, tuple(target))
+
+
+def _unit_reshape_source(scope: Scope, node, dst: tuple):
+    """``(mapping, source)`` for the reshape ``node`` (to ``dst``) or a chain of
+    reshapes ending in it, where the chain from ``source`` only adds or removes
+    size-1 axes (`_unit_reshape_map`), nearest source first.  A chain of
+    row-major reshapes is one reshape from its first input, so a merge undone
+    (torch's ``[B, H, 1, S]`` viewed as ``[B·H, 1, S]`` and back) is read
+    through; else None."""
+    while True:
+        src = scope.resolve(node.ins[0])
+        mapped = _unit_reshape_map(scope.shape(src), dst)
+        if mapped is not None:
+            return mapped, src
+        node = scope.producer(src)
+        if node is None or node.prim != "reshape" or node.params.get("dimensions") is not None:
+            return None
 
 
 def _unit_reshape_map(src: tuple, dst: tuple) -> dict | None:

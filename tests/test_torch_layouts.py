@@ -69,6 +69,32 @@ def hf_eager_padding(q, k, v, keep):
     return _matmul4(jax.nn.softmax(s, axis=-1), v)
 
 
+def _key_padding_bias(keep, fill):
+    # nn.MultiheadAttention's key padding: [B, S] as a fill, viewed [B, 1, 1, S],
+    # expanded over heads and viewed as [B·H, 1, S] (merged with attn_mask),
+    # then back as [B, H, 1, S] for SDPA.
+    b, s = keep.shape
+    bias = jnp.broadcast_to(jnp.where(keep, 0.0, fill).reshape(b, 1, 1, s), (b, H, 1, s))
+    return bias.reshape(b * H, 1, s)
+
+
+def mha_key_padding(q, k, v, keep):
+    # Read through the merge undone; torch's safe softmax zeroes all -inf rows.
+    s = _matmul4(q, jnp.swapaxes(k, 2, 3)) * D**-0.5
+    s = s + _key_padding_bias(keep, -jnp.inf).reshape(B, H, 1, -1)
+    p = jax.nn.softmax(s, axis=-1)
+    p = jnp.where(jnp.all(s == -jnp.inf, axis=-1, keepdims=True), 0.0, p)
+    return _matmul4(p, v)
+
+
+def mha_key_padding_heads_major(q, k, v, keep):
+    # The merged bias viewed heads-major ([H, B]) and transposed back: rows of
+    # other batch elements, so a dense bias, not the padding.
+    s = _matmul4(q, jnp.swapaxes(k, 2, 3)) * D**-0.5
+    bias = _key_padding_bias(keep, NEG).reshape(H, B, 1, -1).transpose(1, 0, 2, 3)
+    return _matmul4(jax.nn.softmax(s + bias, axis=-1), v)
+
+
 def _heads_to_batch(x):
     # diffusers' head_to_batch_dim: [B, T, H·D] -> [B·H, T, D]
     b, t, _ = x.shape
@@ -163,6 +189,16 @@ POSITIVE = {
     "diffusers_baddbmm_mask": (
         diffusers_baddbmm_mask,
         lambda r, t=T: (*_btc(r, t), _keep(r, t)),
+        ("none", True),
+    ),
+    "mha_key_padding": (
+        mha_key_padding,
+        lambda r, t=T: (*_bhtd(r, t), _keep(r, t)),
+        ("boolean", False),
+    ),
+    "mha_key_padding_heads_major": (
+        mha_key_padding_heads_major,
+        lambda r, t=T: (*_bhtd(r, t), _keep(r, t)),
         ("none", True),
     ),
     "split_softmax_merged_pv": (split_softmax_merged_pv, _bhtd, ("causal", False)),

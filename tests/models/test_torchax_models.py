@@ -1,6 +1,7 @@
 """PyTorch models run as JAX functions through torchax: Hugging Face transformers
-(Llama, Mistral, Qwen2, GPT-2, BERT, T5), ``torch.nn.MultiheadAttention`` and
-diffusers' attention processors.
+(Llama, Mistral, Qwen2, Gemma 2/3, GPT-2, BERT, T5, BART, ViT),
+``torch.nn.MultiheadAttention``/``TransformerEncoder`` and diffusers' attention
+processors.
 
 ``torchax.extract_jax(module)`` gives the module's weights as JAX arrays and a
 JAX function of them; its attention arrives in PyTorch's own spellings: a 4-D
@@ -80,6 +81,87 @@ def _t5(t=T):
     return tr.T5EncoderModel(cfg)
 
 
+def _bart(t=T):
+    # Encoder self-attention, decoder causal self-attention, cross-attention.
+    # BART's SDPA mask builder also tests mask values in Python: eager only.
+    cfg = tr.BartConfig(
+        vocab_size=VOCAB, d_model=WIDTH, encoder_layers=1, decoder_layers=1,
+        encoder_attention_heads=HEADS, decoder_attention_heads=HEADS, encoder_ffn_dim=2 * WIDTH,
+        decoder_ffn_dim=2 * WIDTH, max_position_embeddings=t, use_cache=False,
+        attn_implementation="eager",
+    )  # fmt: skip
+    return tr.BartModel(cfg)
+
+
+IMAGE, PATCH = 32, 4  # ViT: (32 / 4)² patches and a class token, 65 positions
+
+
+def _vit(impl):
+    cfg = tr.ViTConfig(
+        hidden_size=WIDTH, num_hidden_layers=1, num_attention_heads=HEADS,
+        intermediate_size=2 * WIDTH, image_size=IMAGE, patch_size=PATCH,
+        attn_implementation=impl,
+    )  # fmt: skip
+    return tr.ViTModel(cfg, add_pooling_layer=False)
+
+
+class _Gemma(torch.nn.Module):
+    """Gemma 2 or 3 with one layer, given its mask as a ``{layer type: additive
+    [B, 1, T, T] mask}`` dict (a mask Hugging Face accepts as built): torchax
+    cannot build the sliding-window mask itself (transformers' mask builder
+    converts the window to an int torchax then asks the dtype of), and both
+    models build it even when no layer slides.  ``window``: one sliding layer
+    of that width, else one full causal layer."""
+
+    def __init__(self, cls_name, impl, t, window=0):
+        super().__init__()
+        config = getattr(tr, cls_name.replace("TextModel", "TextConfig").replace("Model", "Config"))
+        cfg = config(
+            vocab_size=VOCAB, hidden_size=WIDTH, intermediate_size=2 * WIDTH,
+            num_hidden_layers=1, num_attention_heads=HEADS, num_key_value_heads=2,
+            head_dim=WIDTH // HEADS, max_position_embeddings=t, use_cache=False,
+            attn_implementation=impl, sliding_window=window or t,
+            layer_types=["sliding_attention" if window else "full_attention"],
+        )  # fmt: skip
+        self.model = getattr(tr, cls_name)(cfg)
+        self.window = window
+
+    def forward(self, ids):
+        t = ids.shape[1]
+        i = torch.ones_like(ids[0]).cumsum(0) - 1  # arange, as a traced tensor
+        keep = i[None, :] <= i[:, None]
+        if self.window:
+            keep = keep & (i[:, None] - i[None, :] < self.window)
+        mask = torch.zeros_like(keep, dtype=torch.float32)
+        mask = mask.masked_fill(~keep, torch.finfo(torch.float32).min)
+        mask = mask[None, None].expand(ids.shape[0], 1, t, t)
+        masks = {"full_attention": mask, "sliding_attention": mask}
+        return self.model(ids, attention_mask=masks).last_hidden_state
+
+
+class _Encoder(torch.nn.Module):
+    """``nn.TransformerEncoder``; ``mask``: "padding" (``src_key_padding_mask``,
+    merged over heads as a ``[B·H, 1, S]`` -inf bias and viewed back) or
+    "causal-padding" (with a causal ``mask`` too, the two summed on ``[B·H, T, S]``)."""
+
+    def __init__(self, mask=None):
+        super().__init__()
+        layer = torch.nn.TransformerEncoderLayer(
+            WIDTH, HEADS, 2 * WIDTH, dropout=0.0, batch_first=True
+        )
+        self.encoder = torch.nn.TransformerEncoder(layer, 1, enable_nested_tensor=False)
+        self.mask = mask
+
+    def forward(self, x, padding=None):
+        if self.mask is None:
+            return self.encoder(x)
+        if self.mask == "padding":
+            return self.encoder(x, src_key_padding_mask=padding == 0)
+        i = torch.ones_like(padding[0]).cumsum(0) - 1  # arange, as a traced tensor
+        causal = i[None, :] > i[:, None]  # True: not attended
+        return self.encoder(x, mask=causal, src_key_padding_mask=padding == 0, is_causal=True)
+
+
 class _MHA(torch.nn.Module):
     def __init__(self, need_weights: bool):
         super().__init__()
@@ -132,6 +214,11 @@ def _padding(t=T):
     return jnp.ones((B, t), jnp.int32).at[1, -5:].set(0)
 
 
+def _image(t=T):
+    shape = (B, 3, IMAGE, IMAGE)
+    return jnp.asarray(np.random.default_rng(3).standard_normal(shape), jnp.float32)
+
+
 def _hidden(t=T):
     return jnp.asarray(np.random.default_rng(1).standard_normal((B, t, WIDTH)), jnp.float32)
 
@@ -146,10 +233,30 @@ MODELS = {
         lambda t: (_tokens(t),),
     ),
     "qwen2-sdpa": (lambda t: _llama_like("Qwen2Model", "sdpa", t), lambda t: (_tokens(t),)),
+    "gemma2-eager-softcap": (  # soft-capped logits (eager only), full causal layer
+        lambda t: _Gemma("Gemma2Model", "eager", t),
+        lambda t: (_tokens(t),),
+    ),
+    "gemma3-sdpa-window": (
+        lambda t: _Gemma("Gemma3TextModel", "sdpa", t, window=8),
+        lambda t: (_tokens(t),),
+    ),
     "gpt2-eager": (lambda t: _gpt2("eager", t), lambda t: (_tokens(t),)),
     "gpt2-sdpa": (lambda t: _gpt2("sdpa", t), lambda t: (_tokens(t),)),
     "bert-eager-padding": (_bert, lambda t: (_tokens(t), _padding(t))),
     "t5-encoder": (_t5, lambda t: (_tokens(t),)),
+    "bart-eager": (_bart, lambda t: (_tokens(t),)),
+    "vit-eager": (lambda t: _vit("eager"), lambda t: (_image(t),)),
+    "vit-sdpa": (lambda t: _vit("sdpa"), lambda t: (_image(t),)),
+    "transformer-encoder": (lambda t: _Encoder(), lambda t: (_hidden(t),)),
+    "transformer-encoder-padding": (
+        lambda t: _Encoder("padding"),
+        lambda t: (_hidden(t), _padding(t)),
+    ),
+    "transformer-encoder-causal-padding": (
+        lambda t: _Encoder("causal-padding"),
+        lambda t: (_hidden(t), _padding(t)),
+    ),
     "multihead-attention": (lambda t: _MHA(False), lambda t: (_hidden(t),)),
     "multihead-attention-weights": (lambda t: _MHA(True), lambda t: (_hidden(t),)),
     "diffusers-AttnProcessor": (lambda t: _Diffusers("AttnProcessor"), lambda t: (_hidden(t),)),
@@ -168,6 +275,9 @@ MODELS = {
 }
 
 
+#: Sites per model (one unless named).
+SITES = {"bart-eager": 3}
+
 #: The coverage table's words for each case (docs/coverage.md).
 CASES = {
     "llama-eager": "Llama (GQA), eager: 4-D matmul as reshape, bmm, view",
@@ -178,6 +288,14 @@ CASES = {
     "gpt2-sdpa": "GPT-2, SDPA",
     "bert-eager-padding": "BERT, eager, padding mask",
     "t5-encoder": "T5 encoder (relative bias, no scaling)",
+    "gemma2-eager-softcap": "Gemma 2 (GQA), eager, soft-cap, causal mask given",
+    "gemma3-sdpa-window": "Gemma 3 (GQA), SDPA, sliding-window mask given",
+    "bart-eager": "BART, eager: encoder, causal decoder, cross-attention",
+    "vit-eager": "ViT, eager (65 patches and class token)",
+    "vit-sdpa": "ViT, SDPA",
+    "transformer-encoder": "nn.TransformerEncoder (MultiheadAttention inside)",
+    "transformer-encoder-padding": "nn.TransformerEncoder, key padding (-inf, via [B·H, 1, S])",
+    "transformer-encoder-causal-padding": "nn.TransformerEncoder, causal and key padding",
     "multihead-attention": "nn.MultiheadAttention, need_weights=False (SDPA)",
     "multihead-attention-weights": "nn.MultiheadAttention, need_weights=True (bmm, weights unused)",
     "diffusers-AttnProcessor": "Attention + AttnProcessor (baddbmm on [B·H, T, D])",
@@ -189,7 +307,8 @@ CASES = {
 
 def _library(case) -> str:
     family = case.split("-")[0]
-    library = {"diffusers": "diffusers", "multihead": "torch.nn"}.get(family, "transformers")
+    libraries = {"diffusers": "diffusers", "multihead": "torch.nn", "transformer": "torch.nn"}
+    library = libraries.get(family, "transformers")
     return f"{library} via torchax"
 
 
@@ -210,12 +329,29 @@ def _jax_model(case, t=T):
     return fn, weights, inputs(t)
 
 
-@pytest.mark.parametrize("case", sorted(MODELS))
+#: Cases kept, with why.
+XFAIL = {
+    "transformer-encoder-causal-padding": (
+        "the causal mask and the key padding are summed on the merged [B·H, T, S] "
+        "axis before the view back to [B, H, T, S]; the mask reader does not split "
+        "a reshape through that sum, so the -inf bias stays dense and torch's "
+        "safe-softmax guard after it keeps the site"
+    ),
+}
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        pytest.param(c, marks=pytest.mark.xfail(strict=True, reason=XFAIL[c])) if c in XFAIL else c
+        for c in sorted(MODELS)
+    ],
+)
 def test_torchax_model(case, check_model):
     fn, weights, inputs = _jax_model(case)
     check_model(
-        fn, weights, *inputs, library=_library(case), case=CASES[case], sites=1,
-        where=WHERE,
+        fn, weights, *inputs, library=_library(case), case=CASES[case],
+        sites=SITES.get(case, 1), where=WHERE,
     )  # fmt: skip
 
 
@@ -230,6 +366,7 @@ def _train_step(fn):
     "case",
     [
         "llama-eager",
+        "gemma2-eager-softcap",
         "gpt2-sdpa",
         "diffusers-AttnProcessor-cross",
         "diffusers-AttnProcessor-padding",
