@@ -8,6 +8,7 @@ import jax
 
 from flashpass import compat
 from flashpass.api import Optimized
+from flashpass.placement import trace_time_only
 
 from . import combine, sharded
 from .lift import LiftedModule, prepare
@@ -129,7 +130,8 @@ def _lift(plan: _Plan, options) -> None:
             jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=in_shardings[i])
             for i, a in ((i, exp.in_avals[i]) for i in exp.module_kept_var_idx)
         ]
-        reports[p] = optimized.explain(*structs)
+        with trace_time_only():  # an artifact cannot carry custom_partitioning
+            reports[p] = optimized.explain(*structs)
     first = reports[plan.platforms[0]]
     plan.report = ExportReport(
         rewrites=first.rewrites,
@@ -158,7 +160,8 @@ def _export(plan: _Plan) -> jax.export.Exported:
     exps = []
     for p in platforms:
         program = jax.jit(_program(exp, plan.optimized[p]), **shardings)
-        exps.append(jax.export.export(program, platforms=(p,))(*args, **kwargs))
+        with trace_time_only():
+            exps.append(jax.export.export(program, platforms=(p,))(*args, **kwargs))
     return exps[0] if len(exps) == 1 else combine.join(exps, platforms)
 
 

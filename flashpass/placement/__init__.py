@@ -8,7 +8,7 @@ type in `EMIT` and emits the site at its root while the program is rewritten
 
 from .deferred import Decision, clear_decisions, decision_count, decisions
 from .emit import EMIT, emit, kernel_output, rebind_shard_map
-from .plan import RING_IN_TRAINING, place
+from .plan import RING_IN_TRAINING, place, trace_time_only
 from .types import BodyRing, Deferred, Kept, Local, PerShard, Placed, Placement, Ring
 
 __all__ = [
@@ -30,4 +30,5 @@ __all__ = [
     "kernel_output",
     "place",
     "rebind_shard_map",
+    "trace_time_only",
 ]

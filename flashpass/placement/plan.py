@@ -12,6 +12,8 @@ kept alone, with the error.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 
 from flashpass.patterns.common import Miss
@@ -28,6 +30,23 @@ RING_IN_TRAINING = (
     "before the program's gather; with its backward in the same program (a training step) "
     "that is not supported yet: the site is kept as written"
 )
+
+
+_TRACE_TIME_ONLY = contextvars.ContextVar("flashpass_trace_time_only", default=False)
+
+
+@contextlib.contextmanager
+def trace_time_only():
+    """Within the block, every site is placed while the program is traced:
+    none is `Deferred` to XLA's partitioner.  For programs that are serialized
+    (``jax.export``; `flashpass.export` uses it): a deferred site's
+    ``custom_partitioning`` keeps Python callbacks, which an export cannot
+    carry.  Trace (or export) inside the block."""
+    token = _TRACE_TIME_ONLY.set(True)
+    try:
+        yield
+    finally:
+        _TRACE_TIME_ONLY.reset(token)
 
 
 def place(planned, scopes: dict, kernels, ctx, zigzag: bool = True) -> list[Placed]:
@@ -49,7 +68,7 @@ def _place(p: PlannedSite, scope, kernels, ctx, zigzag: bool) -> Placed:
     # (A Pallas kernel in interpret mode runs host callbacks, ordered effects
     # that a custom_partitioning body cannot carry: placed at trace time.)
     interpreted = p.interpret and not p.kernel.plain_jax
-    if not interpreted and _deferrable(p.site, p.kernel, scope):
+    if not interpreted and not _TRACE_TIME_ONLY.get() and _deferrable(p.site, p.kernel, scope):
         return Placed(p, Deferred(tuple(kernels), ctx, zigzag))
     found = _sharded(p, scope)
     if found is None:

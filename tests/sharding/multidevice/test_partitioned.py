@@ -198,3 +198,16 @@ def test_replicated_bias_gradient_sums_over_the_shards():
 
     got = _check(biased, args, "per shard", argnums=(0, 1, 2, 3))
     assert set(got.collectives) == {("all-reduce", "f32", 2 * 32 * 32)}, dict(got.collectives)
+
+
+def test_trace_time_only_lets_the_program_be_exported():
+    """A deferred site's ``custom_partitioning`` keeps Python callbacks, which
+    ``jax.export`` cannot serialize; inside `placement.trace_time_only` the same
+    program is placed at trace time and exports (as `flashpass.export` does)."""
+    m = mesh((8,), ("seq",), explicit=False)
+    args = [put(m, P(None, "seq"), normal(i, SHAPE)) for i in range(3)]
+    with placement.trace_time_only():
+        report = flashpass.optimize(causal, kernel="blockwise").explain(*args)
+        exp = jax.export.export(jax.jit(flashpass.optimize(causal, kernel="blockwise")))(*args)
+    assert [r.placement for r in report.rewrites] == [""], str(report)
+    assert_close(exp.call(*args), causal(*unsharded(args)))
