@@ -11,6 +11,7 @@ a step class and a rule in one pattern module; this loop stays as it is.
 
 from __future__ import annotations
 
+from flashpass.patterns.additive import settle as settle_additive
 from flashpass.patterns.common import Miss, where
 from flashpass.patterns.masks import CausalSource, MaskStep
 from flashpass.patterns.probabilities import ScoreMasks
@@ -38,6 +39,7 @@ class SiteBuilder:
         self.sink: str | None = None  # "end"/"start": a sink column concatenated there
         self.problem: Miss | None = None  # set by a step's side array the layout can't take
         self.dense_notes: list = []  # why a mask-like operand stays a dense array
+        self.additive: list = []  # AdditiveGroups: additive masks read as descriptors
 
     # ------------------------------------------------------------------ for steps
 
@@ -87,6 +89,7 @@ class SiteBuilder:
         # A causal op may be skipped by kernels only if its fill still excludes
         # keys after the ops that follow it (a later scale or soft-cap can undo
         # that); otherwise it runs as the literal mask or bias it was written as.
+        settle_additive(self)
         kept = []
         for op, source in self._causal:
             i = next(j for j, o in enumerate(self.ops) if o is op)

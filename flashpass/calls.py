@@ -14,6 +14,8 @@ import typing
 
 import jax
 
+from flashpass.kernels import empty_rows
+
 from .graph import KERNEL_PREFIX
 
 __all__ = ["KERNEL_PREFIX", "kernel_call"]
@@ -65,7 +67,7 @@ class CacheInfo(typing.NamedTuple):
 
 def _make(kernel, spec, interpret: bool):
     def call(q, k, v, *extras):
-        return kernel.apply(spec, q, k, v, extras, interpret=interpret)
+        return empty_rows.apply(kernel, spec, q, k, v, extras, interpret=interpret)
 
     call.__name__ = call.__qualname__ = f"{KERNEL_PREFIX}{kernel.name}"
     return jax.jit(call)

@@ -16,7 +16,14 @@ import dataclasses
 
 import jax
 
-from flashpass.kernels import CheckContext, Kernel, default_order, get_kernel, kernel_names
+from flashpass.kernels import (
+    CheckContext,
+    Kernel,
+    default_order,
+    empty_rows,
+    get_kernel,
+    kernel_names,
+)
 from flashpass.kernels.dropout import dropout_reasons
 
 from . import compat
@@ -61,7 +68,7 @@ def choose(spec, kernels: list[Kernel], ctx: CheckContext, step: bool = False):
             rejections[kernel.name] = dropout_reasons(spec, kernel)
             continue
         try:
-            reasons = list(kernel.check(spec, ctx))
+            reasons = empty_rows.check(kernel, spec, ctx)
             if step:
                 reasons += list(kernel.step_reasons(spec))
         except Exception as err:

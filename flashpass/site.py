@@ -142,12 +142,39 @@ class Transform(enum.Enum):
 
 
 @dataclasses.dataclass(frozen=True)
+class Compared:
+    """An extra that is the comparison ``x <cmp> value`` of the array the
+    program broadcasts before comparing it (``ne(broadcast(mask), 0)``):
+    comparing first reads an O(B·S) mask, not the ``T x S`` result.
+    ``negate``: the mask keeps where the comparison is False."""
+
+    cmp: str  # a key of `COMPARE`
+    value: float
+    negate: bool = False
+
+    def apply(self, x):
+        x = jnp.asarray(x)
+        out = COMPARE[self.cmp](x, jnp.asarray(self.value, x.dtype))
+        return jnp.logical_not(out) if self.negate else out
+
+
+COMPARE = {
+    "ge": jnp.greater_equal,
+    "gt": jnp.greater,
+    "le": jnp.less_equal,
+    "lt": jnp.less,
+    "eq": jnp.equal,
+    "ne": jnp.not_equal,
+}
+
+
+@dataclasses.dataclass(frozen=True)
 class ExtraSource:
     """A bias or mask array as the original program has it.
 
     ``axes[r]`` is the axis of the (un-broadcast) ``atom`` holding role ``r``
     of the score layout, or None where it is broadcast.  ``transform`` (a
-    `Transform`, or None) is applied first.
+    `Transform`, a `Compared`, or None) is applied first.
     """
 
     atom: object

@@ -32,6 +32,8 @@ Fully masked rows (every key removed by `Mask` ops) are part of the semantics:
 finite fill, NaN for ``-inf``, as the original code computes).  The other
 kernels return the mean of ``v`` with zero q/k gradient for such rows, which
 equals the original's forward for finite fills; docs/kernels.md lists this.
+An additive mask with a finite fill whose rows may be empty is marked by an
+`EmptyRows` op, which no kernel sees (`flashpass.kernels.empty_rows` runs it).
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ from flashpass.ops import (
     Causal,
     Chunk,
     Dropout,
+    EmptyRows,
     KvLengths,
     Mask,
     PositionMask,
@@ -75,6 +78,7 @@ __all__ = [
     "Causal",
     "Chunk",
     "Dropout",
+    "EmptyRows",
     "ExtraSpec",
     "KvLengths",
     "Mask",

@@ -11,13 +11,17 @@ segment ids...).
 The two spellings agree exactly, value and gradient, in every row that keeps
 a key: an excluded key's weight is ``exp(s + NEG - max) == 0`` either way, and
 so is its gradient.  In a row with every key excluded they do not (the
-additive row still depends on ``s``), so the descriptors are used only when
-every query row provably keeps a key: each new op keeps the diagonal
-``j = i`` (or ``j = i + S - T``), checked with the ops' own ``keep`` on every
-row.  Otherwise (a factor that stays a dense mask, segment ids from two
-arrays, kv lengths) the bias is kept whole, with the reason recorded for the
-report (`SiteBuilder.dense_notes`).  A fill of exactly ``-inf`` makes such a
-row NaN in both spellings: masks are then used whatever the factors.
+additive row still depends on ``s``).  When every query row provably keeps a
+key (each new op keeps the diagonal ``j = i`` or ``j = i + S - T``, checked
+with the ops' own ``keep`` on every row), the descriptors are all.  Otherwise
+(a key mask from an input, segment ids from two arrays, kv lengths, a mask
+that excludes the diagonal) an `EmptyRows` op follows them, and the rows
+they leave empty are computed as the original's ``softmax(s + fill)``
+(`flashpass.kernels.empty_rows`).  Only a factor that is itself a ``T x S``
+mask, or a second such additive mask on the site, keeps the bias whole, with
+the reason recorded for the report (`SiteBuilder.dense_notes`).  A fill of
+exactly ``-inf`` makes such a row NaN in both spellings: masks are then used
+whatever the factors.
 """
 
 from __future__ import annotations
@@ -27,9 +31,9 @@ import dataclasses
 import jax.numpy as jnp
 import numpy as np
 
-from flashpass.ops import Mask, Positional, Segments
+from flashpass.ops import EmptyRows, Mask, Positional, Segments
 from flashpass.site import Transform
-from flashpass.spec import Bias, excludes
+from flashpass.spec import Bias, excludes, fill_after
 
 from .indicators import two_valued
 
@@ -54,6 +58,54 @@ class AdditiveSource:
         return Bias(index, shape4, dtype)
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class AdditiveGroup:
+    """The ops one additive mask with a finite fill became (its descriptors,
+    and an `EmptyRows` op when rows may be empty).  `settle` turns them back
+    into the one dense bias they were written as when the site's other ops
+    make them inexact."""
+
+    profile: object
+    sign: int
+    ops: tuple
+    at: str = ""  # where the bias is added, for the report
+
+    def why_dense(self, build, others) -> str | None:
+        """Why the group must be the original bias again (None: it need not).
+        ``others``: the site's ops outside the group."""
+        if any(isinstance(op, Bias) for op in others):
+            # Another bias can lower the keys this mask keeps to its fill's
+            # level, where s + fill and the fill itself no longer agree.
+            return "the additive mask is added with another bias (it stays one dense array)"
+        for i, op in enumerate(build.ops):
+            if any(op is g for g in self.ops) and hasattr(op, "fill"):
+                if not excludes(fill_after(op.fill, build.ops[i + 1 :])):
+                    return ""  # a later op undoes its exclusion: the literal bias, no note
+        return None
+
+    def literal(self, build):
+        return AdditiveSource(self.profile, self.sign, first=True).literal(build)
+
+
+def settle(build) -> None:
+    """Turn each additive group that cannot stay descriptors back into its
+    dense bias (`AdditiveGroup.why_dense`), noting why for the report."""
+    for group in build.additive:
+        others = [op for op in build.ops if not any(op is g for g in group.ops)]
+        why = group.why_dense(build, others)
+        if why is None:
+            continue
+        at = [i for i, op in enumerate(build.ops) if any(op is g for g in group.ops)]
+        build.ops[at[0]] = group.literal(build)
+        for i in at[1:]:
+            build.ops[i] = None
+        build.ops = [op for op in build.ops if op is not None]
+        build._causal = [(op, s) for op, s in build._causal if any(op is o for o in build.ops)]
+        if why:
+            build.dense_notes.append(why + group.at)
+    build.additive = []
+
+
 def as_mask(scope, prof, sign: int):
     """``(factors, keep_when, fill)`` when the bias ``sign * prof`` equals
     ``where(all(factors) == keep_when, 0, fill)`` with an excluding ``fill``."""
@@ -70,9 +122,10 @@ def as_mask(scope, prof, sign: int):
     return None
 
 
-def add_additive(build, prof, sign: int) -> str | None:
+def add_additive(build, prof, sign: int, at: str = "") -> str | None:
     """Add the descriptors of an additive mask to ``build``; None when done,
-    else why the bias stays dense ("" when it is no mask at all)."""
+    else why the bias stays dense ("" when it is no mask at all).  ``at``:
+    where the bias is added, in the report's words."""
     from .masks import add_mask  # masks imports this module's caller
 
     found = as_mask(build.scope, prof, sign)
@@ -85,20 +138,39 @@ def add_additive(build, prof, sign: int) -> str | None:
     new_ops = build.ops[before[0] :]
     why = None if fill == float("-inf") else _rows_keep_a_key(build, new_ops)
     if why is not None:
-        del build.ops[before[0] :], build.extras[before[1] :], build._causal[before[2] :]
-        return why
+        dense = _dense_factor(build, new_ops)
+        if dense is not None:
+            del build.ops[before[0] :], build.extras[before[1] :], build._causal[before[2] :]
+            return dense
+        # Rows may be empty: the original's s + fill there is run as such.
+        dtype = build.scope.dtype(prof.base)
+        build.ops.append(EmptyRows(len(new_ops), fill, dtype))
+    if fill != float("-inf"):
+        build.additive.append(AdditiveGroup(prof, sign, tuple(build.ops[before[0] :]), at))
     for n, (op, _) in enumerate(build._causal[before[2] :]):
         build._causal[before[2] + n] = (op, AdditiveSource(prof, sign, first=n == 0))
     return None
 
 
+def _dense_factor(build, ops) -> str | None:
+    """Why the additive mask of ``ops`` stays one dense bias when rows may be
+    empty: a factor is itself a ``T x S`` array (nothing to save), or another
+    additive mask of the site already has an `EmptyRows` op.  None otherwise."""
+    for op in ops:
+        if isinstance(op, Mask) and op.shape[2] != 1 and op.shape[3] != 1:
+            return "a factor of the additive mask is no structured mask (it stays a dense array)"
+    if any(isinstance(op, EmptyRows) for op in build.ops):
+        return "a second additive mask of the site may leave a query row with no key"
+    return None
+
+
 def _rows_keep_a_key(build, ops) -> str | None:
     """None if every query row keeps a key under all of ``ops`` together, else
-    the factor that may empty a row (or stays dense), in words."""
+    the factor that may empty a row, in words."""
     t_len, s_len = build.layout.sizes["T"], build.layout.sizes["S"]
     for op in ops:
         if isinstance(op, Mask):
-            return "a factor of the additive mask is no structured mask (it stays a dense array)"
+            return "a key mask of the additive mask may leave a query row with no key"
         if isinstance(op, Segments) and not (op.same and t_len == s_len):
             return "the segment ids of the additive mask may leave a query row with no key"
         if not isinstance(op, Positional | Segments):

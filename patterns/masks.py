@@ -18,7 +18,7 @@ import dataclasses
 import jax.numpy as jnp
 import numpy as np
 
-from flashpass.site import Transform
+from flashpass.site import Compared, Transform
 from flashpass.spec import EXCLUDING_FILL, Bias, Causal, Mask, excludes
 
 from .additive import add_additive
@@ -54,7 +54,7 @@ class BiasStep(Step):
             # A bias that is zero by value (torchax's SDPA adds ``zeros(L, S)``
             # when there is no mask) changes neither the scores nor a gradient.
             return None
-        why = add_additive(build, self.profile, self.sign)
+        why = add_additive(build, self.profile, self.sign, where(self.node))
         if why is None:
             return None
         found = additive_mask(scope, self.profile, self.sign, build.roles)
@@ -147,8 +147,38 @@ def add_mask(build, pred: Profile, keep_when: bool, fill: float) -> None:
             for part in parts:
                 add_mask(build, part, keep_when, fill)
             continue
-        index, shape4 = build.add_extra(factor, None if keep_when else Transform.NOT, np.bool_)
+        narrowed = compared_broadcast(build.scope, factor)
+        if narrowed is not None:
+            factor, compared = narrowed
+            transform = dataclasses.replace(compared, negate=not keep_when)
+        else:
+            transform = None if keep_when else Transform.NOT
+        index, shape4 = build.add_extra(factor, transform, np.bool_)
         build.ops.append(Mask(index, shape4, fill))
+
+
+#: A comparison with its operands swapped (``c < x`` is ``x > c``).
+_SWAPPED = {"ge": "le", "gt": "lt", "le": "ge", "lt": "gt", "eq": "eq", "ne": "ne"}
+
+
+def compared_broadcast(scope, factor: Profile):
+    """``(profile, Compared)`` when the mask ``factor`` is ``x <cmp> c`` (a
+    scalar constant ``c``) and ``x`` is broadcast along more score axes than
+    the comparison's result: the mask is then read from ``x`` (Hugging Face's
+    ``ne(broadcast(attention_mask), 0)``).  None otherwise."""
+    node = scope.producer(factor.base)
+    if node is None or node.prim not in COMPARISONS or len(node.ins) != 2:
+        return None
+    for side, prim in ((0, node.prim), (1, _SWAPPED[node.prim])):
+        value = scalar_value(scope, node.ins[1 - side])
+        x = node.ins[side]
+        if value is None or scope.shape(x) != scope.shape(factor.base):
+            continue
+        inner = profile(scope, x, scope.shape(x))
+        axes = tuple(None if a is None else inner.axes[a] for a in factor.axes)
+        if sum(a is not None for a in axes) < sum(a is not None for a in factor.axes):
+            return Profile(inner.base, axes, factor.target), Compared(prim, value)
+    return None
 
 
 def additive_mask(scope, prof: Profile, sign: int, roles):

@@ -214,6 +214,78 @@ def maxtext_packed(q, k, v, ids):
     return out.reshape(B, T, H, D)
 
 
+# --------------------------------------------------------------------------- padding
+
+
+def hf_flax_padding(q, k, v, attention_mask):
+    """Hugging Face Flax (GPT-2, Llama...): the sliced causal buffer combined
+    with the batch's ``attention_mask`` (``combine_masks``), made additive with
+    ``lax.select(mask > 0, 0, finfo.min)``."""
+    import flax.linen as nn
+
+    buffer = nn.make_causal_mask(jnp.ones((1, 2 * T), bool), dtype="bool")
+    causal = jnp.broadcast_to(buffer[:, :, :T, :T], (B, 1, T, T))
+    padding = jnp.broadcast_to(attention_mask[:, None, None, :], causal.shape)
+    mask = nn.combine_masks(padding, causal)
+    zero = jnp.full(mask.shape, 0.0, jnp.float32)
+    bias = lax.select(mask > 0, zero, jnp.full(mask.shape, F32_MIN, jnp.float32))
+    return _out(_scores(q, k) + bias, v)
+
+
+def hf_extended_mask(q, k, v, attention_mask):
+    """Hugging Face ``get_extended_attention_mask`` for an encoder:
+    ``(1.0 - mask[:, None, None, :]) * finfo.min``, no causality.  The mask
+    is boolean (cast to float): an int mask from an input is not known to
+    hold only 0 and 1, so its arithmetic is no mask (test_library_masks)."""
+    extended = attention_mask[:, None, None, :].astype(jnp.float32)
+    return _out(_scores(q, k) + (1.0 - extended) * F32_MIN, v)
+
+
+def int_causal_padding(q, k, v, attention_mask):
+    """``(1 - causal_int * mask_int) * -1e9``: an int product of causality and
+    the (boolean) padding mask."""
+    i, j = _ij()
+    m = (j <= i).astype(jnp.int32)[None, None] * attention_mask[:, None, None, :].astype(jnp.int32)
+    return _out(_scores(q, k) + (1 - m) * NEG, v)
+
+
+def window_padding_sinks(q, k, v, attention_mask, sinks):
+    """gpt-oss with a padded batch: a causal window and the padding mask in
+    one additive bias, a per-head sink logit."""
+    i, j = _ij()
+    keep = _window()[None, None] & (attention_mask[:, None, None, :] > 0)
+    s = _scores(q, k) + jnp.where(keep, 0.0, NEG)
+    sink = jnp.broadcast_to(sinks[None, :, None, None], (*s.shape[:-1], 1))
+    p = jax.nn.softmax(jnp.concatenate([s, sink], axis=-1), axis=-1)[..., :-1]
+    return jnp.einsum("bhts,bhsd->bhtd", p, v)
+
+
+def packed_two_id_arrays(q, k, v, q_ids, kv_ids):
+    """Packed documents whose query and key ids are two arrays (a decoder
+    reading another packing), MaxText's additive fill."""
+    keep = q_ids[:, None, :, None] == kv_ids[:, None, None, :]
+    return _out(_scores(q, k) + jnp.where(keep, 0.0, MAXTEXT), v)
+
+
+def left_padding(rng, lead: int = 10):
+    """An int ``[B, S]`` attention mask whose first ``lead`` keys are padding:
+    under causality rows ``0 .. lead - 1`` keep no key."""
+    mask = np.ones((B, T), np.int32)
+    mask[:, :lead] = 0
+    return (jnp.asarray(mask),)
+
+
+def left_padding_bool(rng, lead: int = 10):
+    """`left_padding` as a boolean mask."""
+    return (left_padding(rng, lead)[0] > 0,)
+
+
+def _two_id_arrays(rng):
+    q_ids = np.sort(rng.integers(0, 4, (B, T)), axis=1).astype(np.int32)
+    kv_ids = np.sort(rng.integers(1, 5, (B, T)), axis=1).astype(np.int32)  # no key has id 0
+    return jnp.asarray(q_ids), jnp.asarray(kv_ids)
+
+
 def _ids(rng):
     ids = np.sort(rng.integers(0, 4, (B, T)), axis=1).astype(np.int32)
     return (jnp.asarray(ids),)
@@ -249,6 +321,37 @@ FORMS = {
     "hf_flax_buffer": (hf_flax_buffer, _none, ["Causal(0)"]),
     "gemma_sliding": (gemma_sliding, _none, [*CW, f"Causal({W - 1})"]),
     "maxtext_packed": (maxtext_packed, _ids, ["Causal(0)", "Segments"]),
+}
+
+
+def _empty(count: int, fill: float) -> str:
+    return f"EmptyRows({count}, {fill}, float32)"
+
+
+#: Additive masks with a finite fill whose rows may keep no key (padding, ids
+#: from two arrays): their descriptors and an `EmptyRows` op (name -> as FORMS).
+PADDED_FORMS = {
+    "hf_flax_padding": (
+        hf_flax_padding,
+        left_padding,
+        ["Causal(0)", _empty(2, F32_MIN), "Mask"],
+    ),
+    "hf_extended_mask": (hf_extended_mask, left_padding_bool, [_empty(1, F32_MIN), "Mask"]),
+    "int_causal_padding": (
+        int_causal_padding,
+        left_padding_bool,
+        ["Causal(0)", _empty(2, NEG), "Mask"],
+    ),
+    "window_padding_sinks": (
+        window_padding_sinks,
+        lambda rng: (*left_padding(rng), *_sinks(rng)),
+        [*CW, _empty(3, NEG), "Mask", "Sink"],
+    ),
+    "packed_two_id_arrays": (
+        packed_two_id_arrays,
+        _two_id_arrays,
+        [_empty(1, float(np.float32(MAXTEXT))), "Segments"],
+    ),
 }
 
 

@@ -66,8 +66,8 @@ def key_int(q, k, v, valid):
 
 
 def key_additive(q, k, v, valid):
-    # made additive with a finite fill: an O(B·S) bias (a fully padded row's
-    # gradient flows through s + fill, so it is not read as a mask)
+    # made additive with a finite fill: a key mask, and an EmptyRows op for a
+    # fully padded row (its values and gradient flow through s + fill)
     return _attend(q, k, v, bias=jnp.where(valid, 0.0, -1e9)[:, None, None, :])
 
 
@@ -128,7 +128,7 @@ def _positions():
 KINDS = {
     "key_bool": (key_bool, _valid, "boolean", "mask"),
     "key_int": (key_int, _valid, "boolean", "mask"),
-    "key_additive": (key_additive, _valid, "none", "bias"),
+    "key_additive": (key_additive, _valid, "boolean", "mask"),
     "causal_and_key": (causal_and_key, _valid, "causal+boolean", "mask"),
     "window_and_key": (window_and_key, _valid, "causal+window+boolean", "mask"),
     "keras_bool_merge": (keras_bool_merge, _valid, "causal+boolean", "mask"),

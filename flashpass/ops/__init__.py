@@ -14,6 +14,7 @@ from .bias_mask import Bias, Mask, step_shape
 from .causal import Causal
 from .chunk import Chunk
 from .dropout import Dropout
+from .empty_rows import EmptyRows
 from .kv_lengths import KvLengths, valid_lengths
 from .position_mask import PositionMask
 from .prefix import Prefix
@@ -27,7 +28,7 @@ from .window import Window
 #: Every score-op kind, in the order reports name their words and docs their
 #: descriptors.
 KINDS = (Scale, Bias, Causal, Window, Chunk, Prefix, Segments, KvLengths, Sink, Mask)
-KINDS += (Softcap, Dropout, SinkWindow, PrefixLengths, PositionMask, Alibi)
+KINDS += (Softcap, Dropout, SinkWindow, PrefixLengths, PositionMask, Alibi, EmptyRows)
 
 #: Score ops that exclude keys by position or segment id, so kernels may skip
 #: whole blocks (`Causal` is one of them).
@@ -53,6 +54,7 @@ __all__ = [
     "Causal",
     "Chunk",
     "Dropout",
+    "EmptyRows",
     "KeepOp",
     "KvLengths",
     "Mask",

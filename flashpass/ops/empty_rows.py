@@ -1,0 +1,50 @@
+"""`EmptyRows`: the rows an additive mask with a finite fill may empty.
+
+``s + where(keep, 0, fill)`` with ``fill = -1e9`` (or ``finfo.min``...) and
+``where(keep, s, fill)`` agree in every query row that keeps a key: an
+excluded key's weight underflows to exactly zero either way.  In a row that
+keeps *no* key they differ: the additive row is ``softmax(s + fill)``, which
+still depends on ``s`` (``s - 1e9`` rounds per key), the ``where`` row is
+uniform.  Where a key mask comes from data (padding, lengths, segment ids
+from two arrays), the matcher cannot prove every row keeps a key, so it
+states the additive mask as its descriptors (each `KeepOp` with the fill)
+followed by this op.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+
+from .base import ScoreOp
+
+
+@dataclasses.dataclass(frozen=True)
+class EmptyRows(ScoreOp):
+    """The ``count`` key-excluding ops just before it are one additive mask
+    ``s + where(all keep, 0, added)``, the bias in ``dtype``.  In a query row
+    they leave no key, the scores are the scores before them plus ``added``
+    (every key), as the original computes; in every other row the op changes
+    nothing.
+
+    No kernel sees it: `flashpass.kernels.empty_rows` runs a spec holding it
+    as two kernel calls (the mask's descriptors, and, only when some row is
+    empty, the mask's fill added to every score), selected per row.
+    """
+
+    count: int
+    added: float
+    dtype: Any
+
+    def __post_init__(self):
+        object.__setattr__(self, "dtype", np.dtype(self.dtype))
+
+    def apply(self, s, extras, at):
+        raise NotImplementedError(
+            "EmptyRows is run by flashpass.kernels.empty_rows, not applied to a score block"
+        )
+
+    def at_offset(self, d, t, s):
+        return "rows an additive mask may leave with no key are not run in ring steps"

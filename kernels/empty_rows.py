@@ -1,0 +1,130 @@
+"""Running a spec with an `EmptyRows` op: any kernel, two calls, one per row.
+
+An additive mask ``s + where(keep, 0, fill)`` with a finite ``fill`` reaches
+the kernels as its descriptors (`EmptyRows` says which ops form it).  Rows that
+keep a key are what the descriptors compute.  A row that keeps none is, in the
+original, ``softmax(s + fill)`` over every key, the fill added to each score,
+so it is computed by the same kernel on a second spec: the mask's ops replaced
+by a one-element `Bias` holding ``fill`` (O(1) memory, never a ``T x S``
+array).  Which rows are empty is read from the mask's ops in key chunks
+(O(B·H·T) memory), and the second call runs only when some row is empty
+(``lax.cond``), so right-padded batches pay one boolean pass over the keys.
+
+Kernels never see `EmptyRows`: selection asks a kernel about both specs
+(`check`), and the named kernel call runs `apply` (`flashpass.calls`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax.numpy as jnp
+from jax import lax
+
+from flashpass.ops import Bias, EmptyRows
+from flashpass.spec import AttentionSpec, ExtraSpec
+
+from .blockwise.tiles import varying
+
+#: Keys per chunk of the empty-row pass: a ``[B, H|1, T, KEY_CHUNK]`` boolean
+#: block at a time.
+KEY_CHUNK = 512
+
+
+@dataclasses.dataclass(frozen=True)
+class Split:
+    """A spec with an `EmptyRows` op as the two specs kernels run."""
+
+    masked: AttentionSpec  # the descriptors: every row that keeps a key
+    filled: AttentionSpec  # the fill added to every score: the empty rows
+    group: tuple  # the additive mask's key-excluding ops
+    op: EmptyRows
+
+
+def split(spec: AttentionSpec) -> Split | None:
+    """The two specs of ``spec``, or None when it has no `EmptyRows` op."""
+    ops = spec.score_ops
+    marks = [i for i, op in enumerate(ops) if isinstance(op, EmptyRows)]
+    if not marks:
+        return None
+    if len(marks) > 1:
+        raise ValueError("a spec holds at most one EmptyRows op")
+    at = marks[0]
+    op = ops[at]
+    first = at - op.count
+    if first < 0 or any(not hasattr(o, "keep") for o in ops[first:at]):
+        raise ValueError(f"EmptyRows({op.count}) does not follow {op.count} key-excluding ops")
+    masked = dataclasses.replace(spec, score_ops=ops[:at] + ops[at + 1 :])
+    fill = Bias(len(spec.extras), (1, 1, 1, 1), op.dtype)
+    filled = dataclasses.replace(
+        spec,
+        score_ops=ops[:first] + (fill,) + ops[at + 1 :],
+        extras=(*spec.extras, ExtraSpec((1, 1, 1, 1), op.dtype)),
+    )
+    return Split(masked, filled, tuple(ops[first:at]), op)
+
+
+def check(kernel, spec: AttentionSpec, ctx) -> list[str]:
+    """``kernel.check`` of both specs of ``spec`` (of ``spec`` itself without
+    an `EmptyRows` op)."""
+    parts = split(spec)
+    if parts is None:
+        return list(kernel.check(spec, ctx))
+    reasons = list(kernel.check(parts.masked, ctx))
+    for reason in kernel.check(parts.filled, ctx):
+        if reason not in reasons:
+            reasons.append(f"{reason} (for the rows the additive mask may leave with no key)")
+    return reasons
+
+
+def apply(kernel, spec: AttentionSpec, q, k, v, extras=(), *, interpret: bool = False):
+    """``kernel.apply`` for ``spec``, running an `EmptyRows` op as described above."""
+    parts = split(spec)
+    if parts is None:
+        return kernel.apply(spec, q, k, v, extras, interpret=interpret)
+    out = kernel.apply(parts.masked, q, k, v, extras, interpret=interpret)
+    empty = empty_rows(spec, parts.group, extras)
+
+    def with_empty_rows():
+        fill = jnp.full((1, 1, 1, 1), parts.op.added, parts.op.dtype)
+        every = kernel.apply(parts.filled, q, k, v, (*extras, fill), interpret=interpret)
+        return jnp.where(empty[..., None], every, out)
+
+    return lax.cond(jnp.any(empty), with_empty_rows, lambda: out)
+
+
+def empty_rows(spec: AttentionSpec, group, extras):
+    """Whether each query row keeps no key under all ops of ``group``:
+    boolean ``[B|1, H|1, T]``, computed ``KEY_CHUNK`` keys at a time."""
+    t_len, s_len = spec.q_len, spec.kv_len
+    chunk = min(s_len, KEY_CHUNK)
+    count = math.ceil(s_len / chunk)
+    read = sorted({i for op in group for i in op.extras_read()})
+    lead = [1, 1]
+    padded = list(extras)
+    for i in read:
+        x = extras[i]
+        for axis in (0, 1):
+            lead[axis] = max(lead[axis], x.shape[axis])
+        if x.shape[-1] != 1 and count * chunk != s_len:
+            pad = [(0, 0)] * 3 + [(0, count * chunk - s_len)]
+            padded[i] = jnp.pad(x, pad)  # past the keys: masked out by ``inside``
+    qi = jnp.arange(t_len)[:, None]
+
+    def keeps_a_key(c, acc):
+        kj = c * chunk + jnp.arange(chunk)[None, :]
+        block = list(padded)
+        for i in read:
+            if block[i].shape[-1] != 1:
+                block[i] = lax.dynamic_slice_in_dim(block[i], c * chunk, chunk, axis=3)
+        keep = kj < s_len
+        for op in group:
+            keep = keep & op.keep(qi, kj, block, s_len)
+        keep = jnp.broadcast_to(keep, (*lead, t_len, chunk))
+        return acc | jnp.any(keep, axis=-1)
+
+    acc = varying(jnp.zeros((*lead, t_len), bool), [extras[i] for i in read])
+    if count == 1:
+        return ~keeps_a_key(0, acc)
+    return ~lax.fori_loop(0, count, keeps_a_key, acc)
