@@ -23,9 +23,19 @@ only.  B=1, H=``--heads``, D=64, float32, S=T=``--seq``.
   and combined with causal (``Segments`` + ``Causal``);
   - ``causal``: flashpass on plain causal attention of the same row;
   - ``dense_mask``: flashpass with the segment mask passed as a ``[T, S]`` array.
+* ``padding``: causality and a per-example key (padding) mask from an input,
+  ``--pad`` keys padded (#28's Hugging Face form);
+  - ``where``: ``where(causal & keys, s, FILL)`` (``Causal`` + a key mask);
+  - ``additive, right/left padding``: ``s + where(causal & keys, 0, FILL)``:
+    the same descriptors and an ``EmptyRows`` op; right padding leaves no
+    row empty (one kernel call after the boolean pass over the keys), left
+    padding empties the first ``--pad`` rows (a second kernel call);
+  - ``dense bias``: the same bias passed in as a ``[T, S]`` array (what the
+    additive form reached the kernel as before ``EmptyRows``).
 
     python benchmarks/masks.py                # S = 8192, a few minutes on 2 cores
     python benchmarks/masks.py --seq 2048 --rounds 2   # smoke run
+    python benchmarks/masks.py --only padding          # the padding group alone
 """
 
 from __future__ import annotations
@@ -123,6 +133,51 @@ def packed(q, k, v, ids):
     return _attend(jnp.where(same & (j <= i), _scores(q, k), FILL), v)
 
 
+def causal_keys_where(q, k, v, keys):
+    t, s_len = q.shape[2], k.shape[2]
+    i = lax.broadcasted_iota(jnp.int32, (t, s_len), 0)
+    j = lax.broadcasted_iota(jnp.int32, (t, s_len), 1)
+    keep = (j <= i) & keys[:, None, None, :]
+    return _attend(jnp.where(keep, _scores(q, k), FILL), v)
+
+
+def causal_keys_additive(q, k, v, keys):
+    t, s_len = q.shape[2], k.shape[2]
+    i = lax.broadcasted_iota(jnp.int32, (t, s_len), 0)
+    j = lax.broadcasted_iota(jnp.int32, (t, s_len), 1)
+    keep = (j <= i) & keys[:, None, None, :]
+    return _attend(_scores(q, k) + jnp.where(keep, 0.0, FILL), v)
+
+
+def dense_bias(q, k, v, bias):
+    return _attend(_scores(q, k) + bias, v)
+
+
+def padding(q, k, v, pad: int, rounds: int) -> None:
+    """The padding group (see the module docstring): prints times and ratios."""
+    n = q.shape[2]
+    right = np.ones((1, n), bool)
+    right[:, n - pad :] = False
+    left = right[:, ::-1].copy()
+    right, left = jnp.asarray(right), jnp.asarray(left)
+    bias = jnp.where(np.tril(np.ones((n, n), bool)) & left[:, None, None, :], 0.0, FILL)
+    where_opt = flashpass.optimize(causal_keys_where)
+    additive_opt = flashpass.optimize(causal_keys_additive)
+    print(additive_opt.explain(q, k, v, left))
+    variants = {
+        "padding: where (descriptors)": (where_opt, (q, k, v, right)),
+        "padding: additive, right padding": (additive_opt, (q, k, v, right)),
+        "padding: additive, left padding": (additive_opt, (q, k, v, left)),
+        "padding: dense bias": (flashpass.optimize(dense_bias), (q, k, v, bias)),
+    }
+    result = interleaved(variants, rounds)
+    for name, seconds in result.items():
+        print(f"{name:40s} {seconds * 1e3:10.1f} ms")
+    w = result["padding: where (descriptors)"]
+    for name in list(result)[1:]:
+        print(f"{name + ' / where':48s} = {result[name] / w:.2f}x")
+
+
 def products(q, k, v):
     """The original's two ``T x S`` products alone (no mask, no softmax): what
     its time is made of on CPU, and what bounds any kernel's ratio against it."""
@@ -156,11 +211,17 @@ def main() -> None:
     parser.add_argument("--window", type=int, default=512)
     parser.add_argument("--docs", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--pad", type=int, default=512)
     parser.add_argument("--skip-original", action="store_true")
+    parser.add_argument("--only", choices=["padding"], help="run one group alone")
     args = parser.parse_args()
     n, h = args.seq, args.heads
     rng = np.random.default_rng(0)
     q, k, v = (jnp.asarray(rng.standard_normal((1, h, n, 64)), jnp.float32) for _ in range(3))
+    if args.only == "padding":
+        print(f"JAX {jax.__version__} on {jax.default_backend()}; B=1 H={h} D=64 S=T={n} f32")
+        padding(q, k, v, args.pad, args.rounds)
+        return
     pos = np.arange(n)
     band = jnp.asarray(pos[:, None] - pos[None, :] < args.window)
     ids = jnp.asarray((pos * args.docs // n)[None].astype(np.int32))
@@ -221,6 +282,7 @@ def main() -> None:
     plain = result["packed: flashpass (plain causal)"]
     print(f"packed: plain causal / segments  = {plain / p:.1f}x")
     print(f"packed: dense mask / segments    = {result['packed: flashpass (dense mask)'] / p:.1f}x")
+    padding(q, k, v, args.pad, args.rounds)
 
 
 if __name__ == "__main__":
