@@ -68,8 +68,14 @@ def compose(scope, prof: Profile, operand) -> Profile:
 
 
 def _scalar(scope, prof: Profile, dtype):
-    if not prof.is_scalar:
-        return None
+    """The scalar ``prof`` broadcasts, in ``dtype``: through dtype conversions
+    of the broadcast (``jnp.full(shape, 0.0).astype(dtype)``, Hugging Face
+    Flax's attention bias), each a rounding to ``dtype`` numpy repeats."""
+    while not prof.is_scalar:
+        node = scope.producer(prof.base)
+        if node is None or node.prim != "convert_element_type":
+            return None
+        prof = compose(scope, prof, node.ins[0])
     value = scalar_value(scope, prof.base)
     return None if value is None else np.asarray(value).astype(dtype)
 

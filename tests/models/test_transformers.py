@@ -302,3 +302,85 @@ def test_bart(check_model, random_params):
         case="BART (q pre-scaled, cross-attention), padding mask",
         model_dir="bart",
     )
+
+
+# --------------------------------------------------------------------------- long padded batches
+
+LONG = 256
+PADDED = {
+    # name: (model class, config, score ops expected)
+    "GPT-2": (
+        "FlaxGPT2Model",
+        lambda: tr.GPT2Config(
+            n_embd=32, n_layer=2, n_head=4, n_positions=2 * LONG, vocab_size=VOCAB
+        ),
+        ["causal", "emptyrows", "mask"],
+    ),
+    "Llama (GQA)": (
+        "FlaxLlamaModel",
+        lambda: tr.LlamaConfig(
+            hidden_size=32,
+            num_attention_heads=4,
+            num_key_value_heads=1,
+            head_dim=8,
+            num_hidden_layers=2,
+            vocab_size=VOCAB,
+            max_position_embeddings=2 * LONG,
+        ),
+        ["causal", "emptyrows", "mask"],
+    ),
+    "BERT": (
+        "FlaxBertModel",
+        lambda: tr.BertConfig(
+            hidden_size=32,
+            num_attention_heads=4,
+            num_hidden_layers=2,
+            intermediate_size=64,
+            vocab_size=VOCAB,
+            max_position_embeddings=2 * LONG,
+        ),
+        ["emptyrows", "mask"],
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(PADDED))
+def test_padding_mask_reaches_the_kernel_as_o_of_s(random_params, name):
+    """A left-padded batch (#28): the model's additive ``lax.select(mask > 0,
+    0, finfo.min)`` bias over causality and ``attention_mask`` reaches the
+    kernel as causal + a ``[B,1,1,S]`` key mask + `EmptyRows` (the padded
+    example's first rows keep no key), with no ``T x S`` kernel operand, in a
+    forward and a training step's gradient, equal to the original's."""
+    from t_by_s import kernel_operand_shapes
+
+    import flashpass
+
+    cls_name, config, want = PADDED[name]
+    model, params = _build(getattr(tr, cls_name), config(), random_params)
+    ids = _ids(length=LONG)
+    mask = np.ones((B, LONG), np.int32)
+    mask[1, :40] = 0  # left padding
+    mask = jnp.asarray(mask)
+
+    def loss(params, ids, mask):
+        out = model(ids, attention_mask=mask, params=params)[0]
+        return jnp.mean(jnp.square(out) * mask[..., None])
+
+    grad = jax.value_and_grad(loss)
+    opt = flashpass.optimize(grad, kernel="blockwise")
+    (got, got_g), (want_v, want_g) = (
+        jax.jit(opt)(params, ids, mask),
+        jax.jit(grad)(params, ids, mask),
+    )
+    np.testing.assert_allclose(got, want_v, rtol=1e-5)
+    for a, b in zip(
+        jax.tree_util.tree_leaves(got_g), jax.tree_util.tree_leaves(want_g), strict=True
+    ):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-4, atol=2e-6)
+    report = opt.explain(params, ids, mask)
+    assert len(report.rewrites) == LAYERS and not report.fallbacks, str(report)
+    for r in report.rewrites:
+        assert r.backward and not r.dense, str(report)
+        assert sorted(op["op"] for op in r.spec["score_ops"] if op["op"] != "scale") == want
+    shapes = kernel_operand_shapes(opt.rewritten_jaxpr(params, ids, mask))
+    assert not [s for s in shapes if sum(d >= LONG for d in s) >= 2], shapes
