@@ -348,6 +348,7 @@ def hf_attention_bias(q, k, v, attention_mask):
 
 
 POSITIVE["hf_attention_bias"] = (hf_attention_bias, _padded_rows_args)
+CAUSAL.add("hf_attention_bias")  # causal + a key mask + EmptyRows
 
 
 # ---------------------------------------------------------------- structured masks

@@ -168,11 +168,16 @@ def test_symbolic_and_numeric_causal_agree():
 
 
 def test_hf_additive_bias_stays_exact(rng):
-    # data-dependent padding inside the additive bias: kept as a Bias (exact gradients
-    # for fully padded rows), not turned into a mask
+    # data-dependent padding inside the additive bias: causal and a key mask, and
+    # an EmptyRows op, so fully padded rows keep the original's values and
+    # gradients (softmax(s + finfo.min), not a masked row)
     fn, make = spellings.POSITIVE["hf_attention_bias"]
-    spec = flashpass.optimize(fn, kernel="reference").explain(*make(rng)).rewrites[0].spec
-    assert [op["op"] for op in spec["score_ops"]] == ["scale", "bias"]
+    args = make(rng)
+    opt = flashpass.optimize(fn, kernel="reference")
+    spec = opt.explain(*args).rewrites[0].spec
+    assert [op["op"] for op in spec["score_ops"]] == ["scale", "mask", "causal", "emptyrows"]
+    assert spec["extras"] == [{"shape": [2, 1, 1, 16], "dtype": "bool"}]
+    assert_same_function(fn, opt, *args, argnums=(0, 1, 2))
 
 
 def test_hf_constant_causal_bias_becomes_causal(rng):

@@ -183,7 +183,7 @@ POSITIVE = {
     "hf_eager_padding": (
         hf_eager_padding,
         lambda r, t=T: (*_bhtd(r, t), _keep(r, t)),
-        ("none", True),
+        ("boolean", False),  # a key mask and EmptyRows (a fully padded row reads s + fill)
     ),
     "diffusers_baddbmm": (diffusers_baddbmm, _btc, ("none", False)),
     "diffusers_baddbmm_mask": (
@@ -199,7 +199,7 @@ POSITIVE = {
     "mha_key_padding_heads_major": (
         mha_key_padding_heads_major,
         lambda r, t=T: (*_bhtd(r, t), _keep(r, t)),
-        ("none", True),
+        ("boolean", False),  # a key mask and EmptyRows (a fully padded row reads s + fill)
     ),
     "split_softmax_merged_pv": (split_softmax_merged_pv, _bhtd, ("causal", False)),
     "split_then_transposed": (

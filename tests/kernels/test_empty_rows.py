@@ -92,4 +92,6 @@ def test_a_kernel_without_bias_declines_with_the_rows_reason():
     ctx = CheckContext("tpu", explicit=True)
     assert kernel.check(empty_rows.split(_spec()).masked, ctx) == []
     reasons = empty_rows.check(kernel, _spec(), ctx)
-    assert reasons and all("for the rows the additive mask may leave with no key" in r for r in reasons)
+    assert reasons and all(
+        "for the rows the additive mask may leave with no key" in r for r in reasons
+    )
