@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib
 
+from flashpass import compat
 from flashpass.spec import (
     EXCLUDING_FILL,
     AttentionSpec,
@@ -37,6 +38,7 @@ __all__ = [
     "Softcap",
     "DEFAULT_ORDER",
     "default_order",
+    "gpu_order",
     "get_kernel",
     "kernel_names",
     "register_kernel",
@@ -54,14 +56,25 @@ _BUILTIN = {
     "pallas_tpu": "pallas_tpu:PallasTpuKernel",
     "reference": "reference:ReferenceKernel",
     "splash": "splash:SplashKernel",
-    # Optional: needs the `tokamax` package (never a dependency); not in a default order.
+    # Optional: needs the `tokamax` package (the `gpu` extra); see `gpu_order`.
     "tokamax": "tokamax:TokamaxKernel",
 }
+
+
+def gpu_order(triton_attention: bool, tokamax: bool) -> tuple[str, ...]:
+    """The GPU default order, given whether JAX's Triton flash attention may be
+    used (`flashpass.compat.TRITON_ATTENTION`: before JAX 0.11.1) and whether the
+    optional tokamax package is installed.  From JAX 0.11.1 `pallas_gpu` declines
+    every site (saying why) and tokamax's kernels are tried after it."""
+    if triton_attention or not tokamax:
+        return ("cudnn", "pallas_gpu", "blockwise")
+    return ("cudnn", "pallas_gpu", "tokamax", "blockwise")
+
 
 #: Kernels tried, in order, when the user names none (see docs/kernels.md).
 DEFAULT_ORDER: dict[str, tuple[str, ...]] = {
     "tpu": ("paged_tpu", "splash", "pallas_tpu", "blockwise"),
-    "gpu": ("cudnn", "pallas_gpu", "blockwise"),
+    "gpu": gpu_order(compat.TRITON_ATTENTION, compat.tokamax_installed()),
     "cpu": ("blockwise",),
 }
 

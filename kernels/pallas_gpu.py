@@ -47,14 +47,16 @@ reference's result when the excluded keys share one finite fill).
 JAX versions: JAX 0.11.1 deprecates ``pallas.ops.gpu.attention`` (in favour of
 tokamax) and 0.11.2 the Pallas Triton backend (in favour of Mosaic GPU).  From
 0.11.1 on, `check` declines every site with that reason and the module is never
-imported (`flashpass.compat.TRITON_ATTENTION`): the platform's order goes on to
-``blockwise``, and ``cudnn`` or the optional ``tokamax`` adapter cover GPUs.
+imported (`flashpass.compat.TRITON_ATTENTION`): the GPU order goes on to the
+``tokamax`` adapter when tokamax is installed (the ``gpu`` extra), then to
+``blockwise``.
 
 Not used as a replacement: JAX's Mosaic GPU attention (``attention_mgpu``,
 Hopper) has no softmax scale, masks or sequence padding, no causal backward,
 only float16/bfloat16 and head dims that are multiples of 64, and asserts a
-CUDA runtime while tracing (no interpret mode on a CPU); tokamax's kernels have
-no interpret mode either, and its ``triton`` one is Pallas Triton too.
+CUDA runtime while tracing (no interpret mode on a CPU).  tokamax's kernels (the
+``tokamax`` adapter) have no interpret mode either, and its ``triton`` one is
+Pallas Triton too: it is tested through tokamax's XLA implementations on CPU.
 """
 
 from __future__ import annotations

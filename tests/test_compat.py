@@ -745,7 +745,15 @@ def test_pallas_gpu_private_entry_points():
 
 def test_tokamax_module():
     module = compat.tokamax_module()
-    assert module is None or hasattr(module, "dot_product_attention")
+    assert (module is not None) == compat.tokamax_installed()
+    if module is None:
+        return
+    assert hasattr(module, "dot_product_attention")
+    from absl import flags
+
+    # Else tokamax parses sys.argv (pytest's arguments) at its first call and raises.
+    assert flags.FLAGS.is_parsed()
+    assert flags.FLAGS.tokamax_autotuning_cache_miss_fallback == "heuristics"
 
 
 # --------------------------------------------------------------------------- experimental modules

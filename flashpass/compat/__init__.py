@@ -100,6 +100,7 @@ from ._kernels import (  # noqa: F401
     splash_backward,
     splash_chunked_causal_mask,
     stablehlo_ops,
+    tokamax_installed,
     tokamax_module,
     tpu_flash_attention_module,
     tpu_interpret_mode,

@@ -391,12 +391,28 @@ def _abstract_gpu():
     return jax.sharding.use_abstract_mesh(mesh)
 
 
-def tokamax_module():
-    """The ``tokamax`` package when it is installed, else None (never required)."""
+def tokamax_installed() -> bool:
+    """Whether the optional ``tokamax`` package is installed (found, not imported:
+    importing it takes seconds and imports flax)."""
     import importlib.util
 
-    if importlib.util.find_spec("tokamax") is None:
+    return importlib.util.find_spec("tokamax") is not None
+
+
+def tokamax_module():
+    """The ``tokamax`` package when it is installed, else None (never required).
+
+    tokamax keeps its options in absl flags and, when nothing has parsed them,
+    parses ``sys.argv`` at its first call: any argument absl does not define (a
+    program's own, pytest's) then raises ``UnrecognizedFlagError`` while tracing,
+    so tokamax would decline every site.  Unparsed flags are marked parsed here,
+    keeping tokamax's defaults (tokamax 0.0.12); a program using ``absl.app``
+    has parsed its flags already."""
+    if not tokamax_installed():
         return None
     import tokamax
+    from absl import flags  # a dependency of tokamax
 
+    if not flags.FLAGS.is_parsed():
+        flags.FLAGS.mark_as_parsed()
     return tokamax

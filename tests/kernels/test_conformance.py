@@ -22,7 +22,9 @@ Pallas adapters run in interpret mode on CPU.  ``cudnn`` runs only on a GPU
 (skipped here); its checks run under `compat.assume_cudnn`, and ``cudnn_xla``
 (the same adapter calling ``jax.nn.dot_product_attention``'s XLA implementation,
 one contract) checks its transforms numerically on any host.  ``tokamax`` is
-skipped unless the package is installed.  ``paged_tpu``, the TPU decode path,
+skipped unless the package is installed and there is a GPU; ``tokamax_xla`` (the
+same adapter calling tokamax's XLA implementation) runs wherever tokamax is
+installed (the newest-JAX leg, ci/newest_jax.sh).  ``paged_tpu``, the TPU decode path,
 takes only decode shapes (a few queries, head dims multiple of 128) that these
 cases do not have; tests/kernels/test_paged_tpu.py covers each of its
 descriptors the same way.
@@ -312,6 +314,14 @@ ADAPTERS = {
         runs_here=lambda: has_gpu() and compat.tokamax_module() is not None,
         skip_reason="needs the optional tokamax package and a GPU",
     ),
+    # The same adapter calling tokamax's XLA implementation: runs on any host, so
+    # the real package checks the adapter's mapping wherever it is installed.
+    "tokamax_xla": Adapter(
+        lambda: TokamaxKernel(implementation="xla"),
+        GPU,
+        runs_here=compat.tokamax_installed,
+        skip_reason="needs the optional tokamax package (the gpu extra)",
+    ),
 }
 
 #: A word the rejection reason must contain for each missing descriptor
@@ -382,6 +392,8 @@ DEFAULT_NUMERICS = {
     "cudnn": {(c, d) for c in CASES for d in DTYPES},  # skipped without a GPU
     "cudnn_xla": {(c, "bf16") for c in ("bias", "padding", "odd", "gqa", "window", "kv_lengths")},
     "tokamax": {(c, d) for c in CASES for d in DTYPES},  # skipped without tokamax
+    # Every case it supports (bfloat16 only: it declines float32); skipped without tokamax.
+    "tokamax_xla": {(c, "bf16") for c in CASES},
 }
 
 
@@ -400,7 +412,7 @@ def _combinations(numerics: bool):
 def _check(adapter: str, spec) -> list[str]:
     a = ADAPTERS[adapter]
     with a.check_context():
-        if adapter == "tokamax" and compat.tokamax_module() is None:
+        if adapter.startswith("tokamax") and not compat.tokamax_installed():
             pytest.skip("the optional tokamax package is not installed")
         return a.make().check(spec, a.ctx)
 

@@ -65,6 +65,9 @@ def _args(dtype, bias=False):
 #: What the GPU order picks where cuDNN cannot: pallas_gpu, or on a JAX that
 #: deprecates its Triton kernel (`compat.TRITON_ATTENTION`), blockwise.
 PALLAS_GPU = "pallas_gpu" if compat.TRITON_ATTENTION else "blockwise"
+#: tokamax joins the GPU order after pallas_gpu from JAX 0.11.1 when installed
+#: (`flashpass.kernels.gpu_order`); on this host its GPU kernels decline.
+TOKAMAX = not compat.TRITON_ATTENTION and compat.tokamax_installed()
 
 
 def explain(fn, platform, dtype, bias=False, kernel=None):
@@ -74,7 +77,7 @@ def explain(fn, platform, dtype, bias=False, kernel=None):
 def test_default_orders():
     assert DEFAULT_ORDER == {
         "tpu": ("paged_tpu", "splash", "pallas_tpu", "blockwise"),
-        "gpu": ("cudnn", "pallas_gpu", "blockwise"),
+        "gpu": ("cudnn", "pallas_gpu", *(("tokamax",) if TOKAMAX else ()), "blockwise"),
         "cpu": ("blockwise",),
     }
     assert default_order("metal") == ("blockwise",)
@@ -138,13 +141,15 @@ _BIAS = spec_of(
             spec_of(t=64, ops=[Scale(0.1), Causal(0, -1e9)]),
             PALLAS_GPU,
             {"cudnn": "float32"}
-            | ({} if compat.TRITON_ATTENTION else {"pallas_gpu": "deprecates"}),
+            | ({} if compat.TRITON_ATTENTION else {"pallas_gpu": "deprecates"})
+            | ({"tokamax": "float32"} if TOKAMAX else {}),
         ),
         (
             "gpu",
             spec_of(t=64, dtype=BF16, ops=[Scale(0.1), Softcap(30.0)]),
             "blockwise",
-            {"cudnn": "soft-capping", "pallas_gpu": "soft-capping"},
+            {"cudnn": "soft-capping", "pallas_gpu": "soft-capping"}
+            | ({"tokamax": "no tokamax implementation"} if TOKAMAX else {}),
         ),
     ],
     ids=["tpu_bias", "gpu_f32", "gpu_softcap"],
