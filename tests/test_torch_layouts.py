@@ -199,7 +199,7 @@ POSITIVE = {
     "mha_key_padding_heads_major": (
         mha_key_padding_heads_major,
         lambda r, t=T: (*_bhtd(r, t), _keep(r, t)),
-        ("boolean", False),  # a key mask and EmptyRows (a fully padded row reads s + fill)
+        ("none", True),  # rows of other batch elements: a [B, H, 1, S] bias, not a key mask
     ),
     "split_softmax_merged_pv": (split_softmax_merged_pv, _bhtd, ("causal", False)),
     "split_then_transposed": (
