@@ -582,6 +582,17 @@ def test_exported_shardings():
         assert compat.exported_hlo_shardings(exp) == hlo
 
 
+def test_x64_scope():
+    with uses("jax.enable_x64 (a context manager) / jax.config.jax_enable_x64"):
+        outside = compat.x64_enabled()
+        with compat.x64_scope(True):
+            assert compat.x64_enabled()
+            assert jnp.zeros(2, jnp.int64).dtype == jnp.int64
+            with compat.x64_scope(False):
+                assert not compat.x64_enabled()
+        assert compat.x64_enabled() == outside
+
+
 # --------------------------------------------------------------------------- more entry points
 
 

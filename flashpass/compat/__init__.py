@@ -30,6 +30,8 @@ from ._export import (  # noqa: F401
     module_to_artifact,
     parse_module,
     stablehlo_dialect,
+    x64_enabled,
+    x64_scope,
 )
 from ._guard import platform_guard  # noqa: F401
 from ._jaxpr import (  # noqa: F401

@@ -134,6 +134,18 @@ def ir_element_type(dtype):
     return jax_mlir.dtype_to_ir_type(dtype)
 
 
+def x64_enabled() -> bool:
+    """Whether 64-bit types are on (``jax_enable_x64``) where this is called."""
+    return bool(jax.config.jax_enable_x64)
+
+
+def x64_scope(enabled: bool = True):
+    """A context with ``jax_enable_x64`` set to ``enabled``.  ``jax.enable_x64``
+    on every supported JAX (0.9 to 0.12; ``jax.experimental.enable_x64``, its
+    older spelling, is gone from 0.10 and 0.12)."""
+    return jax.enable_x64(enabled)
+
+
 def exported_named_shardings(exp: jax.export.Exported):
     """``(in, out)``: the artifact's `NamedSharding`s over abstract meshes
     (``None`` where unspecified), or ``None`` when it records only

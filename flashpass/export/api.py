@@ -13,7 +13,7 @@ from flashpass.placement import trace_time_only
 from . import combine, sharded
 from .lift import LiftedModule, prepare
 from .report import ExportReport
-from .values import LiftError
+from .values import LiftError, x64_scope_for
 
 #: jax.export platform names -> flashpass.optimize's platform names.
 _OPTIMIZE_PLATFORM = {"cpu": "cpu", "tpu": "tpu", "cuda": "gpu", "rocm": "gpu"}
@@ -36,7 +36,8 @@ def explain(exp: jax.export.Exported, *, platforms=None, **options) -> ExportRep
     ``options`` are `flashpass.optimize`'s (``kernel=``, ``interpret=``, ...);
     the platform of each rewrite is the artifact's (``platforms=`` retargets).
     """
-    return _plan(exp, platforms, options).report
+    with _x64_scope(exp):
+        return _plan(exp, platforms, options).report
 
 
 def rewrite(exp: jax.export.Exported, *, platforms=None, **options) -> jax.export.Exported:
@@ -58,14 +59,27 @@ def rewrite_and_explain(
     exp: jax.export.Exported, *, platforms=None, **options
 ) -> tuple[jax.export.Exported, ExportReport]:
     """`rewrite` and `explain` at once (the module is lifted once)."""
-    plan = _plan(exp, platforms, options)
-    if plan.report.route == "kept":
-        return exp, plan.report
-    new = _export(plan)
+    with _x64_scope(exp):
+        plan = _plan(exp, platforms, options)
+        if plan.report.route == "kept":
+            return exp, plan.report
+        new = _export(plan)
+    if (new.in_avals, new.out_avals) != (exp.in_avals, exp.out_avals):
+        reason = "the re-exported avals differ from the artifact's"
+        return exp, ExportReport(route="kept", kept_reason=reason, platforms=plan.platforms)
     if compat.exported_hlo_shardings(new) != compat.exported_hlo_shardings(exp):
         reason = "the re-exported shardings differ from the artifact's"
         return exp, ExportReport(route="kept", kept_reason=reason, platforms=plan.platforms)
     return new, plan.report
+
+
+def _x64_scope(exp):
+    """x64 on while lifting and exporting an artifact with 64-bit types (an
+    int64 token input), so they are not narrowed to 32 bits: the result keeps
+    the artifact's avals and is called as the original is."""
+    if not isinstance(exp, jax.export.Exported):
+        return x64_scope_for("")
+    return x64_scope_for(exp.mlir_module())
 
 
 def _plan(exp, platforms, options) -> _Plan:
