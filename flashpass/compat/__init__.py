@@ -21,6 +21,7 @@ from ._export import (  # noqa: F401
     exported_from_module,
     exported_hlo_shardings,
     exported_named_shardings,
+    exported_with_module,
     exported_with_vjp,
     func_dialect,
     ir_element_type,

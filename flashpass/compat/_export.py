@@ -120,6 +120,12 @@ def exported_with_vjp(exp: jax.export.Exported, get_vjp) -> jax.export.Exported:
     return dataclasses.replace(exp, _get_vjp=get_vjp)
 
 
+def exported_with_module(exp: jax.export.Exported, module_bytes: bytes) -> jax.export.Exported:
+    """``exp`` (same signature, platforms and shardings) running another module,
+    with no derivative declared."""
+    return dataclasses.replace(exp, mlir_module_serialized=module_bytes, _get_vjp=None)
+
+
 def func_dialect():
     """The ``func`` dialect bindings (to build a module around one op)."""
     from jaxlib.mlir.dialects import func

@@ -40,7 +40,9 @@ def explain(exp: jax.export.Exported, *, platforms=None, **options) -> ExportRep
         return _plan(exp, platforms, options).report
 
 
-def rewrite(exp: jax.export.Exported, *, platforms=None, **options) -> jax.export.Exported:
+def rewrite(
+    exp: jax.export.Exported, *, platforms=None, route: str = "lift", **options
+) -> jax.export.Exported:
     """``exp`` with its attention sites rewritten to flash-attention kernels.
 
     The result is an `Exported` with the same input and output structure,
@@ -51,16 +53,27 @@ def rewrite(exp: jax.export.Exported, *, platforms=None, **options) -> jax.expor
     unchanged; `explain` says why.  An artifact exported over several devices
     keeps its input and output shardings and its sharding constraints (a
     mesh of all-Auto or all-Explicit axes; this host needs as many devices).
+
+    ``route="splice"`` replaces only each site's ops with a call to the
+    rewritten site, exported on its own, and leaves every other op of the
+    module as it was (single-platform, single-device artifacts; the result
+    declares no derivative).  See docs/stablehlo.md.
     """
-    return rewrite_and_explain(exp, platforms=platforms, **options)[0]
+    return rewrite_and_explain(exp, platforms=platforms, route=route, **options)[0]
 
 
 def rewrite_and_explain(
-    exp: jax.export.Exported, *, platforms=None, **options
+    exp: jax.export.Exported, *, platforms=None, route: str = "lift", **options
 ) -> tuple[jax.export.Exported, ExportReport]:
     """`rewrite` and `explain` at once (the module is lifted once)."""
+    if route not in ("lift", "splice"):
+        raise ValueError(f"route={route!r}: 'lift' or 'splice'")
     with _x64_scope(exp):
         plan = _plan(exp, platforms, options)
+        if route == "splice":
+            from .splice import splice
+
+            return splice(exp, plan.platforms, options, plan)
         if plan.report.route == "kept":
             return exp, plan.report
         new = _export(plan)
