@@ -4,11 +4,12 @@ The module is lifted as for the lift route, recording which StableHLO value
 each traced value came from.  The matcher finds the sites in the lifted
 jaxpr; each site's output and its q, k, v and side arrays are then values of
 the module.  The ops between them (the site's *cut*) are lifted alone as a
-small JAX function, rewritten by `flashpass.optimize` and exported for the
-artifact's platform; the export's functions are copied into the module under
-fresh names, the site's output is replaced by a ``func.call`` to them, and the
-cut's ops left without a use are erased.  Every other op of the module is left
-as it was.
+small JAX function, rewritten by `flashpass.optimize` and exported for each of
+the artifact's platforms (several are joined as `combine.join` joins the lift
+route's, and the call passes the platform index on); the export's functions are
+copied into the module under fresh names, the site's output is replaced by a
+``func.call`` to them, and the cut's ops left without a use are erased.  Every
+other op of the module is left as it was.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+import numpy as np
 
 from flashpass import compat
 from flashpass.api import Optimized
@@ -25,12 +27,9 @@ from flashpass.placement import trace_time_only
 from flashpass.report import Report
 
 from . import combine, ops
-from .lift import _functions, _Interpreter, prepare
+from .lift import _PLATFORM_INDEX, _arg_attrs, _functions, _Interpreter, prepare
 from .report import ExportReport
 from .values import LiftError, tensor_aval
-
-#: Ops of a cut that may hold regions: their bodies read only their own arguments.
-_ISOLATED_REGIONS = ("stablehlo.reduce",)
 
 
 class SpliceError(Exception):
@@ -64,56 +63,55 @@ def splice(exp: jax.export.Exported, platforms, options, planned) -> tuple:
 
     if planned.report.route == "kept":
         return kept(planned.report.kept_reason)
-    if len(platforms) > 1 or platforms != tuple(exp.platforms):
-        return kept(
-            "the splice route splices single-platform artifacts on their own platform "
-            "(one call to an exported kernel cannot dispatch on the platform index; "
-            "the lift route joins per-platform rewrites)"
-        )
+    if platforms != tuple(exp.platforms):
+        return kept("the splice route splices an artifact for its own platforms (no retargeting)")
     if exp.nr_devices != 1:
         return kept("the splice route splices single-device artifacts")
     if planned.lifted.islands:
         return kept("the splice route does not splice artifacts with opaque islands")
-    if not planned.report.rewrites:
+    if not any(r.rewrites for r in planned.report.by_platform.values()):
         return kept("no attention site is rewritten (the report says why)", planned.report)
 
-    platform = platforms[0]
     context = compat.mlir_context()
     module = compat.parse_module(exp.mlir_module_serialized, context)
     try:
-        cuts, notes = _cuts(module, exp, platform)
+        cuts, notes = _cuts(module, exp, platforms[0])
     except LiftError as err:
         return kept(str(err))
-    reports, done = [], 0
+    reports, done = {p: [] for p in platforms}, 0
     with context:
         for cut in sorted(cuts, key=lambda c: -c.position):  # downstream first
             try:
-                report = _splice_one(module, cut, platform, options, done)
+                by_platform = _splice_one(module, cut, platforms, options, done)
             except SpliceError as err:
                 notes.append(str(err))
                 continue
-            reports.append(report)
+            for p, report in by_platform.items():
+                reports[p].append(report)
             done += 1
     if not done:
         return kept("no site could be spliced: " + "; ".join(notes), planned.report)
     new = compat.exported_with_module(exp, compat.module_to_artifact(module))
-    rewrites = [r for report in reports for r in report.rewrites]
-    merged = Report(
-        rewrites=rewrites,
-        fallbacks=planned.report.fallbacks,
-        unrecognised=planned.report.unrecognised,
-        platform=platform,
-        jax_version=jax.__version__,
-    )
+    merged = {
+        p: Report(
+            rewrites=[r for report in reports[p] for r in report.rewrites],
+            fallbacks=planned.report.by_platform[p].fallbacks,
+            unrecognised=planned.report.by_platform[p].unrecognised,
+            platform=p,
+            jax_version=jax.__version__,
+        )
+        for p in platforms
+    }
+    first = merged[platforms[0]]
     return new, ExportReport(
-        rewrites=rewrites,
-        fallbacks=merged.fallbacks,
-        unrecognised=merged.unrecognised,
-        platform=platform,
-        jax_version=merged.jax_version,
+        rewrites=first.rewrites,
+        fallbacks=first.fallbacks,
+        unrecognised=first.unrecognised,
+        platform=first.platform,
+        jax_version=first.jax_version,
         route="splice",
         platforms=platforms,
-        by_platform={platform: merged},
+        by_platform=merged,
         splice_notes=notes,
     )
 
@@ -140,7 +138,9 @@ def _cuts(module, exp, platform) -> tuple[list, list]:
     where: dict = {}
     for (value, _), var in zip(record, extra, strict=True):
         if not compat.is_literal(var):
-            where.setdefault(var, value)
+            # The last: an op holding the one that made the value (a ``case``
+            # on the platform index around a dot_general) is recorded after it.
+            where[var] = value
     main = _functions(module)["main"]
     arguments = list(main.regions[0].blocks[0].arguments)
     arguments = arguments[1:] if lifted.has_platform_index else arguments
@@ -194,23 +194,39 @@ def _cut(root, stops) -> _Cut:
     work = [root]
     while work:
         value = work.pop()
-        vid = _value_id(value)
-        if vid in seen:
+        if value in seen:
             continue
-        seen.add(vid)
+        seen.add(value)
         if value in stops or isinstance(value.owner, ir.Block):
             leaves.append(value)
             continue
         op = value.owner.operation
         if _op_id(op) not in order:
             raise SpliceError("its ops are not in one block")
-        if len(op.regions) and op.name not in _ISOLATED_REGIONS:
-            raise SpliceError(f"it holds {op.name}, whose regions may read values around it")
         inside[_op_id(op)] = op
         work.extend(op.operands)
+        if len(op.regions):  # a case's branches read values from around it
+            work.extend(_captured(op))
     ops_in_order = [op for op in block.operations if _op_id(op) in inside]
     leaves.sort(key=_leaf_order(order))
     return _Cut(root, leaves, ops_in_order, order[_op_id(root_op)])
+
+
+def _captured(op) -> list:
+    """The values the regions of ``op`` read from outside ``op``."""
+    inside, uses = set(), []
+
+    def walk(parent):
+        for region in parent.regions:
+            for block in region.blocks:
+                inside.update(block.arguments)
+                for inner in block.operations:
+                    uses.extend(inner.operands)
+                    inside.update(inner.results)
+                    walk(inner.operation)
+
+    walk(op)
+    return [v for v in uses if v not in inside]
 
 
 def _leaf_order(order):
@@ -228,46 +244,85 @@ def _op_id(op):
     return op.operation if hasattr(op, "operation") else op
 
 
-def _value_id(value):
-    return value
-
-
-def _splice_one(module, cut: _Cut, platform: str, options, index: int) -> Report:
-    """Replace ``cut`` in ``module`` with a call to its rewritten export."""
+def _splice_one(module, cut: _Cut, platforms: tuple, options, index: int) -> dict:
+    """Replace ``cut`` in ``module`` with a call to its rewritten export (one per
+    platform, joined as `combine.join` joins the lift route's); each platform's report."""
     from .api import _OPTIMIZE_PLATFORM
 
     ir = compat.ir_module()
     func = compat.func_dialect()
     lifted = prepare(module)
     root_aval = tensor_aval(cut.root.type)
+    platform_index, leaves = None, list(cut.leaves)
+    if len(platforms) > 1:
+        platform_index = _platform_index(cut)
+        # Each platform's cut is lifted with the index a constant, as the lift
+        # route does: a case on it keeps only that platform's branch.
+        leaves = [v for v in leaves if v != platform_index]
 
-    def site(*arrays):
-        interp = _Interpreter(lifted, (platform,))
-        interp.envs.append(dict(zip(cut.leaves, arrays, strict=True)))
-        env = interp.envs[-1]
-        for op in cut.ops:
-            name = op.operation.name
-            results = interp.run_op(op, name, [env[v] for v in op.operands])
-            env.update(zip(op.results, results, strict=True))
-        return ops.as_output(env[cut.root], root_aval)
+    def site_for(platform):
+        def site(*arrays):
+            interp = _Interpreter(lifted, (platform,))
+            env = dict(zip(leaves, arrays, strict=True))
+            if platform_index is not None:
+                env[platform_index] = np.asarray(platforms.index(platform), np.int32)
+            interp.envs.append(env)
+            for op in cut.ops:
+                name = op.operation.name
+                results = interp.run_op(op, name, [env[v] for v in op.operands])
+                env.update(zip(op.results, results, strict=True))
+            return ops.as_output(env[cut.root], root_aval)
 
-    structs = [tensor_aval(v.type) for v in cut.leaves]
+        return site
+
+    structs = [tensor_aval(v.type) for v in leaves]
     structs = [jax.ShapeDtypeStruct(s.shape, s.dtype) for s in structs]
-    optimized = Optimized(site, platform=_OPTIMIZE_PLATFORM[platform], **options)
-    with trace_time_only():
-        report = optimized.explain(*structs)
-        if len(report.rewrites) != 1:
-            raise SpliceError(f"its cut alone has {len(report.rewrites)} rewritten sites, not 1")
-        kernel = jax.export.export(jax.jit(optimized), platforms=(platform,))(*structs)
+    reports, exports = {}, []
+    for platform in platforms:
+        optimized = Optimized(site_for(platform), platform=_OPTIMIZE_PLATFORM[platform], **options)
+        with trace_time_only():
+            report = optimized.explain(*structs)
+            if len(report.rewrites) != 1:
+                raise SpliceError(
+                    f"its cut alone has {len(report.rewrites)} rewritten sites on {platform}, not 1"
+                )
+            try:
+                exports.append(
+                    jax.export.export(jax.jit(optimized), platforms=(platform,))(*structs)
+                )
+            except Exception as err:  # a kernel this host cannot lower for that platform
+                raise SpliceError(
+                    f"its {platform} kernel cannot be exported from this host "
+                    f"({type(err).__name__}: {str(err)[:200]})"
+                ) from None
+        reports[platform] = report
+    kernel = exports[0] if len(exports) == 1 else combine.join(exports, platforms)
     kernel_module = compat.parse_module(kernel.mlir_module_serialized, module.context)
     with ir.InsertionPoint(module.body):
         callee = combine._copy_functions(kernel_module, f"_flashpass_splice{index}_")
     symbol = ir.FlatSymbolRefAttr.get(ir.StringAttr(callee.sym_name).value)
-    args = [cut.leaves[j] for j in kernel.module_kept_var_idx]
+    args = [leaves[j] for j in kernel.module_kept_var_idx]
+    if platform_index is not None:
+        args.insert(0, platform_index)
     with ir.InsertionPoint(cut.root.owner.operation), cut.root.owner.operation.location:
         call = func.CallOp([cut.root.type], symbol, args)
     cut.root.replace_all_uses_with(call.results[0])
     for op in reversed(cut.ops):  # the cut's ops left without a use
         if all(not list(r.uses) for r in op.results):
             op.operation.erase()
-    return report
+    return reports
+
+
+def _platform_index(cut: _Cut):
+    """The platform index the function holding ``cut`` takes (its first argument,
+    marked as `jax.export` marks it), which the spliced call passes on."""
+    ir = compat.ir_module()
+    block = cut.root.owner.operation.block
+    owner = block.owner
+    if owner is None or owner.operation.name != "func.func" or not len(block.arguments):
+        raise SpliceError("it is not in a function's body, where the platform index is")
+    attrs = _arg_attrs(owner, len(block.arguments))
+    if not (attrs and _PLATFORM_INDEX in str(attrs[0])):
+        raise SpliceError("the function holding it does not take the platform index")
+    del ir
+    return block.arguments[0]

@@ -151,12 +151,43 @@ def test_no_site_is_returned_unchanged():
     assert "kept unchanged" in str(report)
 
 
-def test_multi_platform_artifacts_are_kept_with_the_reason():
-    variant = BY_NAME["causal"]
-    exp = jax.export.export(jax.jit(variant.fn), platforms=("cpu", "tpu"))(*variant.structs())
-    new, report = fx.rewrite_and_explain(exp, route="splice", kernel=KERNEL)
-    assert new is exp and report.route == "kept"
-    assert "single-platform" in report.kept_reason and "platform index" in report.kept_reason
+def test_multi_platform_each_platform_gets_its_kernel():
+    """A ("cpu", "tpu") artifact: the call passes the platform index to a joined
+    export, whose TPU branch holds the Pallas kernel's custom call."""
+    shape = (1, T, 2, 128)
+    x = jax.ShapeDtypeStruct(shape, jnp.float32)
+    causal = BY_NAME["causal"].fn
+    exp = jax.export.export(jax.jit(causal), platforms=("cpu", "tpu"))(x, x, x)
+    new, report = fx.rewrite_and_explain(exp, route="splice", kernel=["splash", "blockwise"])
+    assert report.route == "splice", str(report)
+    assert report.by_platform["tpu"].kernels == ["splash"], str(report)
+    assert report.by_platform["cpu"].kernels == ["blockwise"], str(report)
+    new = jax.export.deserialize(new.serialize())
+    assert new.platforms == ("cpu", "tpu") and new.in_avals == exp.in_avals
+    text = new.mlir_module()
+    assert "stablehlo.custom_call @tpu_custom_call" in text
+    assert "tpu_custom_call" not in exp.mlir_module()
+    before, after = _functions(exp.mlir_module()), _functions(text)
+    main = after["main"]
+    assert "call @_flashpass_splice0_main(%arg0, %arg1, %arg2, %arg3)" in main
+    assert not _txs(_ops(main)) and _txs(_ops(before["main"]))
+    assert "stablehlo.case" not in main  # the platform cases around the products went too
+    for name, body in before.items():  # tril and _where: now unused, kept as they were
+        if name != "main":
+            assert after[name] == body, name
+    rng = np.random.default_rng(0)
+    q, k, v = (jnp.asarray(rng.standard_normal(shape), jnp.float32) for _ in range(3))
+    np.testing.assert_allclose(jax.jit(new.call)(q, k, v), causal(q, k, v), atol=2e-5)
+
+
+def test_a_platform_this_host_cannot_emit_keeps_the_site():
+    """Pallas GPU's Triton call cannot be exported (no compatibility guarantee):
+    the site is kept, and the report says why."""
+    x = jax.ShapeDtypeStruct((1, T, 2, 128), jnp.float32)
+    exp = jax.export.export(jax.jit(BY_NAME["causal"].fn), platforms=("cpu", "cuda"))(x, x, x)
+    new, report = fx.rewrite_and_explain(exp, route="splice", kernel=["pallas_gpu", "blockwise"])
+    assert new is exp and report.route == "kept", str(report)
+    assert "cuda kernel cannot be exported from this host" in report.kept_reason
 
 
 def test_a_spliced_artifact_declares_no_derivative():
