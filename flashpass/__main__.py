@@ -35,7 +35,7 @@ def _parser() -> argparse.ArgumentParser:
         choices=("lift", "splice"),
         default="lift",
         help="lift: re-export the lifted program (default); splice: replace only the "
-        "sites' ops, leaving the rest of the module as it is (no derivative)",
+        "sites' ops, leaving the rest of the module as it is (derivative: lift's)",
     )
     for sub in (explain, rewrite):
         sub.add_argument(

@@ -56,8 +56,8 @@ def rewrite(
 
     ``route="splice"`` replaces only each site's ops with a call to the
     rewritten site, exported on its own, and leaves every other op of the
-    module as it was (single-device artifacts, each platform its kernel; the result
-    declares no derivative).  See docs/stablehlo.md.
+    module as it was (single-device artifacts, each platform its kernel; its
+    derivative is the lift route's).  See docs/stablehlo.md.
     """
     return rewrite_and_explain(exp, platforms=platforms, route=route, **options)[0]
 

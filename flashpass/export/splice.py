@@ -92,6 +92,7 @@ def splice(exp: jax.export.Exported, platforms, options, planned) -> tuple:
     if not done:
         return kept("no site could be spliced: " + "; ".join(notes), planned.report)
     new = compat.exported_with_module(exp, compat.module_to_artifact(module))
+    new = compat.exported_with_vjp(new, lambda _: _lift_vjp(exp, options))
     merged = {
         p: Report(
             rewrites=[r for report in reports[p] for r in report.rewrites],
@@ -114,6 +115,23 @@ def splice(exp: jax.export.Exported, platforms, options, planned) -> tuple:
         by_platform=merged,
         splice_notes=notes,
     )
+
+
+def _lift_vjp(exp, options) -> jax.export.Exported:
+    """The spliced artifact's derivative: the lift route's, built when asked for.
+
+    A `jax.export` VJP takes the primal inputs and the output cotangents and
+    recomputes what it needs (no residuals pass from the forward), so any
+    export of the same function's VJP pairs with the spliced forward; the lift
+    route's runs the kernels' own backward."""
+    from .api import rewrite_and_explain
+
+    lifted, report = rewrite_and_explain(exp, route="lift", **options)
+    if lifted is exp:
+        raise ValueError(
+            f"the spliced artifact has no derivative: the lift route kept it ({report.kept_reason})"
+        )
+    return lifted.vjp()
 
 
 def _cuts(module, exp, platform) -> tuple[list, list]:

@@ -162,6 +162,9 @@ def test_multi_platform_each_platform_gets_its_kernel():
     assert report.route == "splice", str(report)
     assert report.by_platform["tpu"].kernels == ["splash"], str(report)
     assert report.by_platform["cpu"].kernels == ["blockwise"], str(report)
+    # The derivative (the lift route's) has TPU's kernel backward too.
+    vjp = jax.export.deserialize(new.serialize(vjp_order=1)).vjp()
+    assert "tpu_custom_call" in vjp.mlir_module()
     new = jax.export.deserialize(new.serialize())
     assert new.platforms == ("cpu", "tpu") and new.in_avals == exp.in_avals
     text = new.mlir_module()
@@ -190,13 +193,28 @@ def test_a_platform_this_host_cannot_emit_keeps_the_site():
     assert "cuda kernel cannot be exported from this host" in report.kept_reason
 
 
-def test_a_spliced_artifact_declares_no_derivative():
-    variant = BY_NAME["causal"]
+@pytest.mark.parametrize("name", ["causal", "gqa"])
+def test_the_derivative_is_the_lift_routes(name):
+    """``serialize(vjp_order=1)`` ships the lift route's VJP of the same
+    function: ``jax.grad`` matches the original's, with no T×S array."""
+    from txs import txs_shapes
+
+    variant = BY_NAME[name]
     exp = jax.export.export(jax.jit(variant.fn))(*variant.structs())
-    new = fx.rewrite(exp, route="splice", kernel=KERNEL)
-    assert not new.has_vjp()
-    with pytest.raises(ValueError):
-        new.serialize(vjp_order=1)
+    new = jax.export.deserialize(
+        fx.rewrite(exp, route="splice", kernel=KERNEL).serialize(vjp_order=1)
+    )
+    assert new.has_vjp() and "call @_flashpass_splice0_" in new.mlir_module()
+    args = variant.args()
+
+    def loss(f):
+        return lambda *a: jnp.sum(f(*a) ** 2)
+
+    grad_new = jax.jit(jax.grad(loss(new.call), argnums=(0, 1, 2)))
+    want = jax.grad(loss(variant.fn), argnums=(0, 1, 2))(*args)
+    for g, w in zip(grad_new(*args), want, strict=True):
+        np.testing.assert_allclose(g, w, atol=1e-4)
+    assert not txs_shapes(grad_new.lower(*args).compile().as_text(), variant.t, variant.s)
 
 
 def test_int64_artifacts_are_spliced_too():
