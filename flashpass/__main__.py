@@ -2,6 +2,7 @@
 
 python -m flashpass explain FILE [--kernel K] [--platform P] [--json]
 python -m flashpass rewrite IN OUT [--kernel K] [--platform P] [--vjp-order N]
+                                  [--route lift|splice]
 
 FILE/IN is a serialized `jax.export.Exported`, a StableHLO portable artifact,
 MLIR bytecode or MLIR text; OUT is written as a serialized `Exported`.
@@ -29,6 +30,13 @@ def _parser() -> argparse.ArgumentParser:
         help="derivative orders serialized with the artifact (1: jax.grad works on it)",
     )
     rewrite.add_argument("--quiet", action="store_true", help="do not print the report")
+    rewrite.add_argument(
+        "--route",
+        choices=("lift", "splice"),
+        default="lift",
+        help="lift: re-export the lifted program (default); splice: replace only the "
+        "sites' ops, leaving the rest of the module as it is (derivative: lift's)",
+    )
     for sub in (explain, rewrite):
         sub.add_argument(
             "--kernel",
@@ -71,7 +79,7 @@ def main(argv=None) -> int:
             report = export.explain(exp, **options)
             print(report.to_json(indent=2) if args.json else report)
             return 0
-        new, report = export.rewrite_and_explain(exp, **options)
+        new, report = export.rewrite_and_explain(exp, route=args.route, **options)
         with open(args.output, "wb") as f:
             f.write(new.serialize(vjp_order=args.vjp_order))
     except (ValueError, TypeError, export.LiftError) as err:

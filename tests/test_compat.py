@@ -190,6 +190,13 @@ def test_dce():
         old_jaxpr, old_consts = compat.closed_parts(closed)
         assert len(jaxpr.invars) == len(old_jaxpr.invars)
         assert len(consts) == len(old_consts) == len(jaxpr.constvars) == 1
+        # Outputs flagged unused are dropped, with the equations only they need;
+        # what is kept is the original's (the same equations and variables).
+        two = jax.make_jaxpr(lambda x: (jnp.sin(x), jnp.cos(x)))(jnp.ones(3))
+        first, _ = compat.closed_parts(compat.dce_closed_jaxpr(two, [True, False]))
+        old, _ = compat.closed_parts(two)
+        assert [e.primitive.name for e in first.eqns] == ["sin"]
+        assert first.eqns[0] is old.eqns[0] and first.outvars == old.outvars[:1]
 
 
 def test_source_info():
@@ -563,6 +570,16 @@ def test_exported_from_module_and_vjp():
         np.testing.assert_allclose(round_trip.call(x, y), exp.call(x, y))
 
 
+def test_exported_with_module():
+    exp = _small_export()
+    other = jax.export.export(jax.jit(lambda x, y: jnp.cos(x) @ y))(*exp.in_avals)
+    with uses("dataclasses.replace on jax.export.Exported (its private fields)"):
+        new = compat.exported_with_module(exp, other.mlir_module_serialized)
+        assert new.in_avals == exp.in_avals and not new.has_vjp()
+        x, y = jnp.ones((2, 3)), jnp.ones((3, 4))
+        np.testing.assert_allclose(new.call(x, y), jnp.cos(x) @ y, rtol=1e-6)
+
+
 def test_exported_shardings():
     from jax.sharding import AxisType, NamedSharding
     from jax.sharding import PartitionSpec as P
@@ -580,6 +597,17 @@ def test_exported_shardings():
         if round_trip.in_shardings_hlo[0] is not None:  # JAX 0.10 fills them, 0.12 does not
             assert hlo == (round_trip.in_shardings_hlo, round_trip.out_shardings_hlo)
         assert compat.exported_hlo_shardings(exp) == hlo
+
+
+def test_x64_scope():
+    with uses("jax.enable_x64 (a context manager) / jax.config.jax_enable_x64"):
+        outside = compat.x64_enabled()
+        with compat.x64_scope(True):
+            assert compat.x64_enabled()
+            assert jnp.zeros(2, jnp.int64).dtype == jnp.int64
+            with compat.x64_scope(False):
+                assert not compat.x64_enabled()
+        assert compat.x64_enabled() == outside
 
 
 # --------------------------------------------------------------------------- more entry points

@@ -21,6 +21,7 @@ from ._export import (  # noqa: F401
     exported_from_module,
     exported_hlo_shardings,
     exported_named_shardings,
+    exported_with_module,
     exported_with_vjp,
     func_dialect,
     ir_element_type,
@@ -30,6 +31,8 @@ from ._export import (  # noqa: F401
     module_to_artifact,
     parse_module,
     stablehlo_dialect,
+    x64_enabled,
+    x64_scope,
 )
 from ._guard import platform_guard  # noqa: F401
 from ._jaxpr import (  # noqa: F401

@@ -120,6 +120,12 @@ def exported_with_vjp(exp: jax.export.Exported, get_vjp) -> jax.export.Exported:
     return dataclasses.replace(exp, _get_vjp=get_vjp)
 
 
+def exported_with_module(exp: jax.export.Exported, module_bytes: bytes) -> jax.export.Exported:
+    """``exp`` (same signature, platforms and shardings) running another module,
+    with no derivative declared."""
+    return dataclasses.replace(exp, mlir_module_serialized=module_bytes, _get_vjp=None)
+
+
 def func_dialect():
     """The ``func`` dialect bindings (to build a module around one op)."""
     from jaxlib.mlir.dialects import func
@@ -132,6 +138,18 @@ def ir_element_type(dtype):
     from jax._src.interpreters import mlir as jax_mlir
 
     return jax_mlir.dtype_to_ir_type(dtype)
+
+
+def x64_enabled() -> bool:
+    """Whether 64-bit types are on (``jax_enable_x64``) where this is called."""
+    return bool(jax.config.jax_enable_x64)
+
+
+def x64_scope(enabled: bool = True):
+    """A context with ``jax_enable_x64`` set to ``enabled``.  ``jax.enable_x64``
+    on every supported JAX (0.9 to 0.12; ``jax.experimental.enable_x64``, its
+    older spelling, is gone from 0.10 and 0.12)."""
+    return jax.enable_x64(enabled)
 
 
 def exported_named_shardings(exp: jax.export.Exported):

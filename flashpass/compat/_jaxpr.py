@@ -357,11 +357,13 @@ def _eval_jaxpr(jaxpr, consts, args) -> list:
     return [read(v) for v in jaxpr.outvars]
 
 
-def dce_closed_jaxpr(closed):
-    """Remove dead equations, keeping every input and output (the signature)."""
+def dce_closed_jaxpr(closed, used_outputs=None):
+    """Remove dead equations, keeping every input and the outputs flagged in
+    ``used_outputs`` (default: all of them, the signature).  The equations and
+    variables kept are the original's."""
     jaxpr, consts = closed_parts(closed)
     # JAX < 0.10 takes one bool per output (no bare ``True`` shorthand).
-    used = [True] * len(jaxpr.outvars)
+    used = [True] * len(jaxpr.outvars) if used_outputs is None else list(used_outputs)
     # Since JAX 0.11 the constants stay attached (constvars are never pruned).
     new, _ = _pe.dce_jaxpr(jaxpr, used, instantiate=True)
     return new if UNIFIED_JAXPR else closed_jaxpr(new, consts)

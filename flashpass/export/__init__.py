@@ -20,7 +20,7 @@ from .api import explain, rewrite, rewrite_and_explain
 from .lift import LiftedModule, prepare
 from .ops import rule_names
 from .report import ExportReport
-from .values import LiftError
+from .values import LiftError, x64_scope_for
 
 __all__ = [
     "ExportReport",
@@ -73,10 +73,11 @@ def _from_module(data, platforms) -> jax.export.Exported:
             + ("takes" if lifted.has_platform_index else "does not take")
             + " a platform index"
         )
-    return compat.exported_from_module(
-        compat.module_to_artifact(module),
-        fun_name="main",
-        in_avals=lifted.in_avals,
-        out_avals=lifted.out_avals,
-        platforms=platforms,
-    )
+    with x64_scope_for(str(module)):  # int64 inputs stay int64 (torch_xla's tokens)
+        return compat.exported_from_module(
+            compat.module_to_artifact(module),
+            fun_name="main",
+            in_avals=lifted.in_avals,
+            out_avals=lifted.out_avals,
+            platforms=platforms,
+        )

@@ -13,7 +13,7 @@ from flashpass.placement import trace_time_only
 from . import combine, sharded
 from .lift import LiftedModule, prepare
 from .report import ExportReport
-from .values import LiftError
+from .values import LiftError, x64_scope_for
 
 #: jax.export platform names -> flashpass.optimize's platform names.
 _OPTIMIZE_PLATFORM = {"cpu": "cpu", "tpu": "tpu", "cuda": "gpu", "rocm": "gpu"}
@@ -36,10 +36,13 @@ def explain(exp: jax.export.Exported, *, platforms=None, **options) -> ExportRep
     ``options`` are `flashpass.optimize`'s (``kernel=``, ``interpret=``, ...);
     the platform of each rewrite is the artifact's (``platforms=`` retargets).
     """
-    return _plan(exp, platforms, options).report
+    with _x64_scope(exp):
+        return _plan(exp, platforms, options).report
 
 
-def rewrite(exp: jax.export.Exported, *, platforms=None, **options) -> jax.export.Exported:
+def rewrite(
+    exp: jax.export.Exported, *, platforms=None, route: str = "lift", **options
+) -> jax.export.Exported:
     """``exp`` with its attention sites rewritten to flash-attention kernels.
 
     The result is an `Exported` with the same input and output structure,
@@ -50,22 +53,46 @@ def rewrite(exp: jax.export.Exported, *, platforms=None, **options) -> jax.expor
     unchanged; `explain` says why.  An artifact exported over several devices
     keeps its input and output shardings and its sharding constraints (a
     mesh of all-Auto or all-Explicit axes; this host needs as many devices).
+
+    ``route="splice"`` replaces only each site's ops with a call to the
+    rewritten site, exported on its own, and leaves every other op of the
+    module as it was (single-device artifacts, each platform its kernel; its
+    derivative is the lift route's).  See docs/stablehlo.md.
     """
-    return rewrite_and_explain(exp, platforms=platforms, **options)[0]
+    return rewrite_and_explain(exp, platforms=platforms, route=route, **options)[0]
 
 
 def rewrite_and_explain(
-    exp: jax.export.Exported, *, platforms=None, **options
+    exp: jax.export.Exported, *, platforms=None, route: str = "lift", **options
 ) -> tuple[jax.export.Exported, ExportReport]:
     """`rewrite` and `explain` at once (the module is lifted once)."""
-    plan = _plan(exp, platforms, options)
-    if plan.report.route == "kept":
-        return exp, plan.report
-    new = _export(plan)
+    if route not in ("lift", "splice"):
+        raise ValueError(f"route={route!r}: 'lift' or 'splice'")
+    with _x64_scope(exp):
+        plan = _plan(exp, platforms, options)
+        if route == "splice":
+            from .splice import splice
+
+            return splice(exp, plan.platforms, options, plan)
+        if plan.report.route == "kept":
+            return exp, plan.report
+        new = _export(plan)
+    if (new.in_avals, new.out_avals) != (exp.in_avals, exp.out_avals):
+        reason = "the re-exported avals differ from the artifact's"
+        return exp, ExportReport(route="kept", kept_reason=reason, platforms=plan.platforms)
     if compat.exported_hlo_shardings(new) != compat.exported_hlo_shardings(exp):
         reason = "the re-exported shardings differ from the artifact's"
         return exp, ExportReport(route="kept", kept_reason=reason, platforms=plan.platforms)
     return new, plan.report
+
+
+def _x64_scope(exp):
+    """x64 on while lifting and exporting an artifact with 64-bit types (an
+    int64 token input), so they are not narrowed to 32 bits: the result keeps
+    the artifact's avals and is called as the original is."""
+    if not isinstance(exp, jax.export.Exported):
+        return x64_scope_for("")
+    return x64_scope_for(exp.mlir_module())
 
 
 def _plan(exp, platforms, options) -> _Plan:

@@ -44,15 +44,18 @@ class LiftedModule:
     islands: dict = dataclasses.field(default_factory=dict)  # op name -> Island
     meshes: dict = dataclasses.field(default_factory=dict)  # sdy mesh -> Mesh (several devices)
 
-    def function(self, platform_index: int = 0, platforms=("cpu",)):
+    def function(self, platform_index: int = 0, platforms=("cpu",), record=None):
         """A JAX function ``f(*arrays) -> tuple of arrays`` computing ``main``.
 
         ``platform_index`` selects the platform-specific branches of a
         multi-platform module (its ``case`` on the platform index is resolved
-        while lifting)."""
+        while lifting).  ``record``, a list, receives ``(MLIR value, traced
+        value)`` for each op result lifted to a traced value (the splice
+        route finds a site's values in the module through it)."""
 
         def lifted(*arrays):
             interp = _Interpreter(self, platforms)
+            interp.record = record
             args = list(arrays)
             if self.has_platform_index:
                 args.insert(0, np.asarray(platform_index, np.int32))
@@ -111,6 +114,7 @@ class _Interpreter:
         # One value map per function being run; regions (reduce bodies,
         # branches, loops) read and extend their function's map.
         self.envs: list[dict] = []
+        self.record: list | None = None  # (MLIR value, traced value), see `function`
 
     def call(self, name: str, args: list) -> list:
         func = self.funcs.get(name)
@@ -145,6 +149,8 @@ class _Interpreter:
                 raise LiftError(f"{name}: {len(results)} results for {len(op.results)}")
             for value, result in zip(op.results, results, strict=True):
                 env[value] = result
+                if self.record is not None and compat.is_tracer(result):
+                    self.record.append((value, result))
         raise LiftError("a block without a return")
 
     def run_op(self, op, name: str, operands: list) -> list:

@@ -24,6 +24,8 @@ class ExportReport(Report):
     platforms: tuple = ()
     islands: list = dataclasses.field(default_factory=list)
     by_platform: dict = dataclasses.field(default_factory=dict, repr=False)
+    #: The splice route: why a site found was not spliced (it is kept as written).
+    splice_notes: list = dataclasses.field(default_factory=list)
 
     def to_dict(self) -> dict:
         out = super().to_dict()
@@ -33,6 +35,7 @@ class ExportReport(Report):
             platforms=list(self.platforms),
             islands=[dataclasses.asdict(i) for i in self.islands],
             by_platform={p: r.to_dict() for p, r in self.by_platform.items()},
+            splice_notes=list(self.splice_notes),
         )
         return out
 
@@ -41,6 +44,7 @@ class ExportReport(Report):
         if self.route == "kept":
             return f"{head}\n  kept unchanged: {self.kept_reason}"
         lines = [head]
+        lines += [f"  not spliced (kept as written): {note}" for note in self.splice_notes]
         for island in self.islands:
             lines.append(
                 f"  opaque island: {island.op} x{island.count} at {island.location} "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import re
 
@@ -31,6 +32,20 @@ _ELEMENT_TYPES = {
     "complex<f32>": np.dtype(np.complex64),
     "complex<f64>": np.dtype(np.complex128),
 }
+
+
+#: A tensor type with 64-bit elements (what JAX without x64 would narrow to 32 bits).
+_WIDE_TENSOR = re.compile(r"tensor<(?:[0-9?]+x)*(?:i64|ui64|f64|complex<f64>)>")
+
+
+def x64_scope_for(module_text: str):
+    """A context in which the module's 64-bit types stay 64-bit: x64 on while
+    lifting, tracing and exporting a module that holds any (``jax.export``
+    records them as they are, so the result keeps the artifact's avals), and
+    nothing otherwise or where x64 is on already."""
+    if compat.x64_enabled() or not _WIDE_TENSOR.search(module_text):
+        return contextlib.nullcontext()
+    return compat.x64_scope(True)
 
 
 class LiftError(Exception):

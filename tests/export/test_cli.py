@@ -60,3 +60,15 @@ def test_bad_input_is_an_error_not_a_traceback(tmp_path):
     assert proc.returncode == 2 and proc.stderr.startswith("error:"), proc.stderr
     proc = _run("rewrite", str(path), str(tmp_path / "out.bin"), "--platform", "vax", check=False)
     assert proc.returncode == 2 and "error:" in proc.stderr
+
+
+def test_rewrite_route_splice(tmp_path):
+    variant = VARIANTS[1]
+    path = _artifact(tmp_path, variant)
+    out = tmp_path / "spliced.bin"
+    proc = _run("rewrite", str(path), str(out), "--kernel", "blockwise", "--route", "splice")
+    assert "route splice" in proc.stdout and "1 rewritten" in proc.stdout, proc.stdout
+    new = jax.export.deserialize(out.read_bytes())
+    assert "call @_flashpass_splice0_" in new.mlir_module()
+    args = variant.args()
+    np.testing.assert_allclose(new.call(*args), variant.fn(*args), atol=2e-5)

@@ -135,3 +135,46 @@ def test_gather_is_lifted_and_differentiable():
     expected = jax.grad(loss(_embed_and_attend), argnums=(0, 1))(table, w)
     for g, e in zip(got, expected, strict=True):
         np.testing.assert_allclose(g, e, atol=1e-3, rtol=1e-4)
+
+
+def _tokens_embedded_and_attended(tokens, table, wk, wv):
+    x = table[tokens]  # [B, T, D]
+    q, k, v = x[:, :, None, :], (x @ wk)[:, :, None, :], (x @ wv)[:, :, None, :]
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, k) * 0.25
+    return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, -1), v), tokens.sum()
+
+
+def _int64_tokens_export():
+    structs = [jax.ShapeDtypeStruct((1, 128), jnp.int64)]
+    structs += [jax.ShapeDtypeStruct(s, jnp.float32) for s in ((50, 16), (16, 16), (16, 16))]
+    with compat.x64_scope(True):  # as torch_xla's modules take their tokens
+        return jax.export.export(jax.jit(_tokens_embedded_and_attended))(*structs)
+
+
+@pytest.mark.parametrize("form", ["serialized", "text"])
+def test_int64_inputs_without_x64(form):
+    """An artifact taking int64 tokens is lifted and re-exported with x64 on
+    (inside a scope): its avals stay 64-bit, and it is called as the original is."""
+    assert not compat.x64_enabled()
+    exp = _int64_tokens_export()
+    exp = fx.load(exp.serialize() if form == "serialized" else exp.mlir_module())
+    assert exp.in_avals[0].dtype == jnp.int64 and exp.out_avals[1].dtype == jnp.int64
+    new, report = fx.rewrite_and_explain(exp, kernel="blockwise")
+    assert not compat.x64_enabled()  # the scope does not leak
+    assert report.route == "lift" and len(report.rewrites) == 1, str(report)
+    assert new is not exp
+    assert new.in_avals == exp.in_avals and new.out_avals == exp.out_avals
+    new = jax.export.deserialize(new.serialize())
+    assert new.in_avals == exp.in_avals and new.out_avals == exp.out_avals
+
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, 50, (1, 128)).astype(np.int64)
+    weights = [rng.standard_normal(s).astype(np.float32) for s in ((50, 16), (16, 16), (16, 16))]
+    with compat.x64_scope(True):  # an int64 argument needs x64, for the original too
+        got, want = new.call(tokens, *weights), exp.call(tokens, *weights)
+    np.testing.assert_allclose(got[0], want[0], atol=1e-5)
+    assert got[1].dtype == want[1].dtype == jnp.int64 and got[1] == want[1]
+    # Without x64 an int64 argument arrives as int32: refused alike by both.
+    for artifact in (exp, new):
+        with pytest.raises(ValueError, match="expected int64"):
+            artifact.call(jnp.asarray(tokens), *weights)
