@@ -15,6 +15,8 @@ import flashpass.export as fx
 from flashpass import compat
 from flashpass.kernels.blockwise import BlockwiseKernel
 
+from jax_versions import requires_triton
+
 KERNEL = BlockwiseKernel(block_q=64, block_k=64)
 BY_NAME = {v.name: v for v in VARIANTS}
 T = S = 256
@@ -183,6 +185,7 @@ def test_multi_platform_each_platform_gets_its_kernel():
     np.testing.assert_allclose(jax.jit(new.call)(q, k, v), causal(q, k, v), atol=2e-5)
 
 
+@requires_triton
 def test_a_platform_this_host_cannot_emit_keeps_the_site():
     """Pallas GPU's Triton call cannot be exported (no compatibility guarantee):
     the site is kept, and the report says why."""
@@ -191,6 +194,26 @@ def test_a_platform_this_host_cannot_emit_keeps_the_site():
     new, report = fx.rewrite_and_explain(exp, route="splice", kernel=["pallas_gpu", "blockwise"])
     assert new is exp and report.route == "kept", str(report)
     assert "cuda kernel cannot be exported from this host" in report.kept_reason
+
+
+def test_an_export_failure_for_one_platform_keeps_the_site(monkeypatch):
+    """Whatever the kernel, a cut whose export fails for one platform (on JAX
+    0.11.1+ no kernel of this host's fails for cuda, so it is simulated) keeps
+    the site on every platform, with the error in the reason."""
+    x = jax.ShapeDtypeStruct((1, T, 2, 128), jnp.float32)
+    exp = jax.export.export(jax.jit(BY_NAME["causal"].fn), platforms=("cpu", "cuda"))(x, x, x)
+    real = jax.export.export
+
+    def export(fn, *, platforms=None, **kw):
+        if platforms == ("cuda",):
+            raise NotImplementedError("no cuda lowering here")
+        return real(fn, platforms=platforms, **kw)
+
+    monkeypatch.setattr(jax.export, "export", export)
+    new, report = fx.rewrite_and_explain(exp, route="splice", kernel="blockwise")
+    assert new is exp and report.route == "kept", str(report)
+    assert "cuda kernel cannot be exported from this host" in report.kept_reason
+    assert "no cuda lowering here" in report.kept_reason
 
 
 @pytest.mark.parametrize("name", ["causal", "gqa"])
