@@ -13,8 +13,9 @@
 # compat self-test, the kernel conformance tests (Pallas in interpret mode) and
 # the tokamax adapter's tests (tokamax's XLA implementations on CPU), these three
 # with JAX's DeprecationWarnings as errors, the model-free integration tests
-# (kernels end to end, lowering, jax.nn.dot_product_attention), training steps
-# and the 8-device sharding tests (rings): about six minutes.  Of the ring-step numerics
+# (kernels end to end, lowering, jax.nn.dot_product_attention), training steps,
+# the 8-device sharding tests (rings) and flashpass.export (lift and splice routes;
+# about 2 minutes of the leg's 11).  Of the ring-step numerics
 # (tests/kernels/test_ring_steps.py) it runs each kernel's causal float32 case,
 # which exercises the private backward entry points compat wraps; the other
 # cases run on the pinned versions (interpret mode is slower on the newest JAX).
@@ -59,4 +60,5 @@ FLASHPASS_HYPOTHESIS_PROFILE=quick "$venv/bin/python" -m pytest -q -p no:cachepr
     tests/kernels --ignore=tests/kernels/test_conformance.py --ignore=tests/kernels/test_tokamax.py \
     tests/test_kernel_integration.py tests/test_lowering.py \
     tests/models/test_jax_nn.py tests/test_training.py tests/sharding/test_session.py \
+    tests/export \
     -k "not every_spelling and not (merge_to_the_reference and not causal-float32)"
