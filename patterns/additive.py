@@ -70,6 +70,11 @@ class AdditiveGroup:
     ops: tuple
     at: str = ""  # where the bias is added, for the report
 
+    def holds(self, op) -> bool:
+        """Whether ``op`` is one of the group's (by identity: equal ops of
+        another mask are not)."""
+        return any(op is g for g in self.ops)
+
     def why_dense(self, build, others) -> str | None:
         """Why the group must be the original bias again (None: it need not).
         ``others``: the site's ops outside the group."""
@@ -78,7 +83,7 @@ class AdditiveGroup:
             # level, where s + fill and the fill itself no longer agree.
             return "the additive mask is added with another bias (it stays one dense array)"
         for i, op in enumerate(build.ops):
-            if any(op is g for g in self.ops) and hasattr(op, "fill"):
+            if self.holds(op) and hasattr(op, "fill"):
                 if not excludes(fill_after(op.fill, build.ops[i + 1 :])):
                     return ""  # a later op undoes its exclusion: the literal bias, no note
         return None
@@ -91,11 +96,11 @@ def settle(build) -> None:
     """Turn each additive group that cannot stay descriptors back into its
     dense bias (`AdditiveGroup.why_dense`), noting why for the report."""
     for group in build.additive:
-        others = [op for op in build.ops if not any(op is g for g in group.ops)]
+        others = [op for op in build.ops if not group.holds(op)]
         why = group.why_dense(build, others)
         if why is None:
             continue
-        at = [i for i, op in enumerate(build.ops) if any(op is g for g in group.ops)]
+        at = [i for i, op in enumerate(build.ops) if group.holds(op)]
         build.ops[at[0]] = group.literal(build)
         for i in at[1:]:
             build.ops[i] = None

@@ -174,10 +174,9 @@ def compared_broadcast(scope, factor: Profile):
         x = node.ins[side]
         if value is None or scope.shape(x) != scope.shape(factor.base):
             continue
-        inner = profile(scope, x, scope.shape(x))
-        axes = tuple(None if a is None else inner.axes[a] for a in factor.axes)
-        if sum(a is not None for a in axes) < sum(a is not None for a in factor.axes):
-            return Profile(inner.base, axes, factor.target), Compared(prim, value)
+        inner = compose(scope, factor, x)
+        if sum(a is not None for a in inner.axes) < sum(a is not None for a in factor.axes):
+            return inner, Compared(prim, value)
     return None
 
 

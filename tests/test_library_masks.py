@@ -212,7 +212,7 @@ def test_near_miss_computes_the_original(name, rng):
 #: Additive masks with a finite fill whose rows may keep no key: the
 #: descriptors and an `EmptyRows` op, no dense bias.
 EMPTY = {
-    **{name: (fn, make, want) for name, (fn, make, want) in lib.PADDED_FORMS.items()},
+    **lib.PADDED_FORMS,
     # j < i: row 0 keeps no key (the strict diagonal is read as per-row lengths)
     "strictly_causal": (
         _strictly_causal_additive,

@@ -334,7 +334,6 @@ def _splice_one(module, cut: _Cut, platforms: tuple, options, index: int) -> dic
 def _platform_index(cut: _Cut):
     """The platform index the function holding ``cut`` takes (its first argument,
     marked as `jax.export` marks it), which the spliced call passes on."""
-    ir = compat.ir_module()
     block = cut.root.owner.operation.block
     owner = block.owner
     if owner is None or owner.operation.name != "func.func" or not len(block.arguments):
@@ -342,5 +341,4 @@ def _platform_index(cut: _Cut):
     attrs = _arg_attrs(owner, len(block.arguments))
     if not (attrs and _PLATFORM_INDEX in str(attrs[0])):
         raise SpliceError("the function holding it does not take the platform index")
-    del ir
     return block.arguments[0]
