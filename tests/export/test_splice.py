@@ -144,6 +144,34 @@ def test_surroundings_are_kept_byte_for_byte():
     assert [op for op in new_main if op[0] == "stablehlo.dot_general"] == outside
 
 
+def test_a_site_that_cannot_be_spliced_is_kept_and_noted(monkeypatch):
+    """Of two sites, one whose export fails (simulated) is kept as written and
+    listed in ``splice_notes``; the other is spliced, and the result still
+    computes the original."""
+    args = _two_layer_args()
+    exp = jax.export.export(jax.jit(_two_layers))(
+        *(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in args)
+    )
+    real, calls = jax.export.export, []
+
+    def export(fn, **kw):
+        calls.append(kw)
+        if len(calls) == 1:  # the first site spliced (the downstream one)
+            raise NotImplementedError("simulated")
+        return real(fn, **kw)
+
+    monkeypatch.setattr(jax.export, "export", export)
+    new, report = fx.rewrite_and_explain(exp, route="splice", kernel=KERNEL)
+    monkeypatch.undo()
+    assert report.route == "splice" and len(report.rewrites) == 1, str(report)
+    assert len(report.splice_notes) == 1 and "simulated" in report.splice_notes[0]
+    assert "not spliced (kept as written)" in str(report)
+    main = _functions(new.mlir_module())["main"]
+    assert "_flashpass_splice0_" in main and "_flashpass_splice1_" not in main  # one call
+    assert _txs(_ops(main))  # the kept site's T x S ops are still there
+    np.testing.assert_allclose(new.call(*args), exp.call(*args), atol=1e-4, rtol=0)
+
+
 def test_no_site_is_returned_unchanged():
     variant = NEGATIVES[0]
     exp = jax.export.export(jax.jit(variant.fn))(*variant.structs())
