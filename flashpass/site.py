@@ -26,6 +26,7 @@ import jax.numpy as jnp
 
 from . import compat
 from .graph import Const, Node
+from .ops import apply_score_ops
 
 # UNIT: the role of a size-1 batch axis P·V keeps but the scores never had.
 from .roles import UNIT, Merged
@@ -366,8 +367,6 @@ class AttentionSite:
 def _rows_kept(spec, extras, q_len: int):
     """``[B|1, H|1, T, 1]``: whether the spec's key-excluding ops keep any key
     of a query row (each op's fill made -inf, applied to zero scores)."""
-    from flashpass.kernels.reference import apply_score_ops  # kernels import the engine
-
     ops = tuple(
         dataclasses.replace(op, fill=float("-inf")) for op in spec.score_ops if hasattr(op, "fill")
     )

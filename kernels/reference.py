@@ -11,27 +11,11 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from flashpass.ops import Positions
+from flashpass.ops import apply_score_ops
 from flashpass.spec import AttentionSpec
 
 from .base import CheckContext, PlainJaxKernel
 from .dropout import apply_dropout, reference_keep
-
-
-def apply_score_ops(spec: AttentionSpec, s, extras, q_pos=None, k_pos=None, transposed=False):
-    """Apply ``spec.score_ops`` to a score block ``s`` of shape ``[..., t, s]``.
-
-    ``extras`` are the (already block-sliced, broadcastable) bias/mask arrays;
-    ``q_pos``/``k_pos`` the absolute query/key positions of the block (default:
-    the whole sequence).  Shared by the reference and blockwise kernels so both
-    implement the spec identically.  ``transposed``: ``s`` is ``[..., s, t]``
-    and the positions come as the blockwise backward passes them (rows
-    ``-k_pos``, columns ``-q_pos``, see `tiles.tile_score_fn`).
-    """
-    at = Positions(s.shape, q_pos, k_pos, transposed, spec.kv_len)
-    for op in spec.score_ops:
-        s = op.apply(s, extras, at)
-    return s
 
 
 def repeat_kv(spec: AttentionSpec, x):

@@ -9,7 +9,7 @@ A new mask kind is one module here, added to `KINDS`.
 from __future__ import annotations
 
 from .alibi import Alibi
-from .base import EXCLUDED, KeepOp, Positional, Positions, ScoreOp
+from .base import EXCLUDED, KeepOp, Positional, Positions, ScoreOp, apply_score_ops
 from .bias_mask import Bias, Mask, step_shape
 from .causal import Causal
 from .chunk import Chunk
@@ -70,6 +70,7 @@ __all__ = [
     "SinkWindow",
     "Softcap",
     "Window",
+    "apply_score_ops",
     "step_shape",
     "valid_lengths",
 ]

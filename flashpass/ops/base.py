@@ -202,3 +202,20 @@ def _both(a, b):
 def with_shape(op, shape4):
     """``op`` with its extra's shape mapped by ``shape4``."""
     return dataclasses.replace(op, shape=shape4(op.shape))
+
+
+def apply_score_ops(spec, s, extras, q_pos=None, k_pos=None, transposed=False):
+    """Apply ``spec.score_ops`` to a score block ``s`` of shape ``[..., t, s]``.
+
+    ``extras`` are the (already block-sliced, broadcastable) bias/mask arrays;
+    ``q_pos``/``k_pos`` the absolute query/key positions of the block (default:
+    the whole sequence).  Shared by the reference and blockwise kernels so both
+    implement the spec identically, and by the engine (which rows keep a key).
+    ``transposed``: ``s`` is ``[..., s, t]`` and the positions come as the
+    blockwise backward passes them (rows ``-k_pos``, columns ``-q_pos``, see
+    `kernels.blockwise.tiles.tile_score_fn`).
+    """
+    at = Positions(s.shape, q_pos, k_pos, transposed, spec.kv_len)
+    for op in spec.score_ops:
+        s = op.apply(s, extras, at)
+    return s
