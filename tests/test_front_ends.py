@@ -101,6 +101,7 @@ def test_platform_aliases_in_export():
 # ------------------------------------------------------------------ 7. flashpass.export
 
 
+@pytest.mark.slow  # a fresh interpreter
 def test_export_is_reachable_lazily():
     code = (
         "import sys, flashpass\n"
