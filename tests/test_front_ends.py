@@ -180,6 +180,8 @@ def test_export_report_points_at_the_artifacts_locations():
     assert "test_front_ends.py" in r.location, r.location  # where the exporter wrote it
     text = str(report)
     assert "flashpass/export" not in text and "ops.py" not in text, text
+    _, spliced = flashpass.export.rewrite_and_explain(exp, route="splice", kernel="blockwise")
+    assert spliced.route == "splice" and spliced.rewrites[0].location == r.location, spliced
 
     # MLIR text without locations: the line of the text; unknown locations: says so
     text = _strip_locations(exp.mlir_module(), "")
