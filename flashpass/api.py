@@ -290,6 +290,7 @@ class Optimized:
                     strict=self._strict,
                 )
                 self._graph._routes = False
+                self._graph._disabled = self._disabled  # as when this one was made
         return self._graph, (split.graphdef, split.state, *split.args), split.kwargs, split
 
     @property
@@ -359,7 +360,7 @@ class Optimized:
             ):
                 first = params[0].name
                 method.__signature__ = inspect.Signature(params[1:])
-        return Optimized(
+        bound = Optimized(
             method,
             kernel=self._kernel,
             platform=self._platform,
@@ -371,6 +372,8 @@ class Optimized:
             strict=self._strict,
             zigzag=self._zigzag,
         )
+        bound._disabled = self._disabled  # as when this one was made
+        return bound
 
     def _name(self) -> str:
         name = getattr(self._fn, "__qualname__", None)

@@ -44,7 +44,15 @@ def test_disable_env_makes_optimize_an_identity_over_jit(monkeypatch):
     # the program is the original's: no kernel call, the same values as jax.jit
     assert "flashpass_" not in str(opt.rewritten_jaxpr(Q, Q, Q))
     np.testing.assert_array_equal(opt(Q, Q, Q), jax.jit(attention)(Q, Q, Q))
-    monkeypatch.setenv("FLASHPASS_DISABLE", "0")
+
+    class Layer:
+        @flashpass.optimize(kernel="blockwise")
+        def __call__(self, q):
+            return attention(q, q, q)
+
+    layer = Layer()
+    monkeypatch.setenv("FLASHPASS_DISABLE", "0")  # read when optimize was called
+    assert opt.explain(Q, Q, Q * 2).disabled and layer.__call__.explain(Q).disabled
     assert flashpass.optimize(attention, kernel="blockwise").explain(Q, Q, Q).rewrites
 
 
