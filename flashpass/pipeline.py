@@ -228,7 +228,7 @@ def _internal(report: Report, planned, where_is: dict, stage: str, error: str) -
         )
 
 
-def _distinguish_layers(report: Report) -> None:
+def distinguish_layers(report: Report) -> None:
     """Number the sites that share a layer (``examples/gpt.py:150 #1``, ``#2``...):
     one attention function called by every layer of a loop has one line and
     no name stack, and its rows must still be told apart."""
@@ -246,8 +246,8 @@ def _distinguish_layers(report: Report) -> None:
 
 def _logged(report: Report) -> Report:
     """Warn about internal errors (always: they are bugs the user should see);
-    tell apart the rows that share a layer (`_distinguish_layers`)."""
-    _distinguish_layers(report)
+    tell apart the rows that share a layer (`distinguish_layers`)."""
+    distinguish_layers(report)
     for e in report.errors:
         logger.warning(
             "internal error while %s attention at %s: %s; %s",

@@ -188,6 +188,15 @@ def test_export_report_points_at_the_artifacts_locations():
     assert "test_front_ends.py" in r.location, r.location  # where the exporter wrote it
     text = str(report)
     assert "flashpass/export" not in text and "ops.py" not in text, text
+
+    def two(q, k, v):
+        for _ in range(2):
+            q = exported_attention(q, k, v)
+        return q
+
+    twice = flashpass.export.explain(jax.export.export(jax.jit(two))(Q, Q, Q), kernel="blockwise")
+    layers = [r.layer for r in twice.rewrites]
+    assert len(set(layers)) == 2 and layers[0].endswith(" #1"), layers
     _, spliced = flashpass.export.rewrite_and_explain(exp, route="splice", kernel="blockwise")
     assert spliced.route == "splice" and spliced.rewrites[0].location == r.location, spliced
 

@@ -7,6 +7,7 @@ import os
 import re
 
 from flashpass.layers import _LAYER_NAME, display_path
+from flashpass.pipeline import distinguish_layers
 from flashpass.report import Report
 
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -115,10 +116,12 @@ def relocated(report: Report, op_locations: list, scope_prefix: str) -> Report:
                 changes[name] = text(value)
         return dataclasses.replace(entry, **changes) if changes else entry
 
-    return dataclasses.replace(
+    out = dataclasses.replace(
         report,
         rewrites=[fix(r) for r in report.rewrites],
         fallbacks=[fix(f) for f in report.fallbacks],
         errors=[fix(e) for e in report.errors],
         unrecognised=[fix(u) for u in report.unrecognised],
     )
+    distinguish_layers(out)  # two sites of one source line: numbered, as in optimize
+    return out
