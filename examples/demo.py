@@ -296,7 +296,8 @@ def run(args, log: Callable[[str], None] = print) -> Result:
         f"(head dim {cfg.head_dim}), vocab {cfg.vocab}, {n_params / 1e6:.2f}M params, "
         f"{np.dtype(cfg.dtype).name}; batch {args.batch}, seq {args.seq}"
     )
-    log(f"JAX {jax.__version__} on {jax.default_backend()}, kernel={args.kernel!r}")
+    kernel = args.kernel or "the platform's default order (--kernel to name one)"
+    log(f"JAX {jax.__version__} on {jax.default_backend()}, kernel: {kernel}")
 
     opt_forward = flashpass.optimize(gpt.forward, kernel=args.kernel)
     opt_loss = flashpass.optimize(jax.value_and_grad(gpt.loss_fn), kernel=args.kernel)
@@ -377,8 +378,17 @@ def run(args, log: Callable[[str], None] = print) -> Result:
     log(f"\n== 3. speed and memory (jitted; median of {args.reps} interleaved runs) ==")
     times = time_interleaved(compiled, inputs, args.reps, warmup=False)  # step 2 warmed up
     rss = measure_rss(args) if args.rss else {}
-    for line in _table(times, temp, rss, compile_s):
+    same = {
+        "forward": not report.rewrites,
+        "fwd+bwd": not loss_report.rewrites,
+    }  # nothing rewritten: the two programs are one, and a ratio would be noise
+    for line in _table(times, temp, rss, compile_s, same):
         log(line)
+    if any(same.values()):
+        log(
+            "  same: no site was rewritten there, so flashpass's program is the original's; "
+            "its timings differ from the original's by noise only"
+        )
     log(
         "  time/temp ratios: flashpass / original (< 1 is better); temp: XLA temp buffers "
         "of the compiled program (memory_analysis().temp_size_in_bytes); compile: "
@@ -425,7 +435,10 @@ def _ratio(a, b) -> str:
     return "n/a" if a is None or b is None or not b else f"{a / b:.2f}x"
 
 
-def _table(times, temp, rss, compile_s) -> list[str]:
+def _table(times, temp, rss, compile_s, same=None) -> list[str]:
+    """The speed and memory rows; ``same[prefix]``: that pair is one program
+    (no site rewritten), so its ratios read ``same`` rather than noise."""
+    same = same or {}
     header = ["variant", "time", "ratio", "temp mem", "ratio"]
     if rss:
         header += ["run RSS", "ratio"]
@@ -433,18 +446,23 @@ def _table(times, temp, rss, compile_s) -> list[str]:
     rows = [header]
     for name in VARIANTS:
         base = name.split("/")[0] + "/original"
+        one_program = same.get(name.split("/")[0], False) and name != base
+
+        def ratio(a, b, one_program=one_program):
+            return "same" if one_program else _ratio(a, b)
+
         row = [
             name,
             _ms(times[name]),
-            _ratio(times[name], times[base]),
+            ratio(times[name], times[base]),
             _mib(temp[name]),
-            _ratio(temp[name], temp[base]),
+            ratio(temp[name], temp[base]),
         ]
         if rss:
             used = rss[name].get("run")
             row += [
                 _mib(used) if used is not None else "error: " + rss[name].get("error", "?")[:40],
-                _ratio(used, rss[base].get("run")),
+                ratio(used, rss[base].get("run")),
             ]
         row += [f"{compile_s[name]:.1f} s"]
         rows.append(row)

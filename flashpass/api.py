@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import collections
+import collections.abc
 import contextlib
 import ctypes
 import dataclasses
+import difflib
 import functools
 import inspect
 import numbers
+import os
 import sys
 import threading
 import weakref
@@ -21,6 +24,7 @@ import numpy as np
 from flashpass.kernels import Kernel, get_kernel
 
 from . import compat, errors, nnx_state, pipeline, placement
+from .platforms import KERNEL_PLATFORMS, kernel_platform
 from .report import Report
 from .select import current_platform, resolve_order
 
@@ -31,7 +35,43 @@ OPTIONS = {
     "zigzag": "load-balance causal rings where they can be (default True)",
 }
 DEFAULT_CACHE_SIZE = 32
-PLATFORMS = ("cpu", "gpu", "tpu")
+PLATFORMS = KERNEL_PLATFORMS
+#: The off switch: ``FLASHPASS_DISABLE=1`` in the environment when `optimize`
+#: is called makes the optimized function run the original program under
+#: ``jax.jit`` (no matching, no rewrite); its report says it is disabled.
+DISABLE_ENV = "FLASHPASS_DISABLE"
+#: `optimize`'s parameters, for the unknown-option message.
+PARAMETERS = {
+    "kernel": "kernel name or ordered list of names (default: the platform's order)",
+    "platform": "kernel family: 'cpu', 'gpu' or 'tpu' (default: JAX's default backend)",
+    "interpret": "run Pallas kernels in interpret mode (default False)",
+    "static_argnums": "positions of non-array arguments, as in jax.jit",
+    "static_argnames": "names of non-array arguments, as in jax.jit",
+}
+
+
+def disabled_by_env() -> bool:
+    """Whether ``FLASHPASS_DISABLE`` turns the pass off (``1``, ``true``, ``yes``, ``on``)."""
+    return os.environ.get(DISABLE_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+class _kept:  # noqa: N801 - used as a decorator
+    """A method that an instance attribute of its name does not shadow (a data
+    descriptor): `Optimized` keeps forwarding copies of ``explain`` and the
+    jaxprs in its ``__dict__`` for wrappers that copy it, and reads its own."""
+
+    def __init__(self, fn):
+        self.fn = fn
+        functools.update_wrapper(self, fn)
+
+    def __get__(self, obj, objtype=None):
+        return self if obj is None else functools.partial(self.fn, obj)
+
+    def __set__(self, obj, value):
+        raise AttributeError(f"{self.fn.__name__} of an optimized function cannot be set")
+
+    def __call__(self, *args, **kwargs):
+        return self.fn(*args, **kwargs)
 
 
 @dataclasses.dataclass
@@ -78,8 +118,8 @@ class Optimized:
     ):
         if not callable(fn):
             raise TypeError(f"flashpass.optimize expects a callable, got {type(fn).__name__}")
-        if platform is not None and platform not in PLATFORMS:
-            raise ValueError(f"platform must be one of {PLATFORMS} or None, got {platform!r}")
+        if platform is not None:
+            platform = kernel_platform(platform)  # "cuda"/"rocm" are "gpu"
         if not isinstance(cache_size, int) or isinstance(cache_size, bool) or cache_size < 1:
             raise ValueError(f"cache_size must be a positive int, got {cache_size!r}")
         if strict is not None and not isinstance(strict, bool):
@@ -94,8 +134,16 @@ class Optimized:
         self._kernel = kernel
         self._strict = strict
         self._zigzag = zigzag
-        # Resolve now so an unknown kernel name fails here, with the known names.
-        resolve_order(kernel, platform or "cpu")
+        # Off: FLASHPASS_DISABLE=1, or kernel=[] (no kernel may run): the
+        # original program under jax.jit, with a report saying so.
+        self._disabled = ""
+        if disabled_by_env():
+            self._disabled = f"{DISABLE_ENV}=1"
+        elif isinstance(kernel, list | tuple) and not kernel:
+            self._disabled = "kernel=[]"
+        else:
+            # Resolve now so an unknown kernel name fails here, with the known names.
+            resolve_order(kernel, platform or "cpu")
         self._static_argnums, self._static_argnames, self._params = _static_args(
             fn, static_argnums, static_argnames
         )
@@ -114,6 +162,13 @@ class Optimized:
         self._routes = True  # False for that one: its arguments are pure state
         # Not its __dict__: an optimized function passed in must keep its own state.
         functools.update_wrapper(self, fn, updated=())
+        # A wrapper that copies this __dict__ (``functools.wraps``, e.g.
+        # ``nnx.jit(flashpass.optimize(step))``) carries the report with it:
+        # ``explain`` and the jaxprs as forwarding calls, ``reports`` as a
+        # live view (weak references: the wrapper keeps this object alive).
+        for name in ("explain", "rewritten_jaxpr", "original_jaxpr"):
+            self.__dict__[name] = _Forward(self, name)
+        self.__dict__["reports"] = _LiveReports(self)
 
         this = weakref.ref(self)  # no cycle: the jit below lives in self
 
@@ -166,6 +221,7 @@ class Optimized:
                 raise
         raise problem
 
+    @_kept
     def explain(self, *args, **kwargs) -> Report:
         """The rewrite `Report` for these arguments (nothing is executed)."""
         target, args, kwargs, _ = self._route(args, kwargs)
@@ -181,11 +237,13 @@ class Optimized:
         jax.jit(self).lower(*args, **kwargs).compile()
         return placement.decisions(since)
 
+    @_kept
     def rewritten_jaxpr(self, *args, **kwargs):
         """The rewritten ``ClosedJaxpr`` for these arguments."""
         target, args, kwargs, _ = self._route(args, kwargs)
         return target._entry(args, kwargs)[0].rewritten
 
+    @_kept
     def original_jaxpr(self, *args, **kwargs):
         """The ``ClosedJaxpr`` of the original function for these arguments."""
         target, args, kwargs, _ = self._route(args, kwargs)
@@ -232,6 +290,7 @@ class Optimized:
                     strict=self._strict,
                 )
                 self._graph._routes = False
+                self._graph._disabled = self._disabled  # as when this one was made
         return self._graph, (split.graphdef, split.state, *split.args), split.kwargs, split
 
     @property
@@ -301,7 +360,7 @@ class Optimized:
             ):
                 first = params[0].name
                 method.__signature__ = inspect.Signature(params[1:])
-        return Optimized(
+        bound = Optimized(
             method,
             kernel=self._kernel,
             platform=self._platform,
@@ -313,6 +372,8 @@ class Optimized:
             strict=self._strict,
             zigzag=self._zigzag,
         )
+        bound._disabled = self._disabled  # as when this one was made
+        return bound
 
     def _name(self) -> str:
         name = getattr(self._fn, "__qualname__", None)
@@ -440,6 +501,9 @@ class Optimized:
         closed, out_shape = pipeline.trace(flat_fn, avals)
         out_tree = jax.tree_util.tree_structure(out_shape)
         platform = self._platform or current_platform()
+        if self._disabled:  # the off switch: the program as traced, under jit
+            report = Report(platform=platform, jax_version=jax.__version__, disabled=self._disabled)
+            return _Entry(closed, closed, out_tree, report)
         with errors.strict_mode(self._strict):
             rewritten, report = pipeline.run_pass(
                 closed,
@@ -475,6 +539,47 @@ class _PlatformErrors:
         if not foreign:
             return None
         return errors.platform_mismatch(self.name, self.built_for, host, foreign)
+
+
+class _Forward:
+    """``optimized.<name>`` as an instance attribute (see `Optimized.__init__`)."""
+
+    def __init__(self, optimized: Optimized, name: str):
+        self._ref = weakref.ref(optimized)
+        self._name = name
+        self.__doc__ = getattr(Optimized, name).__doc__
+
+    def __call__(self, *args, **kwargs):
+        return getattr(Optimized, self._name)(self._target(), *args, **kwargs)
+
+    def _target(self) -> Optimized:
+        optimized = self._ref()
+        if optimized is None:  # pragma: no cover - the wrapper holds it
+            raise ReferenceError("the optimized function no longer exists")
+        return optimized
+
+
+class _LiveReports(collections.abc.Sequence):
+    """``optimized.reports`` read at each use: for a wrapper that copied the
+    optimized function's attributes (``nnx.jit(flashpass.optimize(step))``)."""
+
+    __slots__ = ("_ref",)
+
+    def __init__(self, optimized: Optimized):
+        self._ref = weakref.ref(optimized)
+
+    def _now(self) -> tuple:
+        optimized = self._ref()
+        return () if optimized is None else Optimized.reports.fget(optimized)
+
+    def __getitem__(self, index):
+        return self._now()[index]
+
+    def __len__(self) -> int:
+        return len(self._now())
+
+    def __repr__(self) -> str:
+        return repr(self._now())
 
 
 class _BoundMethod:
@@ -655,13 +760,19 @@ def optimize(
     Usable as ``@optimize``, ``@optimize(kernel="blockwise")`` or
     ``optimize(model.apply, ...)``.  The result has ``fn``'s signature and
     outputs and composes with ``jax.jit``, ``jax.grad`` and ``jax.vmap``.
+    With ``FLASHPASS_DISABLE=1`` in the environment (read when ``optimize``
+    is called) it is ``jax.jit(fn)`` with a report saying the pass is off.
 
     Args:
       fn: the function to optimize.
       kernel: a kernel name (or `Kernel`), or an ordered sequence of them;
         None tries the platform's default order.  Naming kernels bypasses
-        cost heuristics such as the short-sequence cut-off.
-      platform: "cpu", "gpu" or "tpu" to choose kernels for; default: JAX's
+        cost heuristics such as the short-sequence cut-off.  An empty list
+        turns the pass off for ``fn``, as ``FLASHPASS_DISABLE=1`` does for
+        every function: the result runs ``fn`` as written under ``jax.jit``
+        and its report says it is disabled.
+      platform: "cpu", "gpu" or "tpu", the kernel family to choose kernels
+        for ("cuda" and "rocm" are accepted for "gpu"); default: JAX's
         default backend.
       interpret: run Pallas kernels in interpret mode (e.g. TPU kernels on CPU).
       static_argnums, static_argnames: arguments that are not arrays (as in
@@ -672,10 +783,9 @@ def optimize(
         ``zigzag`` (load-balance causal rings where they can be, default True;
         False keeps every ring in the user's contiguous order).
     """
-    unknown = set(options) - set(OPTIONS)
+    unknown = sorted(set(options) - set(OPTIONS))
     if unknown:
-        known = ", ".join(f"{k} ({v})" for k, v in OPTIONS.items())
-        raise TypeError(f"unknown flashpass.optimize option(s) {sorted(unknown)}; known: {known}")
+        raise TypeError(_unknown_options(unknown))
 
     def wrap(f):
         return Optimized(
@@ -691,6 +801,18 @@ def optimize(
         )
 
     return wrap if fn is None else wrap(fn)
+
+
+def _unknown_options(unknown: list[str]) -> str:
+    """The message for unknown keyword arguments of `optimize`: a "did you
+    mean" for each near miss, then every real option with what it does."""
+    real = {**PARAMETERS, **OPTIONS}
+    hints = []
+    for name in unknown:
+        close = difflib.get_close_matches(name, list(real), n=1)
+        hints.append(f"{name!r} (did you mean {close[0]!r}?)" if close else repr(name))
+    known = "; ".join(f"{k}: {v}" for k, v in real.items())
+    return f"unknown flashpass.optimize option(s) {', '.join(hints)}. Its options: {known}"
 
 
 def explain(fn: Callable, *args, **kwargs) -> Report:

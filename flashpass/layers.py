@@ -19,6 +19,9 @@ import sysconfig
 from . import compat
 
 _LAYER_NAME = re.compile(r"^\w[\w.\-\[\]]*$")
+#: A transformation's wrapper around a scope name (``jvp(Model)``,
+#: ``transpose(jvp(Model))``, ``vmap(attn)``): the scope inside it is the layer.
+_TRANSFORM = re.compile(r"^(?:jvp|transpose|vmap|vjp|batched|checkpoint|remat|linearize)\((.*)\)$")
 _PACKAGE = str(pathlib.Path(__file__).resolve().parent)
 
 
@@ -30,6 +33,8 @@ def layer_of(node) -> str:
     parts: list[str] = []
     for eqn in (*node.call_eqns, node.eqn):
         for part in compat.name_stack(eqn).split("/"):
+            while (inner := _TRANSFORM.match(part)) is not None:
+                part = inner.group(1)  # a training step keeps the outer module's name
             # Transformations, calls (``jvp(...)``, ``jit(step)``) and an einsum's
             # own scope (``...hqk,...khd->...qhd``) are not layers.
             if _LAYER_NAME.match(part) and (not parts or parts[-1] != part):

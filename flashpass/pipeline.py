@@ -228,8 +228,26 @@ def _internal(report: Report, planned, where_is: dict, stage: str, error: str) -
         )
 
 
+def distinguish_layers(report: Report) -> None:
+    """Number the sites that share a layer (``examples/gpt.py:150 #1``, ``#2``...):
+    one attention function called by every layer of a loop has one line and
+    no name stack, and its rows must still be told apart."""
+    for field in ("rewrites", "fallbacks"):
+        entries = getattr(report, field)
+        counts: dict = {}
+        for e in entries:
+            counts[e.layer] = counts.get(e.layer, 0) + 1
+        seen: dict = {}
+        for i, e in enumerate(entries):
+            if e.layer and counts[e.layer] > 1:
+                seen[e.layer] = seen.get(e.layer, 0) + 1
+                entries[i] = dataclasses.replace(e, layer=f"{e.layer} #{seen[e.layer]}")
+
+
 def _logged(report: Report) -> Report:
-    """Warn about internal errors (always: they are bugs the user should see)."""
+    """Warn about internal errors (always: they are bugs the user should see);
+    tell apart the rows that share a layer (`distinguish_layers`)."""
+    distinguish_layers(report)
     for e in report.errors:
         logger.warning(
             "internal error while %s attention at %s: %s; %s",
@@ -270,7 +288,13 @@ def _rewrite_entry(placed: Placed, scope_name: str) -> Rewrite:
         ring_steps = ring_cases.describe(placement.steps)
     # Name each structured descriptor (e.g. "causal+window"), so a site the
     # kernel runs as an O(T) descriptor is told apart from a dense mask.
-    kinds = [kind.word for kind in KINDS if kind.word and spec.ops_of(kind)]
+    # A Mask says what the kernel received ("key mask", "dense"...).
+    kinds = []
+    for kind in KINDS:
+        for op in spec.ops_of(kind) if kind.word else ():
+            word = op.report_word(spec)
+            if word and word not in kinds:
+                kinds.append(word)
     return Rewrite(
         pattern=p.site.pattern,
         kernel="ring" if ring else p.kernel.name,  # a sequence-sharded site (ring.py)

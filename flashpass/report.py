@@ -22,7 +22,7 @@ class Rewrite:
     v_shape: tuple
     dtype: str
     causal: bool
-    mask: str  # "none", "causal", "boolean", "boolean+causal", ...
+    mask: str  # "none", "causal", "key mask", "causal+dense", ... (docs/report.md)
     bias: bool
     scale: float
     scope: str  # where in the program: "top level", "scan body at ...", ...
@@ -130,6 +130,9 @@ class Report:
     unrecognised: list = dataclasses.field(default_factory=list)
     platform: str = ""
     jax_version: str = ""
+    #: Why the pass did not run (``"FLASHPASS_DISABLE=1"``, ``"kernel=[]"``):
+    #: the function runs as written under ``jax.jit``; "" when it ran.
+    disabled: str = ""
 
     @property
     def kernels(self) -> list[str]:
@@ -139,6 +142,7 @@ class Report:
         return {
             "platform": self.platform,
             "jax_version": self.jax_version,
+            "disabled": self.disabled,
             "rewrites": [r.to_dict() for r in self.rewrites],
             "fallbacks": [f.to_dict() for f in self.fallbacks],
             "internal_errors": [e.to_dict() for e in self.errors],
@@ -149,6 +153,11 @@ class Report:
         return json.dumps(self.to_dict(), **kwargs)
 
     def __str__(self) -> str:
+        if self.disabled:
+            return (
+                f"flashpass report ({self.platform}): disabled ({self.disabled}): nothing "
+                "matched or rewritten; the function runs as written under jax.jit"
+            )
         lines = [
             f"flashpass report ({self.platform}): {len(self.rewrites)} rewritten, "
             f"{len(self.fallbacks)} kept as written"
@@ -221,6 +230,8 @@ class Report:
         return "\n".join(lines)
 
     def __repr__(self) -> str:
+        if self.disabled:
+            return f"Report(disabled={self.disabled!r})"
         errors = f", errors={len(self.errors)}" if self.errors else ""
         if self.unrecognised:
             errors += f", unrecognised={len(self.unrecognised)}"

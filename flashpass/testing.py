@@ -17,6 +17,8 @@ from __future__ import annotations
 import difflib
 import os
 import pathlib
+import sys
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -28,6 +30,14 @@ from .printer import count_kernel_calls, format_jaxpr
 from .report import Report
 
 UPDATE_ENV = "FLASHPASS_UPDATE_GOLDENS"
+
+
+class GoldenWritten(UserWarning):
+    """`assert_golden` wrote a golden file (its message names the file)."""
+
+
+def _in_ci() -> bool:
+    return os.environ.get("CI", "").strip().lower() not in ("", "0", "false", "no")
 
 
 def _optimized(fn, kwargs) -> Optimized:
@@ -148,20 +158,37 @@ def assert_golden(fn, *args, path, update: bool | None = None, **kwargs) -> None
 
     The file starts with a ``# jax X.Y.Z`` stamp (not compared).  With
     ``update=True`` or ``FLASHPASS_UPDATE_GOLDENS=1`` the file is (re)written.
+    A missing file is created on the first run (``update=None``), except under
+    CI (``CI`` set in the environment, as CI services set it) or with
+    ``update=False``, where it is an error saying how to create it.  Each
+    write warns (`GoldenWritten`) and prints which file it wrote.
     A mismatch raises AssertionError with a unified diff and, when the number
     of rewritten sites changed, a note that an upgrade stopped a rewrite.
     """
     path = pathlib.Path(path)
     body = golden_text(fn, *args, **kwargs)
+    env_update = os.environ.get(UPDATE_ENV, "") not in ("", "0")
     if update is None:
-        update = os.environ.get(UPDATE_ENV, "") not in ("", "0")
+        update = env_update
+        if not path.exists() and not _in_ci():
+            update = True  # the first run writes the file (and says so)
     if update or not path.exists():
         if not update:
+            why = "CI is set, so it is not created here" if _in_ci() else "update=False"
             raise AssertionError(
-                f"golden file {path} does not exist; run with {UPDATE_ENV}=1 to create it"
+                f"golden file {path} does not exist ({why}); create it with "
+                f"{UPDATE_ENV}=1 python -m pytest <your test> and commit it"
             )
+        existed = path.exists()
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(f"# jax {jax.__version__}\n" + body)
+        summary = body.split("\n", 1)[0].lstrip("# ")
+        message = (
+            f"flashpass: {'updated' if existed else 'created'} golden file {path} ({summary}); "
+            "review and commit it"
+        )
+        print(message, file=sys.stderr)
+        warnings.warn(message, GoldenWritten, stacklevel=2)
         return
     expected = path.read_text().split("\n", 1)[1] if path.read_text().startswith("#") else ""
     if expected == body:

@@ -139,7 +139,7 @@ def test_non_excluding_fill_is_a_dense_mask():
     q, k, v = _qkv(1, 24)
     lengths = jnp.asarray([5, 24, 0], jnp.int32)
     opt = flashpass.optimize(fn, kernel="blockwise")
-    assert opt.explain(q, k, v, lengths).rewrites[0].mask == "boolean"
+    assert opt.explain(q, k, v, lengths).rewrites[0].mask == "key mask"
     np.testing.assert_allclose(opt(q, k, v, lengths), fn(q, k, v, lengths), rtol=1e-5, atol=1e-6)
 
 

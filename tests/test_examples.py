@@ -140,3 +140,39 @@ def test_untied_head():
     assert jax.eval_shape(gpt.forward, params, tokens).shape == (1, 16, 32)
     with pytest.raises(ValueError, match="divisible"):
         gpt.GPTConfig(d_model=30, n_heads=4)
+
+
+def test_demo_header_and_rows_tell_what_ran(quick):
+    """The header names the kernel choice (never ``kernel=None``); the rows of
+    the layers, one attention function on one line, are told apart."""
+    args, result, lines = quick
+    assert not any("kernel=None" in line for line in lines)
+    assert any(line.endswith("kernel: blockwise") for line in lines), lines[:3]
+    layers = [r.layer for r in result.report.rewrites]
+    assert len(set(layers)) == args.layers, layers
+    assert all(layer.startswith("examples/gpt.py:") for layer in layers), layers
+    # value_and_grad(loss_fn): the same layer names as the forward's
+    assert [r.layer for r in result.loss_report.rewrites] == layers
+
+
+def test_self_comparison_shows_no_ratio():
+    """A pair with no site rewritten is one program: its ratios say ``same``."""
+    ones = {v: 1.0 for v in demo.VARIANTS}
+    rows = demo._table(ones, {v: 1 for v in demo.VARIANTS}, {}, ones, {"forward": True})
+    forward = next(line for line in rows if "forward/flashpass" in line)
+    assert "same" in forward and "x" not in forward.split("forward/flashpass")[1], forward
+    trained = next(line for line in rows if "fwd+bwd/flashpass" in line)
+    assert "1.00x" in trained, trained
+
+
+@pytest.mark.slow  # a whole quick demo run
+def test_quick_demo_without_a_kernel_claims_no_speed_up():
+    args = demo.parse_args(["--quick", "--reps", "1"])
+    lines: list[str] = []
+    result = demo.run(args, log=lines.append)
+    assert not result.report.rewrites  # the default order keeps short sequences
+    text = "\n".join(lines)
+    assert "kernel: the platform's default order" in text, text
+    row = next(line for line in lines if "forward/flashpass" in line)
+    assert "same" in row and "x " not in row + " ", row
+    assert "noise only" in text

@@ -126,15 +126,15 @@ def _positions():
 
 
 KINDS = {
-    "key_bool": (key_bool, _valid, "boolean", "mask"),
-    "key_int": (key_int, _valid, "boolean", "mask"),
-    "key_additive": (key_additive, _valid, "boolean", "mask"),
-    "causal_and_key": (causal_and_key, _valid, "causal+boolean", "mask"),
-    "window_and_key": (window_and_key, _valid, "causal+window+boolean", "mask"),
-    "keras_bool_merge": (keras_bool_merge, _valid, "causal+boolean", "mask"),
+    "key_bool": (key_bool, _valid, "key mask", "mask"),
+    "key_int": (key_int, _valid, "key mask", "mask"),
+    "key_additive": (key_additive, _valid, "key mask", "mask"),
+    "causal_and_key": (causal_and_key, _valid, "causal+key mask", "mask"),
+    "window_and_key": (window_and_key, _valid, "causal+window+key mask", "mask"),
+    "keras_bool_merge": (keras_bool_merge, _valid, "causal+key mask", "mask"),
     "alibi": (alibi, _valid, "causal", "alibi"),
     "alibi_input": (alibi_input, _slopes, "causal", "alibi"),
-    "alibi_keys": (alibi_keys, _valid, "boolean", "alibi"),
+    "alibi_keys": (alibi_keys, _valid, "key mask", "alibi"),
     "prefix_lengths": (
         prefix_lengths,
         lambda: jnp.asarray([100, 0], jnp.int32),

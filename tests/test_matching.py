@@ -58,7 +58,7 @@ def test_mask_and_causal_are_split(rng):
     report = flashpass.optimize(fn, kernel="reference").explain(*make(rng))
     kinds = [op["op"] for op in report.rewrites[0].spec["score_ops"]]
     assert sorted(kinds) == ["causal", "mask"]
-    assert report.rewrites[0].mask == "causal+boolean"
+    assert report.rewrites[0].mask == "causal+key mask"
 
 
 def test_padding_mask_is_not_materialised(rng):
@@ -81,7 +81,7 @@ def test_constant_non_causal_mask_is_a_mask(rng):
     args = spellings.bnth(rng)
     opt = flashpass.optimize(fn, kernel="reference")
     report = opt.explain(*args)
-    assert report.rewrites[0].causal is False and report.rewrites[0].mask == "boolean"
+    assert report.rewrites[0].causal is False and report.rewrites[0].mask == "dense"
     assert_same_function(fn, opt, *args, argnums=(0, 1, 2))
 
 

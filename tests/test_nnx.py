@@ -82,6 +82,11 @@ def test_nnx_optimizer_step_trains_like_nnx_jit(order):
     (report,) = opt.reports
     assert len(report.rewrites) == 1 and not report.fallbacks, str(report)
     assert report.rewrites[0].backward and report.rewrites[0].mask == "causal"
+    # Both orders keep the report (docs/nnx.md): nnx.jit's wrapper carries them.
+    x, y = _data()
+    assert wrapped.explain(model, optimizer, x, y) is report
+    assert len(wrapped.reports) == 1 and wrapped.reports[-1] is report
+    assert list(wrapped.reports) == [report]
 
 
 def test_nnx_explain_and_forward():

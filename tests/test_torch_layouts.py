@@ -183,7 +183,7 @@ POSITIVE = {
     "hf_eager_padding": (
         hf_eager_padding,
         lambda r, t=T: (*_bhtd(r, t), _keep(r, t)),
-        ("boolean", False),  # a key mask and EmptyRows (a fully padded row reads s + fill)
+        ("key mask", False),  # a key mask and EmptyRows (a fully padded row reads s + fill)
     ),
     "diffusers_baddbmm": (diffusers_baddbmm, _btc, ("none", False)),
     "diffusers_baddbmm_mask": (
@@ -194,7 +194,7 @@ POSITIVE = {
     "mha_key_padding": (
         mha_key_padding,
         lambda r, t=T: (*_bhtd(r, t), _keep(r, t)),
-        ("boolean", False),
+        ("key mask", False),
     ),
     "mha_key_padding_heads_major": (
         mha_key_padding_heads_major,

@@ -10,14 +10,15 @@ import jax
 from flashpass import compat
 from flashpass.api import Optimized
 from flashpass.placement import trace_time_only
+from flashpass.platforms import KERNEL_PLATFORM_OF, export_platform
 
 from . import combine, sharded
-from .lift import LiftedModule, prepare
-from .report import ExportReport
+from .lift import OP_SCOPE, LiftedModule, prepare
+from .report import ExportReport, relocated
 from .values import LiftError, x64_scope_for
 
 #: jax.export platform names -> flashpass.optimize's platform names.
-_OPTIMIZE_PLATFORM = {"cpu": "cpu", "tpu": "tpu", "cuda": "gpu", "rocm": "gpu"}
+_OPTIMIZE_PLATFORM = KERNEL_PLATFORM_OF
 
 
 @dataclasses.dataclass
@@ -101,10 +102,10 @@ def _plan(exp, platforms, options) -> _Plan:
         raise TypeError(f"expected a jax.export.Exported (see flashpass.export.load), got {exp!r}")
     if "platform" in options:
         raise TypeError("rewrite/explain take platforms=(...); each platform gets its kernel")
+    if platforms is not None:  # one vocabulary: "gpu" is the artifact's cuda or rocm
+        host = jax.default_backend()
+        platforms = [export_platform(p, exp.platforms, host) for p in platforms]
     platforms = tuple(exp.platforms if platforms is None else platforms)
-    for p in platforms:
-        if p not in _OPTIMIZE_PLATFORM:
-            raise ValueError(f"unknown platform {p!r}; known: {', '.join(_OPTIMIZE_PLATFORM)}")
     plan = _Plan(exp, platforms)
     reason = _not_liftable(exp, platforms)
     if reason is None:
@@ -159,7 +160,8 @@ def _lift(plan: _Plan, options) -> None:
             for i, a in ((i, exp.in_avals[i]) for i in exp.module_kept_var_idx)
         ]
         with trace_time_only():  # an artifact cannot carry custom_partitioning
-            reports[p] = optimized.explain(*structs)
+            report = optimized.explain(*structs)
+        reports[p] = relocated(report, lifted.op_locations, OP_SCOPE)
     first = reports[plan.platforms[0]]
     plan.report = ExportReport(
         rewrites=first.rewrites,

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import numpy as np
 
 from flashpass import compat
@@ -22,6 +23,9 @@ from .values import LiftError, Splat, tensor_aval
 
 #: The argument attribute JAX puts on the platform index of a multi-platform module.
 _PLATFORM_INDEX = "_platform_index"
+#: The name scope each lifted op is traced under: ``OP_SCOPE`` and its index in
+#: `LiftedModule.op_locations` (`flashpass.export.report.relocated` reads it back).
+OP_SCOPE = "stablehlo_op_"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,6 +47,9 @@ class LiftedModule:
     has_platform_index: bool
     islands: dict = dataclasses.field(default_factory=dict)  # op name -> Island
     meshes: dict = dataclasses.field(default_factory=dict)  # sdy mesh -> Mesh (several devices)
+    #: Each lifted op's ``loc(...)``, by the index its name scope carries
+    #: (``OP_SCOPE``): the report points at the artifact's own locations.
+    op_locations: list = dataclasses.field(default_factory=list)
 
     def function(self, platform_index: int = 0, platforms=("cpu",), record=None):
         """A JAX function ``f(*arrays) -> tuple of arrays`` computing ``main``.
@@ -160,8 +167,11 @@ class _Interpreter:
             return self.call(callee, operands)
         rule = ops.RULES.get(name)
         if rule is not None:
+            self.lifted.op_locations.append(str(op.location))
+            scope = f"{OP_SCOPE}{len(self.lifted.op_locations) - 1}"
             try:
-                return rule(self, op, operands)
+                with jax.named_scope(scope):  # the report finds the op's loc by it
+                    return rule(self, op, operands)
             except ops.NoRule:
                 pass  # a variant of the op the table does not cover: an island
         if name.startswith("sdy."):  # a sharding op run alone would lose its meaning

@@ -3,8 +3,21 @@
 from __future__ import annotations
 
 import dataclasses
+import os
+import re
 
+from flashpass.layers import _LAYER_NAME, display_path
+from flashpass.pipeline import distinguish_layers
 from flashpass.report import Report
+
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+#: A ``path.py:LINE`` inside flashpass itself (the lifter's rules), in a reason or scope.
+_OWN_PATH = re.compile(re.escape(_PACKAGE) + r"[\\/][^\s:`'\"]*?\.py:\d+")
+#: ``loc("name"(...))``: the op's name (a name scope path ending in the op's name).
+_LOC_NAME = re.compile(r'^loc\("((?:[^"\\]|\\.)*)"\(')
+#: The first ``"file":LINE:`` of a ``loc(...)`` (the innermost frame).
+_LOC_FILE = re.compile(r'"((?:[^"\\]|\\.)*)":(\d+):')
+NO_LOCATION = "no location in the artifact"
 
 
 @dataclasses.dataclass
@@ -60,3 +73,55 @@ class ExportReport(Report):
             f"rewrites={len(self.rewrites)}, fallbacks={len(self.fallbacks)}, "
             f"islands={len(self.islands)})"
         )
+
+
+def artifact_location(loc: str) -> tuple[str | None, str]:
+    """``(location, layer)`` of a lifted op from its ``loc(...)`` text: the
+    artifact's ``file:LINE`` (None without one) and the layer its name scopes
+    say (e.g. ``Model/attn``; else the location; else `NO_LOCATION`)."""
+    found = _LOC_FILE.search(loc)
+    location = None
+    if found:  # "-": the line of MLIR text parsed from memory (a bare module)
+        file = "module text" if found.group(1) == "-" else found.group(1)
+        location = f"{file}:{found.group(2)}"
+    named = _LOC_NAME.match(loc)
+    parts = named.group(1).split("/")[:-1] if named else []  # the last part is the op
+    layer = "/".join(p for p in parts if _LAYER_NAME.match(p))
+    return location, layer or (display_path(location) if location else NO_LOCATION)
+
+
+def relocated(report: Report, op_locations: list, scope_prefix: str) -> Report:
+    """``report`` (of a lifted module) pointing at the artifact's own locations:
+    each entry's ``location`` and ``layer`` from the ``loc(...)`` of the op its
+    name scope (``scope_prefix`` and an index into ``op_locations``) names,
+    never at the lifter's own source lines."""
+    marker = re.compile(re.escape(scope_prefix) + r"(\d+)")
+
+    def text(value: str) -> str:
+        return _OWN_PATH.sub("the lifted module", value) if value else value
+
+    def fix(entry):
+        changes = {}
+        found = marker.findall(getattr(entry, "layer", "") or "")
+        if found and int(found[-1]) < len(op_locations):
+            location, layer = artifact_location(op_locations[int(found[-1])])
+            changes.update(location=location, layer=layer)
+        elif entry.location and entry.location.startswith(_PACKAGE):
+            changes["location"] = None
+            if hasattr(entry, "layer"):
+                changes["layer"] = NO_LOCATION
+        for name in ("scope", "reason", "error", "broke_at"):
+            value = getattr(entry, name, None)
+            if isinstance(value, str) and _OWN_PATH.search(value):
+                changes[name] = text(value)
+        return dataclasses.replace(entry, **changes) if changes else entry
+
+    out = dataclasses.replace(
+        report,
+        rewrites=[fix(r) for r in report.rewrites],
+        fallbacks=[fix(f) for f in report.fallbacks],
+        errors=[fix(e) for e in report.errors],
+        unrecognised=[fix(u) for u in report.unrecognised],
+    )
+    distinguish_layers(out)  # two sites of one source line: numbered, as in optimize
+    return out

@@ -27,8 +27,8 @@ from flashpass.placement import trace_time_only
 from flashpass.report import Report
 
 from . import combine, ops
-from .lift import _PLATFORM_INDEX, _arg_attrs, _functions, _Interpreter, prepare
-from .report import ExportReport
+from .lift import _PLATFORM_INDEX, OP_SCOPE, _arg_attrs, _functions, _Interpreter, prepare
+from .report import ExportReport, relocated
 from .values import LiftError, tensor_aval
 
 
@@ -299,7 +299,7 @@ def _splice_one(module, cut: _Cut, platforms: tuple, options, index: int) -> dic
     for platform in platforms:
         optimized = Optimized(site_for(platform), platform=_OPTIMIZE_PLATFORM[platform], **options)
         with trace_time_only():
-            report = optimized.explain(*structs)
+            report = relocated(optimized.explain(*structs), lifted.op_locations, OP_SCOPE)
             if len(report.rewrites) != 1:
                 raise SpliceError(
                     f"its cut alone has {len(report.rewrites)} rewritten sites on {platform}, not 1"

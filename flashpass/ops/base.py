@@ -79,6 +79,11 @@ class ScoreOp:
     #: (Dropout, Sink): keys excluded before it still share one final score.
     uniform: ClassVar[bool] = False
 
+    def report_word(self, spec) -> str | None:
+        """The word naming this op in a rewrite's ``mask`` field (`word`; a
+        kind whose operand's shape decides, `Mask`, overrides it)."""
+        return self.word
+
     def descriptor(self, spec) -> str | None:
         """The descriptor this op gives ``spec`` (None: plain attention)."""
         return next(iter(self.descriptors_doc), None)

@@ -48,12 +48,24 @@ class Mask(KeepOp):
         "mask": "boolean mask varying over queries",
         "key_mask": "key (padding) mask `[B|1, H|1, 1, S]`",
     }
-    word = "boolean"
+    word = "dense"
 
     def descriptor(self, spec):
+        return "key_mask" if self._rows_cols(spec)[0] == 1 else "mask"
+
+    def _rows_cols(self, spec) -> tuple[int, int]:
         known = 0 <= self.index < len(spec.extras)
         shape = tuple(spec.extras[self.index].shape) if known else tuple(self.shape)
-        return "key_mask" if len(shape) == 4 and shape[2] == 1 else "mask"
+        return (shape[-2], shape[-1]) if len(shape) >= 2 else (1, 1)
+
+    def report_word(self, spec) -> str:
+        """What the kernel receives: ``key mask`` for an O(B·S) ``[.., 1, S]``
+        operand, ``query mask`` for ``[.., T, 1]``, ``dense`` only for a real
+        ``[.., T, S]`` one."""
+        rows, cols = self._rows_cols(spec)
+        if rows == 1:
+            return "key mask"
+        return "query mask" if cols == 1 else "dense"
 
     def extras_read(self):
         return (self.index,)

@@ -74,10 +74,10 @@ def split_scale(q, k, v):  # SDPA's math path scales q and k by sqrt(scale) each
 
 POSITIVE = [
     (sdpa_causal, (QKV, QKV, QKV), "causal"),
-    (sdpa_bool_mask, (QKV, QKV, QKV, MASK), "boolean"),
-    (sdpa_bool_mask_any, (QKV, QKV, QKV, MASK), "boolean"),
-    (masked_fill_inf, (QKV, QKV, QKV, MASK), "boolean"),
-    (masked_fill_min, (QKV, QKV, QKV, MASK), "boolean"),
+    (sdpa_bool_mask, (QKV, QKV, QKV, MASK), "key mask"),
+    (sdpa_bool_mask_any, (QKV, QKV, QKV, MASK), "key mask"),
+    (masked_fill_inf, (QKV, QKV, QKV, MASK), "key mask"),
+    (masked_fill_min, (QKV, QKV, QKV, MASK), "key mask"),
     (split_scale, (QKV, QKV, QKV), "none"),
 ]
 
