@@ -97,6 +97,7 @@ from ._kernels import (  # noqa: F401
     lower_for_tpu,
     make_splash_kernel,
     pallas_tpu_context,
+    pallas_tpu_modules,
     pallas_tpu_traced,
     parse_stablehlo,
     splash_attention_module,
