@@ -285,8 +285,10 @@ def _keys_block(plan: _Plan, order: str, width: int, per_head: bool = False):
     pl, _ = compat.pallas_tpu_modules()
     g = 1 if per_head else plan.spec.groups
     if order == "bhij":
-        return pl.BlockSpec((None, None, plan.bk, width), lambda b, h, i, j: (b, h // g, j, 0))
-    return pl.BlockSpec((None, None, plan.bk, width), lambda b, h, j, i: (b, h // g, j, 0))
+        return pl.BlockSpec(
+            (None, None, plan.bk, width), lambda b, h, i, j: (b, lax.div(h, g), j, 0)
+        )
+    return pl.BlockSpec((None, None, plan.bk, width), lambda b, h, j, i: (b, lax.div(h, g), j, 0))
 
 
 def _sink_block(plan: _Plan, order: str):
