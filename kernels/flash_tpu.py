@@ -125,7 +125,7 @@ def _plan(spec: AttentionSpec, block_q: int, block_k: int, interpret: bool) -> _
             skips.append(op)
     read = sorted({i for op in ops for i in op.extras_read()})
     grads = sorted({i for op in ops for i in op.grad_extras()})
-    grads = [i for i in grads if np.issubdtype(spec.extras[i].dtype, np.floating)]
+    grads = [i for i in grads if jnp.issubdtype(spec.extras[i].dtype, jnp.floating)]
     bools = [i for i in read if np.dtype(spec.extras[i].dtype) == np.bool_]
     return _Plan(
         spec=spec,
