@@ -74,7 +74,7 @@ def gpu_order(triton_attention: bool, tokamax: bool) -> tuple[str, ...]:
 
 #: Kernels tried, in order, when the user names none (see docs/kernels.md).
 DEFAULT_ORDER: dict[str, tuple[str, ...]] = {
-    "tpu": ("paged_tpu", "splash", "pallas_tpu", "blockwise"),
+    "tpu": ("paged_tpu", "splash", "flash_tpu", "pallas_tpu", "blockwise"),
     "gpu": gpu_order(compat.TRITON_ATTENTION, compat.tokamax_installed()),
     "cpu": ("blockwise",),
 }

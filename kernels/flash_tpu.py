@@ -93,6 +93,7 @@ class _Plan:
     nk: int
     ops: tuple  # the score ops the tiles apply, in order (no Sink, no Dropout)
     skips: tuple  # Positional ops whose fill excludes keys: tile skipping
+    fold: float | None  # the one finite final score of a skipped tile's keys
     tile_extras: tuple  # indices of the extras the tiles read
     grad_extras: tuple  # float extras whose cotangent the tiles give
     bools: tuple  # indices of boolean extras (passed as int32)
@@ -123,6 +124,7 @@ def _plan(spec: AttentionSpec, block_q: int, block_k: int, interpret: bool) -> _
         fill = getattr(op, "fill", None)
         if isinstance(op, Positional) and excludes(spec.final_fill(at, fill)):
             skips.append(op)
+    fold = None if spec.dropout is not None else _fold_score(spec, skips)
     read = sorted({i for op in ops for i in op.extras_read()})
     grads = sorted({i for op in ops for i in op.grad_extras()})
     grads = [i for i in grads if jnp.issubdtype(spec.extras[i].dtype, jnp.floating)]
@@ -136,11 +138,37 @@ def _plan(spec: AttentionSpec, block_q: int, block_k: int, interpret: bool) -> _
         nk=-(-spec.kv_len // bk),
         ops=tuple(ops),
         skips=tuple(skips),
+        fold=fold,
         tile_extras=tuple(read),
         grad_extras=tuple(grads),
         bools=tuple(bools),
         interpret=interpret,
     )
+
+
+def _fold_score(spec: AttentionSpec, skips) -> float | None:
+    """The score every key of a skipped tile ends with, when it is one finite
+    value ``c`` (else None): the skipping ops and every key-excluding op after
+    the first of them end their keys at ``c``, and every other op after it
+    maps all scores alike (`ScoreOp.uniform`).  Such keys still weigh
+    ``exp(c - m)`` in a row that keeps no key (the original averages ``v``
+    over them), so skipped tiles are folded in as ``n`` scores ``c`` with the
+    sum of their values: O(bk * Dv), no product."""
+    if not skips:
+        return None
+    ops = spec.score_ops
+    first = min(ops.index(op) for op in skips)
+    finals = set()
+    for at in range(first, len(ops)):
+        op = ops[at]
+        if op is spec.sink:
+            continue
+        if isinstance(op, KeepOp):
+            finals.add(spec.final_fill(at, op.fill))
+        elif not op.uniform:
+            return None
+    (c,) = finals if len(finals) == 1 else (None,)
+    return c if c is not None and np.isfinite(c) else None
 
 
 # --------------------------------------------------------------------------- tiles
@@ -208,14 +236,17 @@ def _tile_state(plan: _Plan, i, j):
     return visit, full
 
 
-def _by_state(plan: _Plan, i, j, body):
+def _by_state(plan: _Plan, i, j, body, skipped=None):
     """Run ``body(edge)`` on tile ``(i, j)``: not at all when the skipping ops
-    exclude it, without their predicates when they keep it whole."""
+    exclude it (``skipped()`` instead, with `_Plan.fold`), without their
+    predicates when they keep it whole."""
     pl, _ = compat.pallas_tpu_modules()
     visit, full = _tile_state(plan, i, j)
     if visit is None:
         body(True)
         return
+    if skipped is not None and plan.fold is not None:
+        pl.when(~visit)(skipped)
 
     @pl.when(visit & full)
     def _():
@@ -362,7 +393,22 @@ def _forward(plan: _Plan, q, k, v, ex, sink, key):
             pv = _nn(p.astype(spec.p_dtype).astype(plan.kdt), v_ref[...])
             acc_sc[...] = alpha * acc_sc[...] + pv
 
-        _by_state(plan, i, j, body)
+        def skipped():
+            # n keys scoring c, their values summed (`_fold_score`).
+            c = jnp.float32(plan.fold)
+            n = jnp.clip(spec.kv_len - j * plan.bk, 0, plan.bk).astype(jnp.float32)
+            vsum = jnp.sum(v_ref[...].astype(jnp.float32), axis=0, keepdims=True)
+            m_prev, l_prev = m_sc[...], l_sc[...]
+            m_new = jnp.maximum(m_prev, c)
+            m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+            alpha = jnp.exp(m_prev - m_safe)
+            beta = jnp.exp(c - m_safe)
+            l_sc[...] = alpha * l_prev + n * beta
+            m_sc[...] = m_new
+            beta_p = beta.astype(spec.p_dtype).astype(jnp.float32)
+            acc_sc[...] = alpha * acc_sc[...] + beta_p * vsum
+
+        _by_state(plan, i, j, body, skipped)
 
         @pl.when(j == plan.nk - 1)
         def _():
@@ -532,7 +578,15 @@ def _backward(plan: _Plan, q, k, v, ex, key, do, m, inv_l, delta):
             dv_sc[...] += _tn(pd.astype(spec.p_dtype).astype(kdt), r["do"][...])
             dk_sc[...] += _tn(ds.astype(kdt), r["q"][...])
 
-        _by_state(plan, i, j, body)
+        def skipped():
+            # Keys scoring c (`_fold_score`): dV only, the weights' sum of dO.
+            w = jnp.exp(jnp.float32(plan.fold) - r["m"][...]) * r["inv_l"][...]
+            w = w.astype(spec.p_dtype).astype(jnp.float32)
+            wdo = jnp.sum(w * r["do"][...].astype(jnp.float32), axis=0, keepdims=True)
+            keys = j * plan.bk + lax.broadcasted_iota(jnp.int32, (plan.bk, 1), 0)
+            dv_sc[...] += jnp.where(keys < spec.kv_len, wdo, 0.0)
+
+        _by_state(plan, i, j, body, skipped)
 
         @pl.when(i == plan.nq - 1)
         def _():
@@ -716,3 +770,32 @@ def _tile_extra(plan: _Plan, index: int, x):
     if es > 1:
         x = _util.pad_axis(x, 3, plan.sp, value=value)
     return x
+
+
+def dropout_keep(spec: AttentionSpec, key, *, block_q=None, block_k=None, interpret=False):
+    """The keep-mask ``[B, H, T, S]`` (int32, 1 kept) the kernel's tiles draw
+    for ``spec``'s `Dropout` (``key``: its extra), written out by a Pallas
+    kernel that evaluates exactly the tiles' code: for tests and diagnostics."""
+    pl, _ = compat.pallas_tpu_modules()
+    if spec.dropout is None:
+        raise ValueError("the spec has no Dropout op")
+    plan = FlashTpuKernel(block_q, block_k).plan(spec, interpret)
+
+    def kernel(key_ref, o_ref):
+        b, h, i, j = (pl.program_id(a) for a in range(4))
+        qi, kj = _tile_positions(plan, i, j)
+        o_ref[...] = _keep(plan, key_ref, b, h, qi, kj).astype(jnp.int32)
+
+    def run(key):
+        out = pl.pallas_call(
+            kernel,
+            grid=(spec.batch, spec.heads, plan.nq, plan.nk),
+            in_specs=[_smem(plan)],
+            out_specs=pl.BlockSpec((None, None, plan.bq, plan.bk), lambda b, h, i, j: (b, h, i, j)),
+            out_shape=jax.ShapeDtypeStruct((spec.batch, spec.heads, plan.tp, plan.sp), jnp.int32),
+            interpret=interpret,
+        )(key.reshape(2).astype(jnp.uint32))
+        return out[:, :, : spec.q_len, : spec.kv_len]
+
+    with compat.pallas_tpu_context(False):
+        return run(key)

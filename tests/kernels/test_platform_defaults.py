@@ -76,7 +76,7 @@ def explain(fn, platform, dtype, bias=False, kernel=None):
 
 def test_default_orders():
     assert DEFAULT_ORDER == {
-        "tpu": ("paged_tpu", "splash", "pallas_tpu", "blockwise"),
+        "tpu": ("paged_tpu", "splash", "flash_tpu", "pallas_tpu", "blockwise"),
         "gpu": ("cudnn", "pallas_gpu", *(("tokamax",) if TOKAMAX else ()), "blockwise"),
         "cpu": ("blockwise",),
     }
@@ -91,7 +91,7 @@ def test_default_orders():
     [
         (causal_attention, "tpu", F32, False, False, "splash"),
         (causal_attention, "tpu", BF16, False, False, "splash"),
-        (biased_attention, "tpu", F32, True, False, "pallas_tpu"),  # splash: no bias
+        (biased_attention, "tpu", F32, True, False, "flash_tpu"),  # splash: no bias
         (softcapped_attention, "tpu", F32, False, False, "splash"),
         (causal_attention, "gpu", BF16, False, True, "cudnn"),
         (causal_attention, "gpu", BF16, False, False, PALLAS_GPU),  # no cuDNN here
@@ -135,7 +135,7 @@ _BIAS = spec_of(
 @pytest.mark.parametrize(
     "platform,spec,chosen,rejected",
     [
-        ("tpu", _BIAS, "pallas_tpu", {"paged_tpu": "queries per row", "splash": "takes no bias"}),
+        ("tpu", _BIAS, "flash_tpu", {"paged_tpu": "queries per row", "splash": "takes no bias"}),
         (
             "gpu",
             spec_of(t=64, ops=[Scale(0.1), Causal(0, -1e9)]),
