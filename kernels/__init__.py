@@ -51,6 +51,7 @@ __all__ = [
 _BUILTIN = {
     "blockwise": "blockwise:BlockwiseKernel",
     "cudnn": "cudnn:CudnnKernel",
+    "flash_gpu": "flash_gpu:FlashGpuKernel",
     "flash_tpu": "flash_tpu:FlashTpuKernel",
     "pallas_gpu": "pallas_gpu:PallasGpuKernel",
     "paged_tpu": "paged_tpu:PagedTpuKernel",
