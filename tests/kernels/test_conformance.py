@@ -64,6 +64,7 @@ from flashpass import compat
 from flashpass.kernels import Causal, CheckContext, Kernel, Scale, Softcap
 from flashpass.kernels.blockwise import BlockwiseKernel
 from flashpass.kernels.cudnn import CudnnKernel
+from flashpass.kernels.flash_gpu import FlashGpuKernel
 from flashpass.kernels.flash_tpu import FlashTpuKernel
 from flashpass.kernels.paged_tpu import PagedTpuKernel
 from flashpass.kernels.pallas_gpu import PallasGpuKernel
@@ -88,7 +89,7 @@ from flashpass.spec import (
 #: Kernels declaring `Kernel.ring_step` that tests/kernels/test_ring_steps.py runs.
 RING_STEP_TESTED = {"blockwise", "pallas_gpu", "splash"}
 #: Pallas kernels declaring `Kernel.dropout` whose keep-mask a test checks.
-DROPOUT_TESTED = {"flash_tpu"}
+DROPOUT_TESTED = {"flash_tpu", "flash_gpu"}
 
 # --------------------------------------------------------------------------- cases
 
@@ -302,6 +303,15 @@ ADAPTERS = {
         skip_reason="JAX deprecates the Triton flash attention (0.11.1+)",
         declines_all="" if compat.TRITON_ATTENTION else "deprecates",
     ),
+    # Our own op-protocol kernel on Pallas Triton (JAX < 0.11.1), interpreted here.
+    "flash_gpu": Adapter(
+        lambda: FlashGpuKernel(16, 16),
+        GPU if has_gpu() else INTERPRET,
+        interpret=not has_gpu(),
+        runs_here=lambda: compat.TRITON_ATTENTION,
+        skip_reason="JAX deprecates the Pallas Triton backend (0.11.1+)",
+        declines_all="" if compat.TRITON_ATTENTION else "deprecates",
+    ),
     "cudnn": Adapter(
         CudnnKernel,
         GPU,
@@ -398,6 +408,7 @@ DEFAULT_NUMERICS = {
         ("sinks", "f32"),
     },
     "pallas_gpu": {("causal", "f32"), ("padding", "f32"), ("odd", "f32"), ("gqa", "bf16")},
+    "flash_gpu": {("alibi", "f32"), ("sinks", "bf16")},
     "cudnn": {(c, d) for c in CASES for d in DTYPES},  # skipped without a GPU
     "cudnn_xla": {(c, "bf16") for c in ("bias", "padding", "odd", "gqa", "window", "kv_lengths")},
     "tokamax": {(c, d) for c in CASES for d in DTYPES},  # skipped without tokamax
@@ -490,6 +501,7 @@ def test_cases_cover_every_descriptor_and_declarations_are_known():
         BlockwiseKernel(),
         PallasTpuKernel(),
         FlashTpuKernel(),
+        FlashGpuKernel(),
         SplashKernel(),
         CudnnKernel(),
         PallasGpuKernel(),

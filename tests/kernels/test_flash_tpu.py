@@ -268,6 +268,7 @@ def _dropout_program(q, k, v, key):
     return jnp.einsum("bhts,bshd->bthd", jnp.where(keep, p / 0.9, 0.0), v)
 
 
+@pytest.mark.slow  # (about a minute in interpret mode)
 def test_program_with_dropout_is_the_same_function():
     rng = np.random.default_rng(0)
     q, k, v = (jnp.asarray(rng.standard_normal((2, 48, 2, 16)), jnp.float32) for _ in range(3))
@@ -387,7 +388,13 @@ def _exported_ops(fn, *args):
     return compat.stablehlo_ops(compat.parse_stablehlo(exported.mlir_module()))
 
 
-@pytest.mark.parametrize("name", list(SITES))
+#: The export checks run by default (the others are marked slow).
+QUICK_SITES = {"hf_padding", "alibi", "dropout"}
+
+
+@pytest.mark.parametrize(
+    "name", [n if n in QUICK_SITES else pytest.param(n, marks=pytest.mark.slow) for n in SITES]
+)
 def test_site_exports_for_tpu_as_a_kernel_without_t_by_s(name):
     fn = SITES[name]
     qkv = [jax.ShapeDtypeStruct((EB, ET, EH, ED), jnp.bfloat16)] * 3
