@@ -36,7 +36,7 @@ from .placement import BodyRing, Deferred, Kept, Placed, Ring, place
 from .report import Fallback, InternalError, Report, Rewrite, Unrecognised
 from .rewrite import Plan, rewrite
 from .ring import cases as ring_cases
-from .select import PlannedSite, choose, resolve_order
+from .select import PlannedSite, choose, materialises, resolve_order
 from .spec import Alibi, Bias, Causal
 
 logger = logging.getLogger("flashpass")
@@ -124,7 +124,9 @@ def choose_kernels(sites, kernels, ctx: CheckContext, interpret: bool, where_is:
                 )
             )
             continue
-        planned.append(PlannedSite(site, chosen, interpret, rejections))
+        note = materialises(chosen, site.spec, ctx)
+        notes = () if note is None else (note,)
+        planned.append(PlannedSite(site, chosen, interpret, rejections, notes))
     return planned, fallbacks
 
 
@@ -311,7 +313,7 @@ def _rewrite_entry(placed: Placed, scope_name: str) -> Rewrite:
         scope=scope_name,
         spec=spec.describe(),
         rejected=dict(p.rejected),
-        dense=p.site.dense,
+        dense=tuple(p.site.dense) + tuple(p.notes),
         backward=p.site.backward is not None,
         layer=layers.layer_of(p.site.root),
         dropout=spec.dropout is not None,

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import math
 
 import jax
 
@@ -31,6 +32,8 @@ from .calls import kernel_call
 
 #: (kernel name, id(kernel), spec, interpret, platform) -> error string or None
 _PROBES: collections.OrderedDict = collections.OrderedDict()
+#: The same keys -> `materialises`' note (None: O(T) operands only).
+_MATERIALISED: dict = {}
 _PROBE_LIMIT = 512
 
 
@@ -42,6 +45,7 @@ class PlannedSite:
     kernel: object  # kernels.Kernel
     interpret: bool = False
     rejected: dict = dataclasses.field(default_factory=dict)  # kernels tried first -> reasons
+    notes: tuple = ()  # e.g. that the kernel materialises T×S (`materialises`)
 
 
 def resolve_order(kernel, platform: str) -> tuple[list[Kernel], bool]:
@@ -61,8 +65,14 @@ def resolve_order(kernel, platform: str) -> tuple[list[Kernel], bool]:
 
 def choose(spec, kernels: list[Kernel], ctx: CheckContext, step: bool = False):
     """(kernel, rejections): the first kernel that accepts ``spec``, or None.
-    ``step``: ``spec`` is one step of a ring (`flashpass.ring.cases`)."""
+    ``step``: ``spec`` is one step of a ring (`flashpass.ring.cases`).
+
+    Unless the user named the kernels (``ctx.explicit``), a kernel that would
+    build a ``T x S`` array from the site's O(T) data (`materialises`) is
+    passed over for a later one that takes the site in O(T), with the reason
+    "materialises T×S"; it still runs the site when no later kernel does."""
     rejections: dict[str, list[str]] = {}
+    fallback = None  # (kernel, rejections before it): the first that materialises
     for kernel in kernels:
         if spec.dropout is not None and not kernel.dropout:
             rejections[kernel.name] = dropout_reasons(spec, kernel)
@@ -76,45 +86,127 @@ def choose(spec, kernels: list[Kernel], ctx: CheckContext, step: bool = False):
         if not reasons:
             error = probe(kernel, spec, ctx, step)
             if error is None:
-                return kernel, rejections
-            reasons = [error]
+                note = None if ctx.explicit or step else materialises(kernel, spec, ctx)
+                if note is None:
+                    return kernel, rejections
+                if fallback is None:
+                    fallback = (kernel, dict(rejections))
+                reasons = [f"{note}; passed over for a kernel that takes the site in O(T)"]
+            else:
+                reasons = [error]
         rejections[kernel.name] = reasons
+    if fallback is not None:
+        return fallback
     return None, rejections
+
+
+#: Sequences shorter than this are not judged by `materialises`: a tile of a
+#: flash kernel is that large anyway.
+MATERIALISE_MIN_LEN = 128
+
+
+def materialises(kernel: Kernel, spec, ctx: CheckContext) -> str | None:
+    """``"<kernel> materialises T×S: ..."`` when the kernel's call for ``spec``
+    (its forward, outside Pallas kernels and loop bodies, whose arrays are
+    tiles) holds an array of at least ``T x S`` elements with two axes of at
+    least ``min(T, S)``, while no operand of the site is that large; else None.
+    Read from the probe's trace (`probe`), so it costs nothing more."""
+    if probe(kernel, spec, ctx) is not None:
+        return None
+    return _MATERIALISED.get(_probe_key(kernel, spec, ctx, False))
 
 
 def probe(kernel: Kernel, spec, ctx: CheckContext, step: bool = False) -> str | None:
     """Trace (and, on its own platform, lower) the kernel call for ``spec``;
     with ``step``, trace its ring step forward and backward."""
-    key = (kernel.name, id(kernel), spec, ctx.interpret, ctx.platform, step)
+    key = _probe_key(kernel, spec, ctx, step)
     if key in _PROBES:
         _PROBES.move_to_end(key)
         return _PROBES[key]
-    error = (_probe_step if step else _probe)(kernel, spec, ctx)
+    if step:
+        error = _probe_step(kernel, spec, ctx)
+    else:
+        error, note = _probe(kernel, spec, ctx)
+        _MATERIALISED[key] = note
     _PROBES[key] = error
     if len(_PROBES) > _PROBE_LIMIT:
-        _PROBES.popitem(last=False)
+        _MATERIALISED.pop(_PROBES.popitem(last=False)[0], None)
     return error
 
 
-def _probe(kernel: Kernel, spec, ctx: CheckContext) -> str | None:
+def _probe_key(kernel: Kernel, spec, ctx: CheckContext, step: bool):
+    return (kernel.name, id(kernel), spec, ctx.interpret, ctx.platform, step)
+
+
+def _probe(kernel: Kernel, spec, ctx: CheckContext) -> tuple[str | None, str | None]:
+    """``(error, materialises note)`` of the kernel call for ``spec``."""
     args = _operands(spec)
     call = kernel_call(kernel, spec, ctx.interpret)
+    note = None
     try:
         # Probed on its own, whatever trace or mesh the pass runs under.
         with compat.outside_mesh():
-            out = jax.eval_shape(call, *args)
+            closed, out = jax.make_jaxpr(call, return_shape=True)(*args)
+            note = _materialised_note(kernel, spec, closed, ctx.interpret)
             if tuple(out.shape) != spec.out_shape or out.dtype != spec.out_dtype:
-                return (
+                error = (
                     f"returned {out.dtype}{list(out.shape)}, expected "
                     f"{spec.out_dtype}{list(spec.out_shape)}"
                 )
+                return error, None
             # Plain JAX lowers wherever it traces; lowering it here would only
             # fill JAX's caches with one module per served shape.
             if ctx.platform == current_platform() and not kernel.plain_jax:
                 call.lower(*args)
     except Exception as err:  # the kernel failed: the site falls back
         message = str(err).strip().splitlines()[0] if str(err).strip() else ""
-        return f"raised {type(err).__name__} while tracing/lowering: {message}"[:500]
+        return f"raised {type(err).__name__} while tracing/lowering: {message}"[:500], None
+    return None, note
+
+
+#: Primitives whose bodies hold tiles, not whole arrays (`materialises`).
+_TILED = frozenset({"pallas_call", "while", "scan"})
+
+
+def _is_t_by_s(shape, t: int, s: int) -> bool:
+    """Whether an array of ``shape`` could hold a ``T x S`` score matrix:
+    at least ``T * S`` elements and two axes of at least ``min(T, S)``."""
+    short = min(t, s)
+    return math.prod(shape) >= t * s and sum(d >= short for d in shape) >= 2
+
+
+def _materialised_note(kernel: Kernel, spec, closed, interpret: bool) -> str | None:
+    t, s = spec.q_len, spec.kv_len
+    if min(t, s) < MATERIALISE_MIN_LEN or max(spec.head_dim, spec.v_head_dim) >= min(t, s):
+        return None
+    if any(_is_t_by_s(e.shape, t, s) for e in spec.extras):
+        return None  # the site's own operand is T x S already
+    parts = empty_rows.split(spec)
+    if parts is not None:
+        # The kernel's own two calls, not the row pass around them (whose
+        # key chunks may span a short sequence).
+        for part in (parts.masked, parts.filled):
+            call = kernel_call(kernel, part, interpret)
+            note = _materialised_note(
+                kernel, part, jax.make_jaxpr(call)(*_operands(part)), interpret
+            )
+            if note is not None:
+                return note
+        return None
+    stack = [closed.jaxpr]
+    while stack:
+        jaxpr = stack.pop()
+        for eqn in jaxpr.eqns:
+            for var in eqn.outvars:
+                shape = tuple(getattr(var.aval, "shape", ()))
+                if _is_t_by_s(shape, t, s):
+                    dtype = getattr(var.aval, "dtype", "")
+                    return (
+                        f"{kernel.name} materialises T×S: it builds a {dtype}{list(shape)} "
+                        "array from the site's O(T) data"
+                    )
+            if eqn.primitive.name not in _TILED:
+                stack += [getattr(b, "jaxpr", b) for b in compat.subjaxprs_of_params(eqn.params)]
     return None
 
 
@@ -159,3 +251,4 @@ def current_platform() -> str:
 
 def clear_probe_cache() -> None:
     _PROBES.clear()
+    _MATERIALISED.clear()

@@ -51,6 +51,8 @@ __all__ = [
 _BUILTIN = {
     "blockwise": "blockwise:BlockwiseKernel",
     "cudnn": "cudnn:CudnnKernel",
+    "flash_gpu": "flash_gpu:FlashGpuKernel",
+    "flash_tpu": "flash_tpu:FlashTpuKernel",
     "pallas_gpu": "pallas_gpu:PallasGpuKernel",
     "paged_tpu": "paged_tpu:PagedTpuKernel",
     "pallas_tpu": "pallas_tpu:PallasTpuKernel",
@@ -65,15 +67,19 @@ def gpu_order(triton_attention: bool, tokamax: bool) -> tuple[str, ...]:
     """The GPU default order, given whether JAX's Triton flash attention may be
     used (`flashpass.compat.TRITON_ATTENTION`: before JAX 0.11.1) and whether the
     optional tokamax package is installed.  From JAX 0.11.1 `pallas_gpu` declines
-    every site (saying why) and tokamax's kernels are tried after it."""
-    if triton_attention or not tokamax:
+    every site (saying why) and tokamax's kernels are tried after it.  Before
+    it, `flash_gpu` (our own op-protocol kernel on Pallas Triton) takes what
+    cuDNN and ``pallas_gpu`` cannot, in O(T), before ``blockwise``."""
+    if triton_attention:
+        return ("cudnn", "pallas_gpu", "flash_gpu", "blockwise")
+    if not tokamax:
         return ("cudnn", "pallas_gpu", "blockwise")
     return ("cudnn", "pallas_gpu", "tokamax", "blockwise")
 
 
 #: Kernels tried, in order, when the user names none (see docs/kernels.md).
 DEFAULT_ORDER: dict[str, tuple[str, ...]] = {
-    "tpu": ("paged_tpu", "splash", "pallas_tpu", "blockwise"),
+    "tpu": ("paged_tpu", "splash", "flash_tpu", "pallas_tpu", "blockwise"),
     "gpu": gpu_order(compat.TRITON_ATTENTION, compat.tokamax_installed()),
     "cpu": ("blockwise",),
 }

@@ -58,11 +58,21 @@ def uniform_of_bits(op: Dropout, bits32):
 def keep_mask(op: Dropout, key, b, h, t, s):
     """Whether the program keeps the weight at canonical ``(b, h, t, s)``
     (index arrays that broadcast together); ``key`` is the op's extra."""
+    key = jnp.reshape(key, (2,)).astype(jnp.uint32)
+    return keep_mask_words(op, key[0], key[1], b, h, t, s)
+
+
+def keep_mask_words(op: Dropout, k1, k2, b, h, t, s, threefry=None):
+    """`keep_mask` from the key's two uint32 words ``k1``, ``k2`` (scalars):
+    the form a Pallas kernel calls, with the key read from scalar memory.
+    ``threefry``: the Threefry-2x32 function (default: JAX's primitive;
+    `compat.threefry2x32_rounds` where a backend has no rule for it)."""
+    threefry = threefry or compat.threefry2x32
     flat = flat_index(op, b, h, t, s)
     shape = jnp.broadcast_shapes(*(jnp.shape(x) for x in (b, h, t, s)))
     flat = jnp.broadcast_to(flat, shape)
-    key = jnp.reshape(key, (2,)).astype(jnp.uint32)
-    w1, w2 = compat.threefry2x32(key[0], key[1], jnp.zeros_like(flat), flat)
+    k1, k2 = (jnp.asarray(w).astype(jnp.uint32) for w in (k1, k2))
+    w1, w2 = threefry(k1, k2, jnp.zeros_like(flat), flat)
     return _compare(op, uniform_of_bits(op, w1 ^ w2))
 
 

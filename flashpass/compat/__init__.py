@@ -97,7 +97,9 @@ from ._kernels import (  # noqa: F401
     lower_for_tpu,
     make_splash_kernel,
     pallas_tpu_context,
+    pallas_tpu_modules,
     pallas_tpu_traced,
+    pallas_triton_modules,
     parse_stablehlo,
     splash_attention_module,
     splash_backward,
@@ -125,6 +127,7 @@ from ._random import (  # noqa: F401
     prng_impl_name,
     raw_key_data,
     threefry2x32,
+    threefry2x32_rounds,
     threefry_partitionable,
     wrap_impl_name,
 )

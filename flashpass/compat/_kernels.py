@@ -16,7 +16,9 @@ from ._jaxpr import JAX_VERSION
 #: moves one fails `tests/test_compat.py`, which also checks that this table
 #: lists exactly the modules imported.
 EXPERIMENTAL_MODULES = {
+    "jax.experimental.pallas": ("0.9.0", "0.12.0.1"),
     "jax.experimental.pallas.tpu": ("0.9.0", "0.12.0.1"),
+    "jax.experimental.pallas.triton": ("0.9.0", "0.12.0.1"),
     "jax.experimental.pallas.ops.tpu.flash_attention": ("0.9.0", "0.12.0.1"),
     "jax.experimental.pallas.ops.tpu.paged_attention": ("0.9.0", "0.12.0.1"),
     "jax.experimental.pallas.ops.tpu.splash_attention": ("0.9.0", "0.12.0.1"),
@@ -65,6 +67,27 @@ def tpu_interpret_mode():
 
 
 # --- Pallas TPU adapter helpers
+
+
+@functools.cache
+def pallas_tpu_modules():
+    """``(jax.experimental.pallas, jax.experimental.pallas.tpu)``, for kernels
+    of our own written in Pallas (`flashpass.kernels.flash_tpu`)."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import tpu as pltpu
+
+    return pl, pltpu
+
+
+@functools.cache
+def pallas_triton_modules():
+    """``(jax.experimental.pallas, jax.experimental.pallas.triton)``: Pallas
+    kernels of our own lowered through Triton on GPU (`flashpass.kernels.flash_gpu`;
+    deprecated by JAX 0.11.2, see `TRITON_ATTENTION`)."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import triton as plgpu
+
+    return pl, plgpu
 
 
 @functools.cache

@@ -25,6 +25,24 @@ def threefry2x32(k1, k2, x1, x2):
     return threefry2x32_p.bind(k1, k2, x1, x2)
 
 
+def threefry2x32_rounds(k1, k2, x1, x2):
+    """`threefry2x32` written out in uint32 adds, rotations and XORs (Threefry-2x32's
+    20 rounds with JAX's rotation constants): bit-equal to the primitive, for
+    kernels whose backend has no lowering rule for it (Pallas Triton)."""
+    k1, k2 = (jnp.asarray(k, jnp.uint32) for k in (k1, k2))
+    keys = (k1, k2, k1 ^ k2 ^ np.uint32(0x1BD11BDA))
+    rotations = ((13, 15, 26, 6), (17, 29, 16, 24))
+    x1, x2 = x1 + keys[0], x2 + keys[1]
+    for i in range(5):
+        for r in rotations[i % 2]:
+            x1 = x1 + x2
+            x2 = (x2 << np.uint32(r)) | (x2 >> np.uint32(32 - r))
+            x2 = x2 ^ x1
+        x1 = x1 + keys[(i + 1) % 3]
+        x2 = x2 + keys[(i + 2) % 3] + np.uint32(i + 1)
+    return x1, x2
+
+
 def threefry_partitionable() -> bool:
     """Whether ``random_bits`` draws element ``i`` from counter ``i`` alone
     (``jax_threefry_partitionable``, the default since JAX 0.5)."""

@@ -64,6 +64,8 @@ from flashpass import compat
 from flashpass.kernels import Causal, CheckContext, Kernel, Scale, Softcap
 from flashpass.kernels.blockwise import BlockwiseKernel
 from flashpass.kernels.cudnn import CudnnKernel
+from flashpass.kernels.flash_gpu import FlashGpuKernel
+from flashpass.kernels.flash_tpu import FlashTpuKernel
 from flashpass.kernels.paged_tpu import PagedTpuKernel
 from flashpass.kernels.pallas_gpu import PallasGpuKernel
 from flashpass.kernels.pallas_tpu import PallasTpuKernel
@@ -86,6 +88,8 @@ from flashpass.spec import (
 
 #: Kernels declaring `Kernel.ring_step` that tests/kernels/test_ring_steps.py runs.
 RING_STEP_TESTED = {"blockwise", "pallas_gpu", "splash"}
+#: Pallas kernels declaring `Kernel.dropout` whose keep-mask a test checks.
+DROPOUT_TESTED = {"flash_tpu", "flash_gpu"}
 
 # --------------------------------------------------------------------------- cases
 
@@ -285,6 +289,10 @@ ADAPTERS = {
         lambda: BlockwiseKernel(block_q=16, block_k=16, head_loop=True), HERE
     ),
     "pallas_tpu": Adapter(lambda: PallasTpuKernel(max_block=128), INTERPRET, interpret=True),
+    # Our own Pallas TPU kernel: 16-row query tiles, so most cases cross several.
+    "flash_tpu": Adapter(
+        lambda: FlashTpuKernel(block_q=16, block_k=128), INTERPRET, interpret=True
+    ),
     "splash": Adapter(lambda: SplashKernel(max_block=128), INTERPRET, interpret=True),
     # 16-wide blocks: several forward and backward blocks per case.
     "pallas_gpu": Adapter(
@@ -293,6 +301,15 @@ ADAPTERS = {
         interpret=not has_gpu(),
         runs_here=lambda: compat.TRITON_ATTENTION,
         skip_reason="JAX deprecates the Triton flash attention (0.11.1+)",
+        declines_all="" if compat.TRITON_ATTENTION else "deprecates",
+    ),
+    # Our own op-protocol kernel on Pallas Triton (JAX < 0.11.1), interpreted here.
+    "flash_gpu": Adapter(
+        lambda: FlashGpuKernel(16, 16),
+        GPU if has_gpu() else INTERPRET,
+        interpret=not has_gpu(),
+        runs_here=lambda: compat.TRITON_ATTENTION,
+        skip_reason="JAX deprecates the Pallas Triton backend (0.11.1+)",
         declines_all="" if compat.TRITON_ATTENTION else "deprecates",
     ),
     "cudnn": Adapter(
@@ -376,6 +393,8 @@ DEFAULT_NUMERICS = {
     },
     "blockwise_heads": {(c, "f32") for c in CASES} | {("gqa", "bf16"), ("bias", "bf16")},
     "pallas_tpu": {("padding", "f32"), ("segments", "f32")},
+    # (tests/kernels/test_flash_tpu.py runs its own matrix on larger tiles.)
+    "flash_tpu": {("padding", "f32"), ("sinks", "bf16"), ("alibi", "f32"), ("positions", "f32")},
     "splash": {
         ("causal", "f32"),
         ("bool_mask", "f32"),
@@ -389,6 +408,7 @@ DEFAULT_NUMERICS = {
         ("sinks", "f32"),
     },
     "pallas_gpu": {("causal", "f32"), ("padding", "f32"), ("odd", "f32"), ("gqa", "bf16")},
+    "flash_gpu": {("alibi", "f32"), ("sinks", "bf16")},
     "cudnn": {(c, d) for c in CASES for d in DTYPES},  # skipped without a GPU
     "cudnn_xla": {(c, "bf16") for c in ("bias", "padding", "odd", "gqa", "window", "kv_lengths")},
     "tokamax": {(c, d) for c in CASES for d in DTYPES},  # skipped without tokamax
@@ -467,7 +487,9 @@ def test_cases_cover_every_descriptor_and_declarations_are_known():
         assert kernel.dtypes <= FLOAT_DTYPES, kernel.name
         assert isinstance(kernel.grad, bool) and isinstance(kernel.partitionable, bool)
         assert kernel.plain_jax <= kernel.partitionable  # plain JAX: XLA partitions it
-        assert kernel.dropout <= kernel.plain_jax  # exact dropout: the plain-JAX kernels
+        # Exact dropout: the plain-JAX kernels, and those whose keep-mask is
+        # checked bit-equal to blockwise's (tests/kernels/test_flash_tpu.py).
+        assert kernel.dropout <= (kernel.plain_jax or kernel.name in DROPOUT_TESTED)
         # Ring steps: tests/kernels/test_ring_steps.py runs each declaring kernel.
         assert not kernel.ring_step or kernel.name in RING_STEP_TESTED, kernel.name
         assert kernel.grad or not kernel.ring_step  # the ring's backward runs its steps'
@@ -478,6 +500,8 @@ def test_cases_cover_every_descriptor_and_declarations_are_known():
     [
         BlockwiseKernel(),
         PallasTpuKernel(),
+        FlashTpuKernel(),
+        FlashGpuKernel(),
         SplashKernel(),
         CudnnKernel(),
         PallasGpuKernel(),

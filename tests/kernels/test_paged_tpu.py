@@ -179,12 +179,12 @@ def _decode_step(q, k, v, lengths):
 
 def test_tpu_default_order_picks_it_for_decode_only():
     """On TPU a decode step against a ragged cache goes to the paged kernel; a
-    64-query block of the same code does not (splash and the flash kernel take
-    no kv lengths: blockwise), with the paged kernel's reason in the report."""
+    64-query block of the same code does not (splash and JAX's flash kernel take
+    no kv lengths: our own flash_tpu), with the paged kernel's reason in the report."""
     rng = np.random.default_rng(0)
     kv = [jnp.asarray(rng.standard_normal((2, 4, 512, 128)), jnp.bfloat16) for _ in range(2)]
     lengths = jnp.array([100, 512], jnp.int32)
-    for t, expected in ((1, "paged_tpu"), (64, "blockwise")):
+    for t, expected in ((1, "paged_tpu"), (64, "flash_tpu")):
         q = jnp.asarray(rng.standard_normal((2, 4, t, 128)), jnp.bfloat16)
         report = flashpass.optimize(_decode_step, platform="tpu").explain(q, *kv, lengths)
         assert report.kernels == [expected], str(report)

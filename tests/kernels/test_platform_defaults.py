@@ -68,6 +68,10 @@ PALLAS_GPU = "pallas_gpu" if compat.TRITON_ATTENTION else "blockwise"
 #: tokamax joins the GPU order after pallas_gpu from JAX 0.11.1 when installed
 #: (`flashpass.kernels.gpu_order`); on this host its GPU kernels decline.
 TOKAMAX = not compat.TRITON_ATTENTION and compat.tokamax_installed()
+#: Our own op-protocol kernel on Pallas Triton (before JAX 0.11.1), before blockwise.
+FLASH_GPU = ("flash_gpu",) if compat.TRITON_ATTENTION else ()
+#: What the GPU order picks where neither cuDNN nor pallas_gpu can.
+OWN_GPU = "flash_gpu" if compat.TRITON_ATTENTION else "blockwise"
 
 
 def explain(fn, platform, dtype, bias=False, kernel=None):
@@ -76,8 +80,8 @@ def explain(fn, platform, dtype, bias=False, kernel=None):
 
 def test_default_orders():
     assert DEFAULT_ORDER == {
-        "tpu": ("paged_tpu", "splash", "pallas_tpu", "blockwise"),
-        "gpu": ("cudnn", "pallas_gpu", *(("tokamax",) if TOKAMAX else ()), "blockwise"),
+        "tpu": ("paged_tpu", "splash", "flash_tpu", "pallas_tpu", "blockwise"),
+        "gpu": ("cudnn", "pallas_gpu", *FLASH_GPU, *(("tokamax",) if TOKAMAX else ()), "blockwise"),
         "cpu": ("blockwise",),
     }
     assert default_order("metal") == ("blockwise",)
@@ -91,14 +95,14 @@ def test_default_orders():
     [
         (causal_attention, "tpu", F32, False, False, "splash"),
         (causal_attention, "tpu", BF16, False, False, "splash"),
-        (biased_attention, "tpu", F32, True, False, "pallas_tpu"),  # splash: no bias
+        (biased_attention, "tpu", F32, True, False, "flash_tpu"),  # splash: no bias
         (softcapped_attention, "tpu", F32, False, False, "splash"),
         (causal_attention, "gpu", BF16, False, True, "cudnn"),
         (causal_attention, "gpu", BF16, False, False, PALLAS_GPU),  # no cuDNN here
         (causal_attention, "gpu", F32, False, True, PALLAS_GPU),  # cuDNN: 16-bit only
         (biased_attention, "gpu", BF16, True, True, "cudnn"),
-        (biased_attention, "gpu", F32, True, True, "blockwise"),  # pallas_gpu: no bias
-        (softcapped_attention, "gpu", BF16, False, True, "blockwise"),
+        (biased_attention, "gpu", F32, True, True, OWN_GPU),  # pallas_gpu: no bias
+        (softcapped_attention, "gpu", BF16, False, True, OWN_GPU),
     ],
     ids=lambda x: getattr(x, "__name__", str(x)),
 )
@@ -135,7 +139,7 @@ _BIAS = spec_of(
 @pytest.mark.parametrize(
     "platform,spec,chosen,rejected",
     [
-        ("tpu", _BIAS, "pallas_tpu", {"paged_tpu": "queries per row", "splash": "takes no bias"}),
+        ("tpu", _BIAS, "flash_tpu", {"paged_tpu": "queries per row", "splash": "takes no bias"}),
         (
             "gpu",
             spec_of(t=64, ops=[Scale(0.1), Causal(0, -1e9)]),
@@ -147,7 +151,7 @@ _BIAS = spec_of(
         (
             "gpu",
             spec_of(t=64, dtype=BF16, ops=[Scale(0.1), Softcap(30.0)]),
-            "blockwise",
+            OWN_GPU,
             {"cudnn": "soft-capping", "pallas_gpu": "soft-capping"}
             | ({"tokamax": "no tokamax implementation"} if TOKAMAX else {}),
         ),

@@ -45,7 +45,8 @@ needs_tokamax = pytest.mark.skipif(not INSTALLED, reason="needs the optional tok
 
 def test_registered_and_in_the_gpu_order_from_jax_0_11_1_when_installed():
     assert "tokamax" in kernel_names() and isinstance(KERNEL, TokamaxKernel)
-    assert gpu_order(True, False) == gpu_order(True, True) == ("cudnn", "pallas_gpu", "blockwise")
+    triton = ("cudnn", "pallas_gpu", "flash_gpu", "blockwise")
+    assert gpu_order(True, False) == gpu_order(True, True) == triton
     assert gpu_order(False, False) == ("cudnn", "pallas_gpu", "blockwise")
     assert gpu_order(False, True) == ("cudnn", "pallas_gpu", "tokamax", "blockwise")
     assert DEFAULT_ORDER["gpu"] == gpu_order(compat.TRITON_ATTENTION, INSTALLED)
