@@ -218,7 +218,7 @@ def analyze(site: AttentionSite, aval_of, sharding_of=None) -> ShardPlan | str |
             # A [.., T, S] bias or mask: one mesh axis cannot shard both; the
             # ring reads it by query block, whole along the keys.
             by_axis = [None if r == "S" else r for r in by_axis]
-        spec = _spec([axes.get(r) for r in by_axis])
+        spec = partition_spec([axes.get(r) for r in by_axis])
         index = find(atoms, atom)
         if index is None:
             atoms.append(atom)
@@ -229,12 +229,12 @@ def analyze(site: AttentionSite, aval_of, sharding_of=None) -> ShardPlan | str |
         if find(atoms, atom) is None:
             atoms.append(atom)
             in_specs.append(PartitionSpec())
-    out_spec = _spec([None if r == "Dv" else axes.get(r) for r in site.out_roles])
+    out_spec = partition_spec([None if r == "Dv" else axes.get(r) for r in site.out_roles])
     root = compat.named_sharding_of(site.root.eqn.outvars[0].aval)
     root_spec = None
     if root is not None:
         ndim = len(site.out_roles)
-        wanted = _spec(entries(root.spec, ndim))
+        wanted = partition_spec(entries(root.spec, ndim))
         if entries(wanted, ndim) != entries(out_spec, ndim):
             root_spec = wanted
     plan = ShardPlan(mesh, axes, tuple(atoms), tuple(in_specs), out_spec, root_spec, ring_axes)
@@ -326,7 +326,8 @@ def entries(spec, ndim: int) -> list[tuple]:
     return out
 
 
-def _spec(entries) -> PartitionSpec:
+def partition_spec(entries) -> PartitionSpec:
+    """The `PartitionSpec` of per-dimension mesh axes (`entries`' inverse)."""
     return PartitionSpec(*(None if not e else (e[0] if len(e) == 1 else tuple(e)) for e in entries))
 
 

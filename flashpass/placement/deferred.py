@@ -245,7 +245,7 @@ class _Call:
             for role, axis in roles.items():
                 if axis < len(by_dim) and by_dim[axis] and role not in ("D", "Dv"):
                     by_role.setdefault(role, by_dim[axis])
-        return sharding._spec([by_role.get(r, ()) for r in self.site.out_roles])
+        return sharding.partition_spec([by_role.get(r, ()) for r in self.site.out_roles])
 
     def _record(self, mesh, pass_: str, placement, in_specs: tuple) -> None:
         shape = " x ".join(f"{a}={mesh.shape[a]}" for a in mesh.axis_names)
@@ -305,7 +305,7 @@ class Chosen:
                 by_dim = sharding.entries(s.spec, len(aval.shape))
                 keep = {axis for role, axis in roles.items() if _is_batch_or_head(self.site, role)}
                 spec = [e if d in keep else () for d, e in enumerate(by_dim)]
-                s = NamedSharding(s.mesh, sharding._spec(spec))
+                s = NamedSharding(s.mesh, sharding.partition_spec(spec))
             shards.append(s)
         return dataclasses.replace(self, shards=tuple(shards))
 
