@@ -35,7 +35,7 @@ import numpy as np
 
 from flashpass.patterns.common import Miss, profile, where
 
-from . import compat
+from . import compat, errors
 from .graph import Const, Node, Scope
 
 #: Most subsets of differentiated inputs tried per site.
@@ -89,6 +89,52 @@ def match_backward(scope: Scope, site, view=None) -> Backward | Miss:
         last = found
     reason = last if isinstance(last, str) else "no backward equations match it"
     return Miss(f"its intermediates are read by a backward pass that {reason}{where(site.root)}")
+
+
+def match_ungathered(scope: Scope, site):
+    """A differentiated ``site`` whose k or v is gathered along its sequence
+    (Explicit axes' ``reshard``; a ``shard_map`` body's tiled ``all_gather``
+    over one manual axis): the same site reading them from before the
+    gathers, its backward proven with those reads (the gathers join the
+    forward, their transposes the backward).  That is the site a ring runs
+    (`flashpass.placement`); None where neither is gathered or that backward
+    does not prove."""
+    replaced = {}
+    for name in ("k", "v"):
+        operand = getattr(site, name)
+        node = scope.producer(operand.atom)
+        if node is not None and _gathers(node, operand.axes["S"]):
+            replaced[name] = dataclasses.replace(operand, atom=scope.resolve(node.ins[0]))
+    if not replaced:
+        return None
+    forward = site.nodes - site.backward.nodes
+    ungathered = dataclasses.replace(site, nodes=forward, backward=None, **replaced)
+    try:
+        backward = match_backward(scope, ungathered)
+    except Exception:  # (only the ring form is lost: the site itself is proven)
+        if errors.strict():
+            raise
+        return None
+    if isinstance(backward, Miss):
+        return None
+    return dataclasses.replace(ungathered, nodes=forward | backward.nodes, backward=backward)
+
+
+def _gathers(node: Node, axis: int) -> bool:
+    """Whether ``node`` gathers an operand along its sequence (``axis``) as a
+    ring reads it from before: a ``reshard``, or a tiled ``all_gather`` over
+    one manual axis (the backward template binds one)."""
+    if node.prim == "reshard":
+        return True
+    params = node.params
+    names = params.get("axis_name")
+    return (
+        node.prim == "all_gather"
+        and bool(params.get("tiled"))
+        and params.get("axis_index_groups") is None
+        and params.get("all_gather_dimension") == axis
+        and (not isinstance(names, tuple | list) or len(names) == 1)
+    )
 
 
 def _forward(scope: Scope, site, diff: tuple) -> list[Node]:

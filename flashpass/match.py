@@ -31,7 +31,7 @@ from flashpass.patterns.softmax import match_softmax
 from flashpass.patterns.softmax_like import softmax_like
 
 from . import errors
-from .backward import match_backward
+from .backward import match_backward, match_ungathered
 from .builder import SiteBuilder
 from .graph import Const, Scope
 from .roles import UNIT, Merged, flat
@@ -316,7 +316,9 @@ def _with_backward(scope: Scope, site: AttentionSite, root, escape):
     if not backward:
         reason = escape.reason if returned else f"{escape.reason} ({backward.reason})"
         return Escaped(site, Miss(reason, escape.node))
-    return dataclasses.replace(site, nodes=site.nodes | backward.nodes, backward=backward)
+    site = dataclasses.replace(site, nodes=site.nodes | backward.nodes, backward=backward)
+    # A ring reads k and v from before the program's gathers: prove that form too.
+    return dataclasses.replace(site, ungathered=match_ungathered(scope, site))
 
 
 def _after_softmax(scope: Scope, steps, layout, ops, extras):

@@ -32,17 +32,14 @@ from . import compat, errors, layers
 from .graph import build_scopes
 from .match import match_scopes
 from .ops import KINDS
-from .placement import BodyRing, Deferred, Kept, Placed, Ring, place
+from .placement import PLACED_AT_PARTITIONING as PLACED_AT_PARTITIONING  # (the report's word)
+from .placement import Placed, place
 from .report import Fallback, InternalError, Report, Rewrite, Unrecognised
 from .rewrite import Plan, rewrite
-from .ring import cases as ring_cases
 from .select import PlannedSite, choose, materialises, resolve_order
 from .spec import Alibi, Bias, Causal
 
 logger = logging.getLogger("flashpass")
-
-#: `Rewrite.placement` of a site XLA's partitioner places (`placement.Deferred`).
-PLACED_AT_PARTITIONING = "placed at partitioning"
 
 
 def trace(fn, avals):
@@ -163,9 +160,9 @@ def run_pass(
     # Stage 5: where each site runs (per shard, as a ring...); those that cannot are kept.
     placed = place(planned, {s.prefix: s for s in scopes}, kernels, ctx, zigzag)
     for p in placed:
-        if isinstance(p.placement, Kept):
+        if p.placement.kept:
             _kept(report, p, where_is)
-    placed = [p for p in placed if not isinstance(p.placement, Kept)]
+    placed = [p for p in placed if not p.placement.kept]
     if not placed:
         return original, _logged(report)
 
@@ -280,14 +277,6 @@ def _failure_for(failures: dict, prefix: tuple) -> str | None:
 def _rewrite_entry(placed: Placed, scope_name: str) -> Rewrite:
     p, placement = placed.planned, placed.placement
     spec = p.site.spec
-    ring = isinstance(placement, Ring | BodyRing)
-    ring_steps = ""
-    if isinstance(placement, BodyRing):  # plain JAX steps (the queries are local)
-        ring_steps = ring_cases.PLAIN
-    elif isinstance(placement, Ring) and placement.zigzag is not None:
-        ring_steps = f"{placement.zigzag.kernel.name}, zig-zag"  # every block the kernel's
-    elif isinstance(placement, Ring):
-        ring_steps = ring_cases.describe(placement.steps)
     # Name each structured descriptor (e.g. "causal+window"), so a site the
     # kernel runs as an O(T) descriptor is told apart from a dense mask.
     # A Mask says what the kernel received ("key mask", "dense"...).
@@ -299,8 +288,8 @@ def _rewrite_entry(placed: Placed, scope_name: str) -> Rewrite:
                 kinds.append(word)
     return Rewrite(
         pattern=p.site.pattern,
-        kernel="ring" if ring else p.kernel.name,  # a sequence-sharded site (ring.py)
-        ring_steps=ring_steps,
+        kernel=placement.kernel(p),  # "ring" for a sequence-sharded site
+        ring_steps=placement.ring_steps,
         location=p.site.location,
         q_shape=layers.shown_shape(p.site.q, p.site.layout),
         k_shape=p.site.k.shape,
@@ -317,7 +306,7 @@ def _rewrite_entry(placed: Placed, scope_name: str) -> Rewrite:
         backward=p.site.backward is not None,
         layer=layers.layer_of(p.site.root),
         dropout=spec.dropout is not None,
-        placement=PLACED_AT_PARTITIONING if isinstance(placement, Deferred) else "",
+        placement=placement.note,
     )
 
 

@@ -20,8 +20,8 @@ default in JAX 0.10) are in types; for *Auto* axes the partition specs are
 chosen by XLA after tracing, so:
 
 * a site whose program states no sharding of its operands is placed at
-  partitioning time, by the shardings XLA chose (`flashpass.placement.deferred`,
-  which asks `analyze` with ``decided=True``);
+  partitioning time, by the shardings XLA chose (`flashpass.placement.deferred`
+  runs the same decision, `flashpass.placement.decide`, on them);
 * where the program does state one (a ``sharding_constraint`` on q/k/v), a
   kernel XLA can partition (`Kernel.partitionable`: plain JAX, or cuDNN's own
   ``custom_partitioning``) runs as is and XLA splits it, and any other kernel
@@ -34,9 +34,9 @@ sequence axes is sharded, when the ring does not support its score ops, when
 its head dim is sharded, or when its operands shard one axis over different
 mesh axes or unevenly.
 
-`analyze` is this module's answer; `flashpass.placement` turns it into a
-placement and emits it (the ``shard_map``, the ring, and sites inside a
-user's ``shard_map`` body).
+`analyze` is this module's answer; `flashpass.placement.decide` turns it into
+a placement, and `flashpass.placement.emit` emits it (the ``shard_map``, the
+ring, and sites inside a user's ``shard_map`` body).
 """
 
 from __future__ import annotations
@@ -145,20 +145,11 @@ def before_gather(site: AttentionSite, scope) -> AttentionSite:
     return dataclasses.replace(site, **replaced) if replaced else site
 
 
-def analyze(
-    site: AttentionSite,
-    kernel,
-    aval_of,
-    sharding_of=None,
-    ring_only: bool = False,
-    decided: bool = False,
-) -> ShardPlan | str | None:
+def analyze(site: AttentionSite, aval_of, sharding_of=None) -> ShardPlan | str | None:
     """How ``site`` runs on its operands' mesh: a `ShardPlan`, None (unsharded:
     as is), or the reason it must be kept as written.  ``aval_of(atom)`` gives
     the abstract value of an operand; ``sharding_of(atom)`` its sharding
-    (default: the one in its type).  ``ring_only``: only a ring plan is wanted
-    (anything else is None).  ``decided``: the shardings are those XLA's
-    partitioner chose (`flashpass.placement.deferred`), Auto axes or not."""
+    (default: the one in its type; at partitioning, the one XLA chose)."""
     read = operands(site)
     if sharding_of is None:
 
@@ -166,25 +157,9 @@ def analyze(
             return compat.named_sharding_of(aval_of(atom))
 
     shardings = [sharding_of(atom) for _, atom, _ in read]
-    meshes = {s.mesh for s in shardings if s is not None}
-    if len(meshes) > 1:
-        return "the attention's operands live on different meshes; kept as written"
-    mesh = next(iter(meshes), None)
-    if mesh is None:
-        context = compat.context_mesh()
-        mesh = None if context.empty or context.size <= 1 else context
-    if mesh is None:
-        return None
-    kinds = compat.axis_kinds(mesh)
-    if kinds["auto"] and not kernel.partitionable and not ring_only and not decided:
-        auto = ", ".join(f"{a}={mesh.shape[a]}" for a in kinds["auto"])
-        return (
-            f"the operands are on a mesh with Auto axes ({auto}): XLA chooses their "
-            f"shardings after tracing, and it cannot partition the {kernel.name} kernel "
-            "(it would run replicated, gathering q/k/v onto every device); use Explicit "
-            "mesh axes (jax.make_mesh's default), call the attention inside jax.shard_map, "
-            "or a kernel XLA can partition ('blockwise')"
-        )
+    mesh = _mesh(shardings)
+    if mesh is None or isinstance(mesh, str):
+        return mesh
 
     axes: dict = {}
     specs: list = []
@@ -212,7 +187,7 @@ def analyze(
                     f"({'x'.join(previous)} and {'x'.join(names)}); kept as written"
                 )
         specs.append((atom, roles, ndim))
-    if not axes or (ring_only and "T" not in axes and "S" not in axes):
+    if not axes:
         return None
     output = ("the output", None, {r: i for i, r in enumerate(site.out_roles)})
     for name, _, roles in [*read, output]:
@@ -243,7 +218,7 @@ def analyze(
             # A [.., T, S] bias or mask: one mesh axis cannot shard both; the
             # ring reads it by query block, whole along the keys.
             by_axis = [None if r == "S" else r for r in by_axis]
-        spec = _spec([axes.get(r) for r in by_axis])
+        spec = partition_spec([axes.get(r) for r in by_axis])
         index = find(atoms, atom)
         if index is None:
             atoms.append(atom)
@@ -254,16 +229,51 @@ def analyze(
         if find(atoms, atom) is None:
             atoms.append(atom)
             in_specs.append(PartitionSpec())
-    out_spec = _spec([None if r == "Dv" else axes.get(r) for r in site.out_roles])
+    out_spec = partition_spec([None if r == "Dv" else axes.get(r) for r in site.out_roles])
     root = compat.named_sharding_of(site.root.eqn.outvars[0].aval)
     root_spec = None
     if root is not None:
         ndim = len(site.out_roles)
-        wanted = _spec(entries(root.spec, ndim))
+        wanted = partition_spec(entries(root.spec, ndim))
         if entries(wanted, ndim) != entries(out_spec, ndim):
             root_spec = wanted
     plan = ShardPlan(mesh, axes, tuple(atoms), tuple(in_specs), out_spec, root_spec, ring_axes)
     return dataclasses.replace(plan, site=site)
+
+
+def mesh_of(site: AttentionSite, sharding_of):
+    """The mesh ``site``'s operands live on (`analyze`'s): that of their
+    shardings, else the context's of several devices; None, or the reason
+    (several meshes)."""
+    return _mesh([sharding_of(atom) for _, atom, _ in operands(site)])
+
+
+def _mesh(shardings: list):
+    meshes = {s.mesh for s in shardings if s is not None}
+    if len(meshes) > 1:
+        return "the attention's operands live on different meshes; kept as written"
+    mesh = next(iter(meshes), None)
+    if mesh is None:
+        context = compat.context_mesh()
+        mesh = None if context.empty or context.size <= 1 else context
+    return mesh
+
+
+def auto_axes_reason(mesh, kernel) -> str | None:
+    """Why ``kernel`` cannot run on ``mesh`` when its shardings are not known
+    (Auto axes: XLA chooses them after tracing, and cannot partition a kernel
+    that is not `Kernel.partitionable`); None where it can."""
+    kinds = compat.axis_kinds(mesh)
+    if not kinds["auto"] or kernel.partitionable:
+        return None
+    auto = ", ".join(f"{a}={mesh.shape[a]}" for a in kinds["auto"])
+    return (
+        f"the operands are on a mesh with Auto axes ({auto}): XLA chooses their "
+        f"shardings after tracing, and it cannot partition the {kernel.name} kernel "
+        "(it would run replicated, gathering q/k/v onto every device); use Explicit "
+        "mesh axes (jax.make_mesh's default), call the attention inside jax.shard_map, "
+        "or a kernel XLA can partition ('blockwise')"
+    )
 
 
 def _ring_axes(site: AttentionSite, axes: dict) -> tuple | str:
@@ -316,7 +326,8 @@ def entries(spec, ndim: int) -> list[tuple]:
     return out
 
 
-def _spec(entries) -> PartitionSpec:
+def partition_spec(entries) -> PartitionSpec:
+    """The `PartitionSpec` of per-dimension mesh axes (`entries`' inverse)."""
     return PartitionSpec(*(None if not e else (e[0] if len(e) == 1 else tuple(e)) for e in entries))
 
 

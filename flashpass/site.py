@@ -247,6 +247,10 @@ class AttentionSite:
     backward: object = None
     #: Why a mask written into the scores stays a dense array (`Rewrite.dense`).
     dense: tuple = ()
+    #: A differentiated site whose k or v is gathered: the site reading them
+    #: from before the gathers, its backward proven with those reads (what a
+    #: ring runs, `flashpass.backward.match_ungathered`); else None.
+    ungathered: object = None
 
     @property
     def paths(self) -> set:

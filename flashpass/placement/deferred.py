@@ -5,8 +5,8 @@ types: ``jax.device_put(x, NamedSharding(mesh, P(None, "seq")))`` and an
 unannotated ``jax.jit(flashpass.optimize(f))`` leave the pass nothing to read
 at trace time.  XLA's SPMD partitioner knows them, so such a site is emitted
 as one `compat.partitioned` call (``custom_partitioning``) whose partition
-rule reads the shardings XLA chose and answers as stage 5 would have
-(`sharding.analyze` on them):
+rule finishes the pending decision (`Deferred`): it runs the same `decide`
+as stage 5, on the shardings XLA chose (`Chosen`):
 
 * batch and head axes sharded: the kernel per shard;
 * q and k/v sharded alike along their sequences: the ring
@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import logging
 import threading
 
@@ -37,9 +38,11 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
-from .. import compat, errors, ring, sharding
-from ..ring import zigzag
-from .emit import _atoms, _reader, _ring_output, kernel_output
+from .. import compat, errors, sharding
+from ..site import AttentionSite
+from .emit import atoms_of, kernel_output, reader, ring_output
+from .plan import decide
+from .types import Local
 
 logger = logging.getLogger("flashpass")
 
@@ -94,29 +97,12 @@ def emit_deferred(placed, read):
     return call(values)
 
 
-@dataclasses.dataclass(frozen=True)
-class _Choice:
-    """One placement of the site on the shardings XLA chose."""
-
-    plan: sharding.ShardPlan | None  # None: on whole arrays
-    in_specs: tuple  # per `_Call.atoms`
-    out_spec: PartitionSpec
-    how: str
-    reason: str = ""
-    local: object = None  # the site on one shard
-    steps: tuple | None = None
-    zz: object = None
-
-    def axes(self) -> frozenset:
-        return self.plan.axis_names if self.plan is not None else frozenset()
-
-
 class _Call:
     def __init__(self, placed):
-        planned = placed.planned
+        self.planned = planned = placed.planned
         self.site, self.kernel, self.interpret = planned.site, planned.kernel, planned.interpret
-        self.placement = placed.placement
-        self.atoms = _atoms(self.site)
+        self.pending = placed.placement  # a `Deferred`: what `decide` needs besides shardings
+        self.atoms = atoms_of(self.site)
         self.roles = [_roles_of(self.site, atom) for atom in self.atoms]
 
     def __call__(self, values):
@@ -163,7 +149,7 @@ class _Call:
     # ------------------------------------------------------------ the calls
 
     def _global(self, values):
-        return kernel_output(self.site, self.kernel, self.interpret, _reader(self.atoms, values))
+        return kernel_output(self.site, self.kernel, self.interpret, reader(self.atoms, values))
 
     def _global_grads(self, values, g, floats):
         def compute(read):
@@ -172,45 +158,52 @@ class _Call:
         return _vjp(compute, self.atoms, values, g, floats)
 
     def _forward_partition(self, mesh, shards):
-        choice = self._decide(mesh, shards, "forward")
+        placement, in_specs, out_spec = self._decide(mesh, shards, "forward")
 
         def lower(*values):
-            return (self._compute(choice, _reader(self.atoms, values)),)
+            return (self._compute(placement, reader(self.atoms, values)),)
 
-        args = [self._named(mesh, s) for s in choice.in_specs]
-        return lower, args, [self._named(mesh, choice.out_spec)]
+        args = [self._named(mesh, s) for s in in_specs]
+        return lower, args, [self._named(mesh, out_spec)]
 
     def _backward_partition(self, mesh, shards, floats):
-        choice = self._decide(mesh, shards[:-1], "backward")
+        placement, in_specs, out_spec = self._decide(mesh, shards[:-1], "backward")
+        shard = _shard_of(placement)
+        split = shard.axis_names if shard is not None else frozenset()
 
         def lower(*args):
             values, g = args[:-1], args[-1]
-            grads = _vjp(lambda read: self._compute(choice, read), self.atoms, values, g, floats)
+            compute = functools.partial(self._compute, placement)
+            grads = _vjp(compute, self.atoms, values, g, floats)
             out = []
             for i, grad in zip(floats, grads, strict=True):
                 # Replicated along axes the computation splits: each shard's part.
-                axes = sorted(choice.axes() - _spec_axes(choice.in_specs[i]))
+                axes = sorted(split - _spec_axes(in_specs[i]))
                 out.append(jax.lax.psum(grad, tuple(axes)) if axes else grad)
             return tuple(out)
 
-        args = [self._named(mesh, s) for s in (*choice.in_specs, choice.out_spec)]
-        return lower, args, [self._named(mesh, choice.in_specs[i]) for i in floats]
+        args = [self._named(mesh, s) for s in (*in_specs, out_spec)]
+        return lower, args, [self._named(mesh, in_specs[i]) for i in floats]
 
-    def _compute(self, choice: _Choice, read):
-        if choice.plan is None:
+    def _compute(self, placement, read):
+        """The site's output on one shard, as ``placement`` runs it (a
+        `Local`, `PerShard` or `Ring`: XLA's partitioner already split the
+        arrays, so no ``shard_map`` of its own)."""
+        shard = _shard_of(placement)
+        if shard is None:
             return kernel_output(self.site, self.kernel, self.interpret, read)
-        if choice.plan.ring is None:
-            return kernel_output(choice.local, self.kernel, self.interpret, read)
-        plan = choice.plan
-        return _ring_output(
-            choice.local,
+        local = sharding.localize(shard.site or self.site, shard.counts())
+        if shard.ring is None:
+            return kernel_output(local, self.kernel, self.interpret, read)
+        return ring_output(
+            local,
             read,
-            plan.ring,
-            plan.ring_size(),
-            steps=choice.steps,
+            shard.ring,
+            shard.ring_size(),
+            steps=placement.steps,
             interpret=self.interpret,
-            sharded_index=plan.sharded_index(choice.local),
-            zz=choice.zz,
+            sharded_index=shard.sharded_index(local),
+            zz=placement.zigzag,
         )
 
     @staticmethod
@@ -219,69 +212,27 @@ class _Call:
 
     # ------------------------------------------------------------ deciding
 
-    def _decide(self, mesh, shards, pass_: str) -> _Choice:
+    def _decide(self, mesh, shards, pass_: str):
+        """`decide` on the shardings XLA chose: the placement, the operands'
+        specs (per `atoms`) and the output's."""
         try:
-            choice = self._choose(mesh, shards)
+            chosen = Chosen(self.site, self.atoms, self.roles, self._avals, tuple(shards))
+            placement = decide(self.planned, chosen, self.pending.kernels, self.pending.context)
         except Exception as err:
             if errors.strict():
                 raise
-            reason = f"internal error while placing it: {errors.describe(err)}"
-            choice = self._whole(reason)
-        self._record(mesh, pass_, choice)
-        return choice
-
-    def _choose(self, mesh, shards) -> _Choice:
-        found = self._analyze(mesh, shards)
-        reason = ""
-        if isinstance(found, str):
-            reason = found
-            found = self._analyze(mesh, [self._without_sequences(mesh, s, i) for i, s in
-                                         enumerate(shards)])  # fmt: skip
-            if isinstance(found, str) or (found is not None and found.ring is not None):
-                return self._whole(reason)
-        if found is None:
-            return self._whole(reason, how="gathered" if reason else "as is")
-        in_specs = []
-        for atom in self.atoms:
-            index = sharding.find(list(found.atoms), atom)
-            in_specs.append(found.in_specs[index] if index is not None else PartitionSpec())
-        local = sharding.localize(found.site or self.site, found.counts())
-        if found.ring is None:
-            how = "gathered, then per shard" if reason else "per shard"
-            return _Choice(found, tuple(in_specs), found.out_spec, how, reason, local)
-        p = self.placement
-        n = found.ring_size()
-        steps = ring.plan(local.spec, n, True, list(p.kernels), p.ctx)
-        zz = zigzag.plan(local.spec, n, True, list(p.kernels), p.ctx) if p.zigzag else None
-        kind = f"{zz.kernel.name}, zig-zag" if zz is not None else ring.cases.describe(steps)
-        how = f"ring over {'x'.join(found.ring)} ({kind})"
-        return _Choice(found, tuple(in_specs), found.out_spec, how, reason, local, steps, zz)
-
-    def _analyze(self, mesh, shards):
-        def sharding_of(atom):
-            s = shards[sharding.find(self.atoms, atom)]
-            return s if isinstance(s, NamedSharding) and any(s.spec) else None
-
-        return sharding.analyze(
-            self.site, self.kernel, self._aval_of, sharding_of=sharding_of, decided=True
-        )
-
-    def _aval_of(self, atom):
-        return self._avals[sharding.find(self.atoms, atom)]
-
-    def _without_sequences(self, mesh, s, i):
-        """``s`` with the sequence and head-dim axes of atom ``i`` whole."""
-        if not isinstance(s, NamedSharding):
-            return s
-        ndim = len(self._avals[i].shape)
-        by_dim = sharding.entries(s.spec, ndim)
-        keep = {axis for role, axis in self.roles[i].items() if _is_batch_or_head(self.site, role)}
-        spec = [e if d in keep else () for d, e in enumerate(by_dim)]
-        return NamedSharding(s.mesh, sharding._spec(spec))
-
-    def _whole(self, reason: str, how: str = "gathered") -> _Choice:
-        specs = tuple(PartitionSpec() for _ in self.atoms)
-        return _Choice(None, specs, PartitionSpec(), how, reason)
+            placement = Local(f"internal error while placing it: {errors.describe(err)}")
+        shard = _shard_of(placement)
+        if shard is None:
+            in_specs, out_spec = tuple(PartitionSpec() for _ in self.atoms), PartitionSpec()
+        else:
+            in_specs = []
+            for atom in self.atoms:
+                index = sharding.find(list(shard.atoms), atom)
+                in_specs.append(shard.in_specs[index] if index is not None else PartitionSpec())
+            in_specs, out_spec = tuple(in_specs), shard.out_spec
+        self._record(mesh, pass_, placement, in_specs)
+        return placement, in_specs, out_spec
 
     def _infer(self, shards) -> PartitionSpec:
         """GSPMD's propagation: the output sharded as the operands' roles are
@@ -294,11 +245,11 @@ class _Call:
             for role, axis in roles.items():
                 if axis < len(by_dim) and by_dim[axis] and role not in ("D", "Dv"):
                     by_role.setdefault(role, by_dim[axis])
-        return sharding._spec([by_role.get(r, ()) for r in self.site.out_roles])
+        return sharding.partition_spec([by_role.get(r, ()) for r in self.site.out_roles])
 
-    def _record(self, mesh, pass_: str, choice: _Choice) -> None:
+    def _record(self, mesh, pass_: str, placement, in_specs: tuple) -> None:
         shape = " x ".join(f"{a}={mesh.shape[a]}" for a in mesh.axis_names)
-        d = Decision(self.site.location, pass_, choice.how, shape, choice.in_specs, choice.reason)
+        d = Decision(self.site.location, pass_, placement.how, shape, in_specs, placement.why)
         with _LOCK:
             _DECISIONS.append((_COUNT[0], d))
             _COUNT[0] += 1
@@ -320,6 +271,50 @@ class _Call:
         return out
 
 
+@dataclasses.dataclass(frozen=True)
+class Chosen:
+    """The shardings XLA's partitioner chose for a deferred call's operands
+    (``shards``, per ``atoms``), as `decide` reads them."""
+
+    site: AttentionSite
+    atoms: list
+    roles: list  # per atom: role -> axis
+    avals: list
+    shards: tuple
+
+    #: The call must run on them: what no kernel runs on is gathered.
+    at_partitioning = True
+
+    def read(self, planned):
+        """`sharding.analyze` on these shardings (never pending: they are known)."""
+
+        def sharding_of(atom):
+            s = self.shards[sharding.find(self.atoms, atom)]
+            return s if isinstance(s, NamedSharding) and any(s.spec) else None
+
+        def aval_of(atom):
+            return self.avals[sharding.find(self.atoms, atom)]
+
+        return sharding.analyze(planned.site, aval_of, sharding_of)
+
+    def without_sequences(self) -> Chosen:
+        """These shardings with every sequence and head-dim axis whole."""
+        shards = []
+        for s, roles, aval in zip(self.shards, self.roles, self.avals, strict=True):
+            if isinstance(s, NamedSharding):
+                by_dim = sharding.entries(s.spec, len(aval.shape))
+                keep = {axis for role, axis in roles.items() if _is_batch_or_head(self.site, role)}
+                spec = [e if d in keep else () for d, e in enumerate(by_dim)]
+                s = NamedSharding(s.mesh, sharding.partition_spec(spec))
+            shards.append(s)
+        return dataclasses.replace(self, shards=tuple(shards))
+
+
+def _shard_of(placement):
+    """The `sharding.ShardPlan` a placement runs on (None: whole arrays)."""
+    return getattr(placement, "shard", None)
+
+
 def _vjp(compute, atoms, values, g, floats):
     """The cotangents of ``values[i]`` (``i`` in ``floats``) of ``compute(read)``."""
 
@@ -327,7 +322,7 @@ def _vjp(compute, atoms, values, g, floats):
         full = list(values)
         for i, x in zip(floats, diff, strict=True):
             full[i] = x
-        return compute(_reader(atoms, full))
+        return compute(reader(atoms, full))
 
     _, vjp = jax.vjp(f, *(values[i] for i in floats))
     return tuple(vjp(g))

@@ -35,14 +35,14 @@ def kernel_output(site: AttentionSite, kernel, interpret: bool, read):
 def _local(placed: Placed, read):
     planned = placed.planned
     site, kernel, interpret = planned.site, planned.kernel, planned.interpret
-    atoms = _atoms(site)
+    atoms = atoms_of(site)
     values = [read(a) for a in atoms]
     if kernel.plain_jax or not any(map(compat.varying_axes, values)):
         return kernel_output(site, kernel, interpret, read)
     # In a shard_map body with check_vma=True: a kernel that is not
     # `Kernel.plain_jax` (a Pallas call) cannot say how its output varies
     # over the manual axes; type it from the operands.
-    return _vma_opaque(lambda *v: kernel_output(site, kernel, interpret, _reader(atoms, v)), values)
+    return _vma_opaque(lambda *v: kernel_output(site, kernel, interpret, reader(atoms, v)), values)
 
 
 def _per_shard(placed: Placed, read):
@@ -62,7 +62,7 @@ def _ring(placed: Placed, read):
     def compute(local, read):
         options = dict(steps=placement.steps, interpret=placed.planned.interpret)
         index = shard.sharded_index(local)
-        return _ring_output(
+        return ring_output(
             local, read, shard.ring, n, sharded_index=index, zz=placement.zigzag, **options
         )
 
@@ -71,7 +71,7 @@ def _ring(placed: Placed, read):
 
 def _body_ring(placed: Placed, read):  # already in the user's shard_map
     p = placed.placement
-    return _ring_output(p.site, read, p.ring, p.size, q_global=False)
+    return ring_output(p.site, read, p.ring, p.size, q_global=False)
 
 
 def _deferred(placed: Placed, read):  # placed by XLA's partitioner
@@ -99,7 +99,7 @@ def _in_shard_map(shard: sharding.ShardPlan, site: AttentionSite, read, compute)
         for atom, spec in zip(shard.atoms, shard.in_specs, strict=True)
     ]
     out = compat.shard_map(
-        lambda *v: compute(local, _reader(shard.atoms, v)),
+        lambda *v: compute(local, reader(shard.atoms, v)),
         mesh=shard.mesh,
         in_specs=shard.in_specs,
         out_specs=shard.out_spec,
@@ -112,7 +112,7 @@ def _in_shard_map(shard: sharding.ShardPlan, site: AttentionSite, read, compute)
     return out
 
 
-def _ring_output(
+def ring_output(
     site: AttentionSite,
     read,
     axes: tuple,
@@ -138,7 +138,7 @@ def _ring_output(
     return site.from_kernel(out, read, extras)
 
 
-def _atoms(site: AttentionSite) -> list:
+def atoms_of(site: AttentionSite) -> list:
     """Every value the site's forward reads, once."""
     atoms: list = []
     operands = [atom for _, atom, _ in sharding.operands(site)]
@@ -148,7 +148,7 @@ def _atoms(site: AttentionSite) -> list:
     return atoms
 
 
-def _reader(atoms, values):
+def reader(atoms, values):
     def read(atom):
         return values[sharding.find(list(atoms), atom)]
 

@@ -1,13 +1,26 @@
-"""Stage 5: `place`, a pure function from planned sites to their placements.
+"""Stage 5: one decision per site (`decide`), and `place`, which makes it for
+every planned site at trace time.
 
-For each site it reads the shardings of what the site reads (`sharding`):
-per shard, as a ring, as a ring inside the user's ``shard_map``, where it
-stands, deferred to XLA's partitioner (Auto axes, nothing stated), or kept
-with the reason.  A differentiated ring reads k and v from
-before the program's gathers, so its backward is proven again with those
-reads; a ring's step kernels are chosen as a site's kernel is
-(`select.choose`: checked and probed).  A site whose placement raises is
-kept alone, with the error.
+`decide(planned, shardings, kernels, context)` is a pure function of the
+site, what is known of its operands' shardings, the kernel order for a ring's
+steps and the context.  It is the only decider, and it runs on one of two
+readers of the shardings:
+
+* `InProgram` (here, at trace time): the shardings the program states: the
+  operands' types, ``sharding_constraint``s on q/k/v under Auto axes, the
+  program's gathers of k and v (read from before them: a ring), and the
+  all-gathers of the user's ``shard_map`` body (`BodyRing`);
+* `deferred.Chosen` (at partitioning): the shardings XLA's partitioner chose,
+  for a site whose decision `InProgram` left pending (`Deferred`: Auto axes,
+  nothing stated).
+
+So a site is placed per shard, as a ring, as a ring inside the user's
+``shard_map``, where it stands, deferred, or kept with the reason.  A
+differentiated ring reads k and v from before the program's gathers, with
+the backward that matching proved for those reads (`AttentionSite.ungathered`,
+stage 3); a ring's step kernels are chosen as a site's kernel is
+(`select.choose`: checked and probed).  A site whose
+placement raises is kept alone, with the error.
 """
 
 from __future__ import annotations
@@ -16,14 +29,11 @@ import contextlib
 import contextvars
 import dataclasses
 
-from flashpass.patterns.common import Miss
-
 from .. import compat, errors, ring, sharding
-from ..backward import match_backward
 from ..ring import zigzag as zigzag_ring
 from ..select import PlannedSite
 from ..site import AttentionSite
-from .types import BodyRing, Deferred, Kept, Local, PerShard, Placed, Ring
+from .types import BodyRing, Context, Deferred, Kept, Local, PerShard, Placed, Placement, Ring
 
 RING_IN_TRAINING = (
     "a sequence-sharded site would run as a ring attention, which reads k and v from "
@@ -31,6 +41,9 @@ RING_IN_TRAINING = (
     "that is not supported yet: the site is kept as written"
 )
 
+
+#: `InProgram.read`'s answer where the decision waits for XLA's partitioner.
+PENDING = "pending"
 
 _TRACE_TIME_ONLY = contextvars.ContextVar("flashpass_trace_time_only", default=False)
 
@@ -53,10 +66,12 @@ def place(planned, scopes: dict, kernels, ctx, zigzag: bool = True) -> list[Plac
     """Every planned site with its placement.  ``scopes``: prefix -> scope;
     ``kernels``: the order to try for ring steps; ``zigzag``: balance causal
     rings where they can be (`flashpass.ring.zigzag`)."""
+    context = Context(ctx, zigzag)
     out = []
     for p in planned:
         try:
-            out.append(_place(p, scopes[p.site.scope_prefix], kernels, ctx, zigzag))
+            placement = decide(p, InProgram(scopes[p.site.scope_prefix]), kernels, context)
+            out.append(Placed(placement.runs(p), placement))
         except Exception as err:
             if errors.strict():
                 raise
@@ -64,112 +79,132 @@ def place(planned, scopes: dict, kernels, ctx, zigzag: bool = True) -> list[Plac
     return out
 
 
-def _place(p: PlannedSite, scope, kernels, ctx, zigzag: bool) -> Placed:
-    # (A Pallas kernel in interpret mode runs host callbacks, ordered effects
-    # that a custom_partitioning body cannot carry: placed at trace time.)
-    interpreted = p.interpret and not p.kernel.plain_jax
-    if not interpreted and not _TRACE_TIME_ONLY.get() and _deferrable(p.site, p.kernel, scope):
-        return Placed(p, Deferred(tuple(kernels), ctx, zigzag))
-    found = _sharded(p, scope)
+def decide(planned: PlannedSite, shardings, kernels, context: Context) -> Placement:
+    """Where and how ``planned`` runs, given what ``shardings`` (`InProgram`
+    or `deferred.Chosen`) knows of its operands: a `Placement`."""
+    found = shardings.read(planned)
+    if found is PENDING:
+        return Deferred(tuple(kernels), context)
+    gathered = ""
+    if isinstance(found, str) and shardings.at_partitioning:
+        # The call must run on what XLA chose: gather to the nearest sharding
+        # the kernel runs on (batch and heads kept, sequences and head dims
+        # whole), or whole arrays.
+        gathered, found = found, shardings.without_sequences().read(planned)
+        if isinstance(found, str) or (found is not None and found.ring is not None):
+            found = None
     if found is None:
-        return Placed(p, Local())
+        return Local(gathered)
     if isinstance(found, str):
-        return Placed(p, Kept(found))
-    if found.ring is None:
-        return Placed(p, PerShard(found))
-    site = p.site
-    if site.backward is not None:
-        site = _ring_backward(site, found.site, scope)
-        if site is None and isinstance(found, BodyRing):
-            return Placed(p, Local())  # the kernel on the gathered k/v, as written
-        if site is None:
-            return Placed(p, Kept(RING_IN_TRAINING))
-        p = dataclasses.replace(p, site=site)
-        found = dataclasses.replace(found, site=site)
+        return Kept(found)
+    if isinstance(found, sharding.ShardPlan) and found.ring is None:
+        return PerShard(found, gathered)
+    if planned.site.backward is not None:
+        proven = _trained_ring(planned.site, found.site)
+        if proven is None and isinstance(found, BodyRing):
+            return Local()  # the kernel on the gathered k/v, as written
+        if proven is None:
+            return Kept(RING_IN_TRAINING)
+        found = dataclasses.replace(found, site=proven)
     if isinstance(found, BodyRing):
-        return Placed(p, found)
+        return found
     local = sharding.localize(found.site, found.counts())
-    n = found.ring_size()
-    steps = ring.plan(local.spec, n, True, kernels, ctx)
-    balanced = zigzag_ring.plan(local.spec, n, True, kernels, ctx) if zigzag else None
-    return Placed(p, Ring(found, steps, balanced))
+    n, check = found.ring_size(), context.check
+    steps = ring.plan(local.spec, n, True, kernels, check)
+    balanced = zigzag_ring.plan(local.spec, n, True, kernels, check) if context.zigzag else None
+    return Ring(found, steps, balanced)
 
 
-def _deferrable(site: AttentionSite, kernel, scope) -> bool:
-    """Whether the site's placement waits for XLA's partitioner (`Deferred`):
-    its operands live on a mesh of several devices whose axes of more than
-    one device are all Auto (none Manual: not inside a ``shard_map`` body;
-    none Explicit: those shardings are in the types), and the program states
-    no sharding of them (no ``sharding_constraint`` on q/k/v, no sharded
-    type).  A single-device program never qualifies."""
-    meshes = set()
-    for _, atom, _ in sharding.operands(site):
-        found = compat.named_sharding_of(scope.aval(atom))
-        if found is not None:
-            if any(found.spec):
-                return False
-            meshes.add(found.mesh)
-    context = compat.context_mesh()
-    if not context.empty and context.size > 1:
-        meshes.add(context)
-    if len(meshes) != 1:
-        return False
-    kinds = compat.axis_kinds(meshes.pop())
-    if kinds["manual"] or kinds["explicit"] or not kinds["auto"]:
-        return False
-    hinted = sharding.analyze(site, kernel, scope.aval, sharding.constrained(scope), ring_only=True)
-    return hinted is None and not _has_constraint(site, scope)
-
-
-def _has_constraint(site: AttentionSite, scope) -> bool:
-    """Whether a ``sharding_constraint`` produces one of the site's operands."""
-    for _, atom, _ in sharding.operands(site):
-        node = scope.producer(atom)
-        if node is not None and node.prim == "sharding_constraint":
-            return True
-    return False
-
-
-def _sharded(p: PlannedSite, scope):
-    """How the site's operands are sharded: a `sharding.ShardPlan`, a
-    `BodyRing`, None (unsharded) or the reason to keep it.
-
-    Auto mesh axes keep shardings out of the types; a ``sharding_constraint``
-    on q/k/v in the program is read instead, only to find a sequence-sharded
-    site to run as a ring (otherwise XLA partitions the kernel)."""
-    site = sharding.before_gather(p.site, scope)
-    result = sharding.analyze(site, p.kernel, scope.aval)
-    if result is None or (isinstance(result, sharding.ShardPlan) and result.ring is None):
-        constrained = sharding.constrained(scope)
-        hinted = sharding.analyze(site, p.kernel, scope.aval, constrained, ring_only=True)
-        if isinstance(hinted, sharding.ShardPlan):
-            result = hinted
-    if result is None:
-        result = _body_ring(p.site, scope)
-    return result
-
-
-def _ring_backward(site: AttentionSite, ring_site: AttentionSite, scope):
-    """A differentiated site that runs as a ring reads k and v from before the
-    program's gather (`sharding.before_gather`, or the all-gathers in the
-    user's ``shard_map``, `BodyRing`): prove its backward again with those
-    reads, the gathers joining the forward (and their transposes the
-    backward).  The site as the ring runs it, or None."""
+def _trained_ring(site: AttentionSite, ring_site: AttentionSite) -> AttentionSite | None:
+    """A differentiated site as a ring runs it: ``ring_site`` (k and v read
+    from before the program's gathers, `sharding.before_gather`, or from
+    before the all-gathers of the user's ``shard_map``, `BodyRing`) with the
+    backward matching proved for those reads (`AttentionSite.ungathered`:
+    the gathers join the forward, their transposes the backward); None where
+    none was proven for them."""
     if ring_site is None or ring_site is site:
         return site
-    forward = site.nodes - site.backward.nodes
-    ring_site = dataclasses.replace(ring_site, nodes=forward, backward=None)
-    backward = match_backward(scope, ring_site)
-    if isinstance(backward, Miss):
+    proven = site.ungathered
+    if proven is None or any(
+        sharding.find([getattr(proven, n).atom], getattr(ring_site, n).atom) is None
+        for n in ("k", "v")
+    ):
         return None
-    return dataclasses.replace(ring_site, nodes=forward | backward.nodes, backward=backward)
+    return dataclasses.replace(ring_site, nodes=proven.nodes, backward=proven.backward)
+
+
+@dataclasses.dataclass(frozen=True)
+class InProgram:
+    """The shardings a site's operands have at trace time, as the program
+    (``scope``) states them."""
+
+    scope: object
+
+    #: The decision may keep a site as written (at partitioning it may not).
+    at_partitioning = False
+
+    def read(self, planned: PlannedSite):
+        """How the site's operands are sharded: `PENDING`, a
+        `sharding.ShardPlan`, a `BodyRing`, None (unsharded) or the reason
+        to keep it.
+
+        Auto mesh axes keep shardings out of the types; a ``sharding_constraint``
+        on q/k/v in the program is read instead, only to find a sequence-sharded
+        site to run as a ring (otherwise XLA partitions the kernel)."""
+        if self._pending(planned):
+            return PENDING
+        scope = self.scope
+        site = sharding.before_gather(planned.site, scope)
+        mesh = sharding.mesh_of(site, lambda atom: compat.named_sharding_of(scope.aval(atom)))
+        result = mesh  # None (unsharded), or the reason (several meshes)
+        if mesh is not None and not isinstance(mesh, str):
+            # (On Auto axes the types state nothing; XLA partitions a kernel it can.)
+            reason = sharding.auto_axes_reason(mesh, planned.kernel)
+            result = reason if reason is not None else sharding.analyze(site, scope.aval)
+        if result is None or (isinstance(result, sharding.ShardPlan) and result.ring is None):
+            hinted = sharding.analyze(site, scope.aval, sharding.constrained(scope))
+            if isinstance(hinted, sharding.ShardPlan) and hinted.ring is not None:
+                result = hinted
+        if result is None:
+            result = _body_ring(planned.site, scope)
+        return result
+
+    def _pending(self, planned: PlannedSite) -> bool:
+        """Whether the decision waits for XLA's partitioner (`Deferred`): its
+        operands live on a mesh of several devices whose axes of more than
+        one device are all Auto (none Manual: not inside a ``shard_map`` body;
+        none Explicit: those shardings are in the types), and the program
+        states no sharding of them (no ``sharding_constraint`` on q/k/v, no
+        sharded type).  A single-device program never qualifies, nor does a
+        Pallas kernel in interpret mode (its host callbacks are ordered
+        effects, which a ``custom_partitioning`` body cannot carry), nor a
+        program traced in `trace_time_only`."""
+        if (planned.interpret and not planned.kernel.plain_jax) or _TRACE_TIME_ONLY.get():
+            return False
+        meshes = set()
+        for _, atom, _ in sharding.operands(planned.site):
+            found = compat.named_sharding_of(self.scope.aval(atom))
+            if found is not None:
+                if any(found.spec):
+                    return False
+                meshes.add(found.mesh)
+            node = self.scope.producer(atom)
+            if node is not None and node.prim == "sharding_constraint":
+                return False
+        context = compat.context_mesh()
+        if not context.empty and context.size > 1:
+            meshes.add(context)
+        if len(meshes) != 1:
+            return False
+        kinds = compat.axis_kinds(meshes.pop())
+        return not (kinds["manual"] or kinds["explicit"] or not kinds["auto"])
 
 
 def _body_ring(site: AttentionSite, scope) -> BodyRing | None:
     """The `BodyRing` of a site whose k and v are both all-gathered, tiled
     along their key axis, over the same manual axes; else None (the kernel
     then runs on the gathered k and v, as written).  A differentiated site's
-    backward is proven again from the local k and v (`_ring_backward`)."""
+    backward is the one matching proved from the local k and v (`_trained_ring`)."""
     if ring.unsupported(site.spec) is not None or site.spec.dropout is not None:
         return None  # (dropout: the body's keep-mask is drawn at its local positions)
     gathers = []
