@@ -143,8 +143,10 @@ def run_pass(
     report = Report(platform=platform, jax_version=jax.__version__)
 
     # Dead equations are dropped first: autodiff leaves some (a reduce_max's unused
-    # tangent), and a dead reader of an intermediate would block its site.
-    original, closed = closed, compat.dce_closed_jaxpr(closed)
+    # tangent), and a dead reader of an intermediate would block its site
+    # (attention weights a layer returns and its caller drops), in while
+    # bodies too (JAX's own DCE keeps a while loop whole).
+    original, closed = closed, compat.dce_closed_jaxpr(compat.dce_loop_bodies(closed))
     scopes = build_scopes(closed)  # stage 2: the use-def view
     where_is = _scope_names(scopes)
 
