@@ -75,6 +75,12 @@ class Kernel:
     #: gradients from the global statistics (`step_backward`).  The ring asks
     #: `check` about each step's own spec (`flashpass.ring.cases`).
     ring_step: ClassVar[bool] = False
+    #: The K/V layouts ``apply`` reads as given (its ``kv_layout=`` argument):
+    #: ``"bhsd"`` (canonical ``[B, Hkv, S, D]``) always; ``"bshd"``
+    #: (``[B, S, Hkv, D]``, a cache as most models hold it) where declared.  A
+    #: site whose program holds K/V in a declared layout passes them as they
+    #: are; any other is transposed to the canonical layout for the call.
+    kv_layouts: ClassVar[tuple[str, ...]] = ("bhsd",)
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
