@@ -107,7 +107,9 @@ def choose_kernels(sites, kernels, ctx: CheckContext, interpret: bool, where_is:
     for scope, site in sites:
         # A site whose backward is replaced needs the kernel's gradient.
         usable = [k for k in kernels if k.grad or site.backward is None]
-        chosen, rejections = choose(site.spec, usable, ctx)
+        # Cost models read how the program holds k and v (kernels/blockwise/cost.py).
+        site_ctx = dataclasses.replace(ctx, kv_layout=site.kv_layout())
+        chosen, rejections = choose(site.spec, usable, site_ctx)
         before = kernels if chosen is None else kernels[: kernels.index(chosen)]
         for k in before:
             if k not in usable:

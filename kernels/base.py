@@ -22,11 +22,14 @@ class CheckContext:
 
     ``explicit`` is True when the user named this kernel: cost heuristics
     (e.g. "sequence too short to pay off") must then not reject the site.
+    ``kv_layout`` is how the program holds k and v (`Kernel.kv_layouts`), for
+    cost models whose crossover depends on it.
     """
 
     platform: str
     interpret: bool = False
     explicit: bool = False
+    kv_layout: str = "bhsd"
 
 
 class Kernel:

@@ -136,3 +136,32 @@ def test_kernel_apply_in_bshd_equals_canonical():
         np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-6)
     with pytest.raises(ValueError, match="kv_layout"):
         kernel.apply(spec, q, k, v, (ln,), kv_layout="sbhd")
+
+
+def test_cost_model_reads_the_layout():
+    """One query per kv head at 4096 keys: kept as written over a ``[B, H, S, D]``
+    cache (the original is as fast), rewritten over ``[B, S, H, D]`` (whose
+    original products are slower on CPU: `DECODE_MIN_KV_LEN_ONE_ROW_BSHD`)."""
+    from flashpass.kernels.blockwise.cost import (
+        DECODE_MIN_KV_LEN_ONE_ROW,
+        DECODE_MIN_KV_LEN_ONE_ROW_BSHD,
+    )
+
+    s = 4096
+    assert DECODE_MIN_KV_LEN_ONE_ROW_BSHD <= s < DECODE_MIN_KV_LEN_ONE_ROW
+
+    def args(layout):
+        def shape(n):
+            return (B, H, n, D) if layout == "bhsd" else (B, n, H, D)
+
+        return (
+            jax.ShapeDtypeStruct(shape(1), jnp.float32),
+            jax.ShapeDtypeStruct(shape(s), jnp.float32),
+            jax.ShapeDtypeStruct(shape(s), jnp.float32),
+            jax.ShapeDtypeStruct((B,), jnp.int32),
+        )
+
+    kept = flashpass.optimize(step("bhsd")).explain(*args("bhsd"))
+    assert not kept.rewrites and "faster as written" in str(kept), kept
+    done = flashpass.optimize(step("bshd")).explain(*args("bshd"))
+    assert [r.kernel for r in done.rewrites] == ["blockwise"], done

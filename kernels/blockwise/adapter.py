@@ -107,7 +107,8 @@ class BlockwiseKernel(PlainJaxKernel):
         """Reasons not to run ``spec``: platform, and where the original is
         faster (`cost.faster_as_written`: short sequences, decode steps on CPU)."""
         reasons = self.platform_reasons(ctx)
-        slower = None if ctx.explicit else faster_as_written(spec, ctx.platform)
+        layout = ctx.kv_layout if ctx.kv_layout in self.kv_layouts else "bhsd"
+        slower = None if ctx.explicit else faster_as_written(spec, ctx.platform, layout)
         if slower is not None:
             reasons.append(
                 f"kept: faster as written: {slower}; name kernel='blockwise' to force the rewrite"
