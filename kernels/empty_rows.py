@@ -166,8 +166,8 @@ def _empty_rows_gathered(kernel, parts: Split, q, k, v, extras, empty, out, inte
         def run():
             return kernel.apply(rows_spec, q_rows, k, v, extras, interpret=interpret)
 
-        def skip():
-            return jnp.zeros((b, h, chunk, dv), spec.out_dtype)
+        def skip():  # typed as ``run``'s result (in a shard_map body: varying alike)
+            return varying(jnp.zeros((b, h, chunk, dv), spec.out_dtype), q, k, v, extras)
 
         return None, lax.cond(j * chunk < jnp.max(count), run, skip)
 
