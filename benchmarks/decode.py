@@ -11,7 +11,8 @@ both alike).  Printed: what the pass did to the site, the median time of each
 and the ratio original / optimized (> 1: the optimized step is faster).  The
 thresholds in ``kernels/blockwise/cost.py`` come from this table.
 
-    python benchmarks/decode.py                       # S = 2k..32k, q=1 and 4
+    python benchmarks/decode.py                       # S = 2k..32k, q=1 and 4, both layouts
+    python benchmarks/decode.py --layout bshd         # the cache as [B, S, H, D] only
     python benchmarks/decode.py --sizes 2048 32768 --queries 1 --reps 21
     python benchmarks/decode.py --plain               # the site without kv lengths
     python benchmarks/decode.py --kernel blockwise    # force the kernel (the crossover)
@@ -47,18 +48,27 @@ import numpy as np
 import flashpass
 
 
-def step(plain: bool):
-    """The decode step as a model writes it (GPT-fast / MaxText style)."""
+def step(plain: bool, layout: str = "bhsd"):
+    """The decode step as a model writes it: heads-major (``bhsd``: GPT-fast)
+    or sequence-major (``bshd``: Hugging Face Flax, keras-hub, MaxText)."""
+    x = "bhtd" if layout == "bhsd" else "bthd"
+    c = "bhsd" if layout == "bhsd" else "bshd"
+    seq = 2 if layout == "bhsd" else 1
 
     def attend(q, k, v, lengths):
         d = q.shape[-1]
-        s = jnp.einsum("bhtd,bhsd->bhts", q, k) / np.float32(np.sqrt(d))
+        s = jnp.einsum(f"{x},{c}->bhts", q, k) / np.float32(np.sqrt(d))
         if not plain:
-            valid = jnp.arange(k.shape[2])[None, :] < lengths[:, None]
+            valid = jnp.arange(k.shape[seq])[None, :] < lengths[:, None]
             s = jnp.where(valid[:, None, None, :], s, -1e9)
-        return jnp.einsum("bhts,bhsd->bhtd", jax.nn.softmax(s, axis=-1), v)
+        return jnp.einsum(f"bhts,{c}->{x}", jax.nn.softmax(s, axis=-1), v)
 
     return attend
+
+
+def shape(layout: str, b: int, h: int, s: int, d: int) -> tuple[int, ...]:
+    """A q/k/v shape in ``layout`` (s: the sequence length)."""
+    return (b, h, s, d) if layout == "bhsd" else (b, s, h, d)
 
 
 #: Ragged rows' lengths as fractions of the cache, repeated over the batch:
@@ -88,18 +98,30 @@ def interleaved(fns, args, reps: int) -> list[tuple[float, float]]:
 
 
 def run(
-    sizes, queries, reps, plain, kernel, batch=4, heads=8, dim=64, dtype=np.float32, quiet=False
+    sizes,
+    queries,
+    reps,
+    plain,
+    kernel,
+    batch=4,
+    heads=8,
+    dim=64,
+    dtype=np.float32,
+    quiet=False,
+    layout="bhsd",
 ):
     rng = np.random.default_rng(0)
     rows = []
     for s in sizes:
-        k = jnp.asarray(rng.standard_normal((batch, heads, s, dim), np.float32), dtype)
-        v = jnp.asarray(rng.standard_normal((batch, heads, s, dim), np.float32), dtype)
+        kv_shape = shape(layout, batch, heads, s, dim)
+        k = jnp.asarray(rng.standard_normal(kv_shape, np.float32), dtype)
+        v = jnp.asarray(rng.standard_normal(kv_shape, np.float32), dtype)
         for t in queries:
-            q = jnp.asarray(rng.standard_normal((batch, heads, t, dim), np.float32), dtype)
+            q_shape = shape(layout, batch, heads, t, dim)
+            q = jnp.asarray(rng.standard_normal(q_shape, np.float32), dtype)
             for ragged in (False, True) if not plain else (False,):
                 lengths = jnp.asarray(lengths_for(batch, s, ragged))
-                fn = step(plain)
+                fn = step(plain, layout)
                 opt = flashpass.optimize(fn, kernel=kernel)
                 report = opt.explain(q, k, v, lengths)
                 if report.rewrites:
@@ -112,11 +134,12 @@ def run(
                     [jax.jit(fn), jax.jit(opt)], (q, k, v, lengths), reps
                 )
                 kind = "ragged" if ragged else "full"
-                rows.append((s, t, kind, did, orig, new, orig / new, orig_min / new_min))
+                row = (s, t, kind, did, orig, new, orig / new, orig_min / new_min)
+                rows.append(row if quiet else (layout, *row))
                 if quiet:
                     continue
                 print(
-                    f"S={s:6d} q={t:2d} {kind:6s} {did:24s} original {orig * 1e3:8.3f} ms"
+                    f"{layout} S={s:6d} q={t:2d} {kind:6s} {did:24s} original {orig * 1e3:8.3f} ms"
                     f"  optimized {new * 1e3:8.3f} ms  ratio {orig / new:5.2f}x"
                     f"  (of minima {orig_min / new_min:5.2f}x)",
                     flush=True,
@@ -212,6 +235,13 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=11)
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--plain", action="store_true", help="no kv lengths mask")
+    ap.add_argument(
+        "--layout",
+        nargs="+",
+        choices=("bhsd", "bshd"),
+        default=["bhsd", "bshd"],
+        help="the cache's layout: [B, H, S, D] (GPT-fast) or [B, S, H, D] (HF, keras-hub)",
+    )
     ap.add_argument("--kernel", default=None, help="force a kernel (default: the pass chooses)")
     ap.add_argument("--table", action="store_true", help="the cost model's table")
     ap.add_argument("--memory", type=int, metavar="N", help="VmRSS growth over N shapes")
@@ -228,12 +258,19 @@ def main() -> None:
         table(args.reps)
         return
     print(f"jax {jax.__version__}, {jax.devices()[0].platform}, B={args.batch} H=8 D=64 f32")
-    rows = run(args.sizes, args.queries, args.reps, args.plain, args.kernel, batch=args.batch)
-    print("\n| S | q | rows | pass | original ms | optimized ms | ratio | ratio of minima |")
-    print("|---|---|---|---|---|---|---|---|")
-    for s, t, kind, did, orig, new, ratio, ratio_min in rows:
+    rows = []
+    for layout in args.layout:
+        rows += run(
+            args.sizes, args.queries, args.reps, args.plain, args.kernel, batch=args.batch,
+            layout=layout,
+        )  # fmt: skip
+    print(
+        "\n| layout | S | q | rows | pass | original ms | optimized ms | ratio | ratio of minima |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
+    for layout, s, t, kind, did, orig, new, ratio, ratio_min in rows:
         print(
-            f"| {s} | {t} | {kind} | {did} | {orig * 1e3:.2f} | {new * 1e3:.2f} "
+            f"| {layout} | {s} | {t} | {kind} | {did} | {orig * 1e3:.2f} | {new * 1e3:.2f} "
             f"| {ratio:.2f}x | {ratio_min:.2f}x |"
         )
 

@@ -23,7 +23,13 @@ and what is left after clearing them: memory no cache holds, which JAX and
 XLA keep per compiled program whoever compiles it (``jax.jit`` leaves as
 much per shape).
 
+``--workload self-attention``: the self-attention alone on q/k/v ``[1, T, 2,
+16]`` float32, T = 66 ... 66 + shapes - 1, VmRSS read after ``gc.collect``
+only (no ``malloc_trim`` by the measuring code: flashpass trims on eviction
+itself, ``jax.jit`` never evicts).
+
     python benchmarks/serving.py                     # 250 shapes, cache_size=32
+    python benchmarks/serving.py --workload self-attention   # [1, T, 2, 16], gc only
     python benchmarks/serving.py --shapes 60 --cache-size 8
 """
 
@@ -74,10 +80,18 @@ def shape_args(i: int):
     return 1, (q, kv, kv, np.linspace(s // 3, s, batch).astype(np.int32))
 
 
-def rss_mb() -> float:
-    """Current resident memory in MB, after returning the freed heap."""
+def self_attention_args(i: int):
+    """The ``--workload self-attention`` signatures: q/k/v ``[1, T, 2, 16]``
+    float32, T = 66 + i (the workload of issue 41)."""
+    x = np.ones((1, 66 + i, HEADS, DIM), np.float32)
+    return 0, (x, x, x)
+
+
+def rss_mb(trim: bool = True) -> float:
+    """Current resident memory in MB, after ``gc.collect`` and (``trim``)
+    returning the freed heap."""
     gc.collect()
-    if sys.platform.startswith("linux"):
+    if trim and sys.platform.startswith("linux"):
         ctypes.CDLL(None).malloc_trim(0)
     with open("/proc/self/status") as f:
         for line in f:
@@ -86,8 +100,14 @@ def rss_mb() -> float:
     raise RuntimeError("no VmRSS in /proc/self/status (Linux only)")
 
 
-def child(mode: str, shapes: int, cache_size: int) -> None:
-    """In a fresh process: prints the VmRSS growth (MB) over ``shapes`` signatures."""
+def child(mode: str, shapes: int, cache_size: int, workload: str = "mixed") -> None:
+    """In a fresh process: prints the VmRSS growth (MB) over ``shapes`` signatures.
+
+    ``workload="self-attention"``: the self-attention alone on `self_attention_args`,
+    VmRSS read after ``gc.collect`` only (what a server's monitoring sees, with
+    nothing but what flashpass itself does on eviction)."""
+    make = shape_args if workload == "mixed" else self_attention_args
+    trim = workload == "mixed"
     import flashpass
 
     fns = (self_attention, decode_step)
@@ -96,19 +116,19 @@ def child(mode: str, shapes: int, cache_size: int) -> None:
     else:
         calls = [flashpass.optimize(f, kernel="blockwise", cache_size=cache_size) for f in fns]
     for i in range(WARM):
-        which, args = shape_args(-2 * WARM + i)  # negative: not among the measured ones
+        which, args = make(-2 * WARM + i)  # negative: not among the measured ones
         jax.block_until_ready(calls[which](*args))
-    before = rss_mb()
+    before = rss_mb(trim)
     for i in range(shapes):
-        which, args = shape_args(2 * WARM + i)
+        which, args = make(i if workload != "mixed" else 2 * WARM + i)
         jax.block_until_ready(calls[which](*args))
-    grown = rss_mb() - before
+    grown = rss_mb(trim) - before
     for c in calls:
         if mode != "jit":
             assert c.cache_info()["size"] <= cache_size
         c.clear_cache()
     jax.clear_caches()  # every tracing, lowering and compilation cache of the process
-    print(f"{grown:.2f} {rss_mb() - before:.2f}")
+    print(f"{grown:.2f} {rss_mb(trim) - before:.2f}")
 
 
 MODES = {
@@ -117,11 +137,13 @@ MODES = {
 }
 
 
-def measure(mode: str, shapes: int, cache_size: int) -> tuple[float, float]:
+def measure(
+    mode: str, shapes: int, cache_size: int, workload: str = "mixed"
+) -> tuple[float, float]:
     """VmRSS growth (MB) of a fresh process running ``mode``, and what is left
     of it once every cache is cleared."""
     out = subprocess.run(
-        [sys.executable, __file__, "--child", mode, str(shapes), str(cache_size)],
+        [sys.executable, __file__, "--child", mode, str(shapes), str(cache_size), workload],
         capture_output=True, text=True, env=dict(os.environ), timeout=3600,
     )  # fmt: skip
     if out.returncode != 0:
@@ -134,19 +156,29 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", type=int, default=250)
     ap.add_argument("--cache-size", type=int, default=32)
-    ap.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
+    ap.add_argument(
+        "--workload",
+        choices=("mixed", "self-attention"),
+        default="mixed",
+        help="mixed (above) or the self-attention alone, [1, T, 2, 16], read after gc only",
+    )
+    ap.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
-        child(args.child[0], int(args.child[1]), int(args.child[2]))
+        child(args.child[0], int(args.child[1]), int(args.child[2]), args.child[3])
         return
-    print(
-        f"jax {jax.__version__}; {args.shapes} new signatures (self-attention and decode, "
-        f"batch {'/'.join(map(str, BATCHES))}, float32/bfloat16), fresh process per mode"
-    )
+    if args.workload == "mixed":
+        what = (
+            f"self-attention and decode, batch {'/'.join(map(str, BATCHES))}, "
+            "float32/bfloat16; VmRSS after gc and malloc_trim"
+        )
+    else:
+        what = "self-attention [1, T, 2, 16] f32, T = 66, 67, ...; VmRSS after gc only"
+    print(f"jax {jax.__version__}; {args.shapes} new signatures ({what}), fresh process per mode")
     print("\n| functions | VmRSS growth (MB) | per shape | held by caches | left after clearing |")
     print("|---|---|---|---|---|")
     for mode, label in MODES.items():
-        grown, residue = measure(mode, args.shapes, args.cache_size)
+        grown, residue = measure(mode, args.shapes, args.cache_size, args.workload)
         print(
             f"| {label.format(n=args.cache_size)} | {grown:.1f} | {grown / args.shapes:.2f} "
             f"| {grown - residue:.1f} | {residue:.1f} |",

@@ -22,8 +22,9 @@ __all__ = ["KERNEL_PREFIX", "kernel_call"]
 
 
 class _KernelCalls:
-    """``kernel_call(kernel, spec, interpret)``: a jitted, named call of
-    ``kernel`` for ``spec`` (``flashpass_<name>``).
+    """``kernel_call(kernel, spec, interpret, kv_layout)``: a jitted, named call
+    of ``kernel`` for ``spec`` (``flashpass_<name>``), k and v in ``kv_layout``
+    (one of the kernel's `Kernel.kv_layouts`).
 
     Cached, so identical sites (every layer of a model) share one ``jit`` and
     its trace cache: the kernel is traced once, not once per layer.  The cache
@@ -37,14 +38,14 @@ class _KernelCalls:
         self._calls: collections.OrderedDict = collections.OrderedDict()
         self._lock = threading.Lock()
 
-    def __call__(self, kernel, spec, interpret: bool):
-        key = (kernel, spec, interpret)
+    def __call__(self, kernel, spec, interpret: bool, kv_layout: str = "bhsd"):
+        key = (kernel, spec, interpret, kv_layout)
         with self._lock:
             found = self._calls.get(key)
             if found is not None:
                 self._calls.move_to_end(key)
                 return found
-            found = self._calls[key] = _make(kernel, spec, interpret)
+            found = self._calls[key] = _make(kernel, spec, interpret, kv_layout)
             while len(self._calls) > self.MAX_SIZE:
                 _, evicted = self._calls.popitem(last=False)
                 evicted.clear_cache()
@@ -65,9 +66,11 @@ class CacheInfo(typing.NamedTuple):
     currsize: int
 
 
-def _make(kernel, spec, interpret: bool):
+def _make(kernel, spec, interpret: bool, kv_layout: str):
     def call(q, k, v, *extras):
-        return empty_rows.apply(kernel, spec, q, k, v, extras, interpret=interpret)
+        return empty_rows.apply(
+            kernel, spec, q, k, v, extras, interpret=interpret, kv_layout=kv_layout
+        )
 
     call.__name__ = call.__qualname__ = f"{KERNEL_PREFIX}{kernel.name}"
     return jax.jit(call)

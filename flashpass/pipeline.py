@@ -104,7 +104,9 @@ def choose_kernels(sites, kernels, ctx: CheckContext, interpret: bool, where_is:
     for scope, site in sites:
         # A site whose backward is replaced needs the kernel's gradient.
         usable = [k for k in kernels if k.grad or site.backward is None]
-        chosen, rejections = choose(site.spec, usable, ctx)
+        # Cost models read how the program holds k and v (kernels/blockwise/cost.py).
+        site_ctx = dataclasses.replace(ctx, kv_layout=site.kv_layout())
+        chosen, rejections = choose(site.spec, usable, site_ctx)
         before = kernels if chosen is None else kernels[: kernels.index(chosen)]
         for k in before:
             if k not in usable:
@@ -142,8 +144,10 @@ def run_pass(
     report = Report(platform=platform, jax_version=jax.__version__)
 
     # Dead equations are dropped first: autodiff leaves some (a reduce_max's unused
-    # tangent), and a dead reader of an intermediate would block its site.
-    original, closed = closed, compat.dce_closed_jaxpr(closed)
+    # tangent), and a dead reader of an intermediate would block its site
+    # (attention weights a layer returns and its caller drops), in while
+    # bodies too (JAX's own DCE keeps a while loop whole).
+    original, closed = closed, compat.dce_closed_jaxpr(compat.dce_loop_bodies(closed))
     scopes = build_scopes(closed)  # stage 2: the use-def view
     where_is = _scope_names(scopes)
 

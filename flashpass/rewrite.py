@@ -169,8 +169,10 @@ class _Evaluator:
             elif compat.is_view_identity(eqn):  # the view looks through it (graph.py)
                 value = self.read(inst, eqn.invars[0], _MISSING)
                 outs = [value] if value is _MISSING else compat.bind_view_identity(eqn, value)
-            elif path in plan.inline:
+            elif path in plan.inline or self._transparent_holder(eqn, path):
                 # Values inside the site were never computed: pass them on as _MISSING.
+                # (A transparent call holding a loop whose body holds a site is
+                # part of this scope in the view: inlined, its loop re-bound.)
                 invals = [self.read(inst, a, _MISSING) for a in eqn.invars]
                 body, consts = compat.closed_parts(eqn.params["jaxpr"])
                 outs = self.run(body, consts, invals, (*path, "jaxpr"))
@@ -310,6 +312,18 @@ class _Evaluator:
                 raise
             self.state.failures[prefix] = errors.describe(err)
             return compat.bind_equation(eqn, invals)
+
+    def _transparent_holder(self, eqn, path) -> bool:
+        """Whether ``eqn`` is a transparent call (inlined in the view, so its
+        body is no scope of its own) whose body holds a site's scope."""
+        body = (*path, "jaxpr")
+        return (
+            path in self.plan.holders
+            and "jaxpr" in eqn.params
+            and body not in self.plan.scopes
+            and not compat.is_shard_map(eqn)
+            and self.plan.touches(body)
+        )
 
     def _params(self, eqn, path):
         """``eqn.params`` with every body that holds sites rewritten (None when

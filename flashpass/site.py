@@ -289,15 +289,39 @@ class AttentionSite:
 
     # ------------------------------------------------------------------ transforms
 
-    def to_kernel(self, read):
-        """Canonical (q, k, v, extras) from the original values (``read(atom)``)."""
+    def kv_layout(self) -> str:
+        """How the program holds k and v: ``"bshd"`` where both are, up to
+        reshapes, ``[B, S, Hkv, D]`` (a cache as Hugging Face, keras-hub and
+        MaxText keep it), else ``"bhsd"`` (the canonical layout, which other
+        programs' k and v take by a transpose).  Nothing is computed."""
+        b, _, hkv = self.layout.groups
+        sizes = self.layout.sizes
+        if not any(sizes.get(r, 2) > 1 for r in hkv):
+            return "bhsd"  # no heads axis to place: both layouts are one
+        for src, d in ((self.k, "D"), (self.v, "Dv")):
+            order = [r for r in _role_order(src.axes) if sizes.get(r, 2) > 1]
+            want = [r for r in [*b, "S", *hkv, d] if sizes.get(r, 2) > 1]
+            if order != want:
+                return "bhsd"
+        return "bshd"
+
+    def to_kernel(self, read, kv_layout: str = "bhsd"):
+        """(q, k, v, extras) from the original values (``read(atom)``): all
+        canonical, or k and v in ``kv_layout`` (`kv_layout`; a reshape of the
+        program's arrays, never a transpose, where it is the site's own)."""
         b, h, hkv = self.layout.groups
         q = _gather(read(self.q.atom), self.q.axes, [b, h, ["T"], ["D"]])
         for atom, invert in self.q_scales:
             t = jnp.reshape(jnp.asarray(read(atom)), ()).astype(q.dtype)
             q = q / t if invert else q * t
-        k = _gather(read(self.k.atom), self.k.axes, [b, hkv, ["S"], ["D"]])
-        v = _gather(read(self.v.atom), self.v.axes, [b, hkv, ["S"], ["Dv"]])
+        if kv_layout == "bshd":
+            k = _gather(read(self.k.atom), self.k.axes, [b, ["S"], hkv, ["D"]])
+            v = _gather(read(self.v.atom), self.v.axes, [b, ["S"], hkv, ["Dv"]])
+        elif kv_layout == "bhsd":
+            k = _gather(read(self.k.atom), self.k.axes, [b, hkv, ["S"], ["D"]])
+            v = _gather(read(self.v.atom), self.v.axes, [b, hkv, ["S"], ["Dv"]])
+        else:
+            raise ValueError(f"unknown kv_layout {kv_layout!r}")
         extras = tuple(self._extra(read(e.atom), e) for e in self.extras)
         return q, k, v, extras
 
@@ -377,6 +401,17 @@ def _rows_kept(spec, extras, q_len: int):
     s = jnp.zeros((1, 1, q_len, spec.kv_len), jnp.float32)
     s = apply_score_ops(dataclasses.replace(spec, score_ops=ops), s, extras)
     return jnp.any(s > float("-inf"), axis=-1, keepdims=True)
+
+
+def _role_order(axes: dict) -> list:
+    """The roles of an operand in the order its axes hold them (a `Merged`
+    axis as its parts, major first; roles on no axis left out)."""
+    placed = sorted((a, r) for r, a in axes.items() if a is not None and not _is_unit(r))
+    return [p for _, r in placed for p in _parts(r)]
+
+
+def _is_unit(role) -> bool:
+    return role == UNIT
 
 
 def _gather(x, axes: dict, groups: list):

@@ -22,11 +22,14 @@ class CheckContext:
 
     ``explicit`` is True when the user named this kernel: cost heuristics
     (e.g. "sequence too short to pay off") must then not reject the site.
+    ``kv_layout`` is how the program holds k and v (`Kernel.kv_layouts`), for
+    cost models whose crossover depends on it.
     """
 
     platform: str
     interpret: bool = False
     explicit: bool = False
+    kv_layout: str = "bhsd"
 
 
 class Kernel:
@@ -75,6 +78,12 @@ class Kernel:
     #: gradients from the global statistics (`step_backward`).  The ring asks
     #: `check` about each step's own spec (`flashpass.ring.cases`).
     ring_step: ClassVar[bool] = False
+    #: The K/V layouts ``apply`` reads as given (its ``kv_layout=`` argument):
+    #: ``"bhsd"`` (canonical ``[B, Hkv, S, D]``) always; ``"bshd"``
+    #: (``[B, S, Hkv, D]``, a cache as most models hold it) where declared.  A
+    #: site whose program holds K/V in a declared layout passes them as they
+    #: are; any other is transposed to the canonical layout for the call.
+    kv_layouts: ClassVar[tuple[str, ...]] = ("bhsd",)
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)

@@ -9,6 +9,10 @@ by a one-element `Bias` holding ``fill`` (O(1) memory, never a ``T x S``
 array).  Which rows are empty is read from the mask's ops in key chunks
 (O(B·H·T) memory), and the second call runs only when some row is empty
 (``lax.cond``), so right-padded batches pay one boolean pass over the keys.
+Where the second spec's scores do not depend on the query's position (a
+scale, a fill, key-only biases: `rows_apart`) and the kernel is plain JAX,
+the second call covers only the empty rows, gathered (`ROW_CHUNK` at a
+time), so left padding pays for its empty rows, not for every row again.
 
 Kernels never see `EmptyRows`: selection asks a kernel about both specs
 (`check`), and the named kernel call runs `apply` (`flashpass.calls`).
@@ -22,7 +26,7 @@ import math
 import jax.numpy as jnp
 from jax import lax
 
-from flashpass.ops import Bias, EmptyRows
+from flashpass.ops import Bias, EmptyRows, KvLengths, Scale, Softcap
 from flashpass.spec import AttentionSpec, ExtraSpec
 
 from .blockwise.tiles import varying
@@ -78,20 +82,116 @@ def check(kernel, spec: AttentionSpec, ctx) -> list[str]:
     return reasons
 
 
-def apply(kernel, spec: AttentionSpec, q, k, v, extras=(), *, interpret: bool = False):
-    """``kernel.apply`` for ``spec``, running an `EmptyRows` op as described above."""
+def apply(
+    kernel,
+    spec: AttentionSpec,
+    q,
+    k,
+    v,
+    extras=(),
+    *,
+    interpret: bool = False,
+    kv_layout: str = "bhsd",
+):
+    """``kernel.apply`` for ``spec``, running an `EmptyRows` op as described
+    above; k and v in ``kv_layout`` (passed on where it is not canonical)."""
+    if kv_layout != "bhsd":
+        if kv_layout not in kernel.kv_layouts:
+            raise ValueError(f"{kernel.name} does not read k and v in layout {kv_layout!r}")
+        kernel = _InLayout(kernel, kv_layout)
     parts = split(spec)
     if parts is None:
         return kernel.apply(spec, q, k, v, extras, interpret=interpret)
     out = kernel.apply(parts.masked, q, k, v, extras, interpret=interpret)
     empty = empty_rows(spec, parts.group, extras)
+    fill = jnp.full((1, 1, 1, 1), parts.op.added, parts.op.dtype)
+    if rows_apart(kernel, parts.filled, extras):
+        return _empty_rows_gathered(kernel, parts, q, k, v, (*extras, fill), empty, out, interpret)
 
     def with_empty_rows():
-        fill = jnp.full((1, 1, 1, 1), parts.op.added, parts.op.dtype)
         every = kernel.apply(parts.filled, q, k, v, (*extras, fill), interpret=interpret)
         return jnp.where(empty[..., None], every, out)
 
     return lax.cond(jnp.any(empty), with_empty_rows, lambda: out)
+
+
+#: Query rows per call of the empty rows' pass (`_empty_rows_gathered`).
+ROW_CHUNK = 256
+
+#: Ops whose scores do not depend on the query's position (with extras that
+#: hold no query axis): an empty row's filled scores are the same wherever
+#: the row sits, so the empty rows can be gathered and computed on their own.
+_ROW_FREE = (Scale, Softcap, Bias, KvLengths)
+
+
+def rows_apart(kernel, filled: AttentionSpec, extras) -> bool:
+    """Whether the empty rows' pass may run on the empty rows alone, gathered
+    (`_empty_rows_gathered`): ``kernel`` runs any query length (plain JAX),
+    and the filled spec's scores do not depend on the query's position."""
+    if not getattr(kernel, "plain_jax", False) or filled.dropout is not None:
+        return False
+    if filled.sink is not None:
+        return False
+    for op in filled.score_ops:
+        if not isinstance(op, _ROW_FREE):
+            return False
+        if any(filled.extras[i].shape[2] != 1 for i in op.extras_read()):
+            return False
+    return True
+
+
+def _empty_rows_gathered(kernel, parts: Split, q, k, v, extras, empty, out, interpret: bool):
+    """``out`` with each empty row (``empty``, ``[B|1, H|1, T]``) replaced by the
+    filled spec's output for it, computed for the empty rows only: they are
+    gathered, `ROW_CHUNK` at a time per (batch, head), and chunks past the
+    largest count of empty rows are skipped (``lax.cond`` in a ``lax.scan``,
+    so the pass differentiates).  Left padding (a few hundred empty rows of
+    thousands) costs those rows, not a second pass over every row."""
+    spec = parts.filled
+    b, h, t_len = spec.batch, spec.heads, spec.q_len
+    chunk = min(t_len, ROW_CHUNK)
+    n = -(-t_len // chunk)
+    empty = jnp.broadcast_to(empty, (b, h, t_len))
+    count = jnp.sum(empty, axis=-1)  # [B, H]
+    # Each (b, h)'s empty rows first, in order; the tail padded to n chunks.
+    order = jnp.argsort(~empty, axis=-1, stable=True).astype(jnp.int32)
+    order = jnp.pad(order, ((0, 0), (0, 0), (0, n * chunk - t_len)))
+    rows_spec = dataclasses.replace(spec, q_len=chunk)
+    dv = spec.v_head_dim
+
+    def one(_, j):
+        idx = lax.dynamic_slice_in_dim(order, j * chunk, chunk, axis=2)  # [B, H, C]
+        q_rows = jnp.take_along_axis(q, idx[..., None], axis=2)
+
+        def run():
+            return kernel.apply(rows_spec, q_rows, k, v, extras, interpret=interpret)
+
+        def skip():  # typed as ``run``'s result (in a shard_map body: varying alike)
+            return varying(jnp.zeros((b, h, chunk, dv), spec.out_dtype), q, k, v, extras)
+
+        return None, lax.cond(j * chunk < jnp.max(count), run, skip)
+
+    _, rows = lax.scan(one, None, jnp.arange(n))  # [n, B, H, C, Dv]
+    rows = jnp.moveaxis(rows, 0, 2).reshape(b, h, n * chunk, dv)
+    slot = jnp.clip(jnp.cumsum(empty, axis=-1) - 1, 0, None).astype(jnp.int32)
+    filled = jnp.take_along_axis(rows, slot[..., None], axis=2)  # [B, H, T, Dv]
+    return jnp.where(empty[..., None], filled, out)
+
+
+class _InLayout:
+    """``kernel`` whose ``apply`` reads k and v in ``kv_layout``."""
+
+    def __init__(self, kernel, kv_layout: str):
+        self.kernel, self.kv_layout = kernel, kv_layout
+
+    @property
+    def plain_jax(self) -> bool:
+        return self.kernel.plain_jax
+
+    def apply(self, spec, q, k, v, extras=(), *, interpret: bool = False):
+        return self.kernel.apply(
+            spec, q, k, v, extras, interpret=interpret, kv_layout=self.kv_layout
+        )
 
 
 def empty_rows(spec: AttentionSpec, group, extras):

@@ -822,6 +822,31 @@ def _version(text: str) -> tuple[int, ...]:
     return tuple(int(p) for p in text.split("."))
 
 
+def test_dce_loop_bodies():
+    with uses("jax._src.interpreters.partial_eval.dce_jaxpr"):
+
+        def body(carry):
+            i, x = carry
+            jnp.cos(x)  # dead: JAX's own DCE keeps a while loop whole
+            return i + 1, jnp.sin(x)
+
+        def f(x):
+            y = jax.jit(lambda x: jax.lax.while_loop(lambda c: c[0] < 2, body, (0, x)))(x)
+            return y[1]
+
+        closed = jax.make_jaxpr(f)(jnp.ones(3))
+        new = compat.dce_closed_jaxpr(compat.dce_loop_bodies(closed))
+        text = str(new)
+        assert "cos" not in text and "sin" in text and "while" in text
+        assert "cos" in str(compat.dce_closed_jaxpr(closed))
+        jaxpr, consts = compat.closed_parts(new)
+        out = compat.eval_jaxpr(jaxpr, consts, jnp.ones(3))[0]
+        np.testing.assert_allclose(out, f(jnp.ones(3)), rtol=1e-6)
+        # Nothing to clean: the same object back.
+        plain = jax.make_jaxpr(jnp.sin)(jnp.ones(3))
+        assert compat.dce_loop_bodies(plain) is plain
+
+
 def test_same_layout():
     # A reshard is a copy on the score chain only when it moves nothing.
     from types import SimpleNamespace as NS

@@ -60,6 +60,7 @@ from ._jaxpr import (  # noqa: F401
     closed_parts,
     compile_time_eval,
     dce_closed_jaxpr,
+    dce_loop_bodies,
     eval_jaxpr,
     evaluate_equation,
     get_aval,

@@ -369,6 +369,51 @@ def dce_closed_jaxpr(closed, used_outputs=None):
     return new if UNIFIED_JAXPR else closed_jaxpr(new, consts)
 
 
+def dce_loop_bodies(closed):
+    """``closed`` with the dead equations of every ``while`` body removed, at
+    any depth (inside ``jit``, ``scan``, ``cond``... bodies too); the loops'
+    signatures are kept.  JAX's `dce_closed_jaxpr` has no rule for ``while``:
+    it keeps a loop whole, so a value its body computes and drops (attention
+    weights a layer returns and its caller ignores) would stay used.  Run it
+    before `dce_closed_jaxpr`, which then prunes the ``jit`` outputs such a
+    body no longer reads.  Unchanged bodies are kept as they are (identity)."""
+    jaxpr, consts = closed_parts(closed)
+    new = _clean_loops(jaxpr)
+    if new is jaxpr:
+        return closed
+    return new if UNIFIED_JAXPR else closed_jaxpr(new, consts)
+
+
+def _clean_loops(jaxpr):
+    eqns, changed = [], False
+    for eqn in jaxpr.eqns:
+        new_bodies = {}
+        for name, index, body in bodies_in_params(eqn.params):
+            loop_body = eqn.primitive.name == "while" and name == "body_jaxpr"
+            new = _clean_body(body, loop_body)
+            if new is not body:
+                new_bodies[(name, index)] = new
+        if new_bodies:
+            eqn = eqn.replace(params=replace_bodies(eqn.params, new_bodies))
+            changed = True
+        eqns.append(eqn)
+    return jaxpr.replace(eqns=eqns) if changed else jaxpr
+
+
+def _clean_body(body, dce: bool):
+    jaxpr, consts = closed_parts(body)
+    new = _clean_loops(jaxpr)
+    if dce:  # every output is the next iteration's carry: all used
+        pruned, _ = _pe.dce_jaxpr(new, [True] * len(new.outvars), instantiate=True)
+        if len(pruned.eqns) != len(new.eqns) or pruned.eqns != new.eqns:
+            new = pruned
+    if new is jaxpr:
+        return body
+    if UNIFIED_JAXPR:
+        return new
+    return closed_jaxpr(new, consts) if isinstance(body, _core.ClosedJaxpr) else new
+
+
 # --------------------------------------------------------------------------- source info
 
 

@@ -24,9 +24,15 @@ def emit(placed: Placed, read):
 
 
 def kernel_output(site: AttentionSite, kernel, interpret: bool, read):
-    """The kernel's output for ``site``, in the layout and dtype of its root."""
-    q, k, v, extras = site.to_kernel(read)
-    call = kernel_call(kernel, site.spec, interpret)
+    """The kernel's output for ``site``, in the layout and dtype of its root.
+
+    K and v reach the kernel in the program's own layout where the kernel
+    reads it (`Kernel.kv_layouts`): a decode step never transposes its cache."""
+    layout = site.kv_layout()
+    if layout not in kernel.kv_layouts:
+        layout = "bhsd"
+    q, k, v, extras = site.to_kernel(read, layout)
+    call = kernel_call(kernel, site.spec, interpret, layout)
     with jax.named_scope(f"{KERNEL_PREFIX}{kernel.name}"):
         out = call(q, k, v, *extras)
     return site.from_kernel(out, read, extras)

@@ -45,6 +45,7 @@ class BlockwiseKernel(PlainJaxKernel):
     name = "blockwise"
     dropout = True
     ring_step = True
+    kv_layouts = decode.KV_LAYOUTS
 
     def __init__(
         self,
@@ -106,7 +107,8 @@ class BlockwiseKernel(PlainJaxKernel):
         """Reasons not to run ``spec``: platform, and where the original is
         faster (`cost.faster_as_written`: short sequences, decode steps on CPU)."""
         reasons = self.platform_reasons(ctx)
-        slower = None if ctx.explicit else faster_as_written(spec, ctx.platform)
+        layout = ctx.kv_layout if ctx.kv_layout in self.kv_layouts else "bhsd"
+        slower = None if ctx.explicit else faster_as_written(spec, ctx.platform, layout)
         if slower is not None:
             reasons.append(
                 f"kept: faster as written: {slower}; name kernel='blockwise' to force the rewrite"
@@ -118,15 +120,41 @@ class BlockwiseKernel(PlainJaxKernel):
         with per-row kv lengths, chunks past each row's length skipped."""
         return not decode_reasons(spec)
 
-    def apply(self, spec: AttentionSpec, q, k, v, extras=(), *, interpret: bool = False):
-        """Attention ``[B, H, T, Dv]`` in ``spec.out_dtype`` (``interpret`` is ignored)."""
+    def apply(
+        self,
+        spec: AttentionSpec,
+        q,
+        k,
+        v,
+        extras=(),
+        *,
+        interpret: bool = False,
+        kv_layout: str = "bhsd",
+    ):
+        """Attention ``[B, H, T, Dv]`` in ``spec.out_dtype`` (``interpret`` is ignored).
+
+        ``kv_layout="bshd"``: k and v are ``[B, S, Hkv, D]``, as the program
+        holds its cache.  The decode path slices its chunks from them as they
+        are; the tiled path (prefill, where the T x S work dwarfs one pass
+        over K/V) transposes them to the canonical layout first.
+        """
         extras = tuple(extras)
-        _util.check_arrays(self.name, spec, q, k, v, extras)
+        if kv_layout not in decode.KV_LAYOUTS:
+            raise ValueError(f"blockwise: kv_layout must be one of {decode.KV_LAYOUTS}")
+        _util.check_arrays(
+            self.name,
+            spec,
+            q,
+            decode.to_canonical_shape(k, kv_layout),
+            decode.to_canonical_shape(v, kv_layout),
+            extras,
+        )
         if self.uses_decode(spec):
             bwd_blocks = self.block_sizes.pick(default_blocks(spec, True), backward=True)
             block_k = self.block_sizes.block_k or DECODE_BLOCK_K
-            plan = make_decode_plan(spec, block_k, bwd_blocks)
+            plan = make_decode_plan(spec, block_k, bwd_blocks, kv_layout)
             return decode.attention(plan, q, k, v, extras)
+        k, v = decode.to_canonical(k, kv_layout), decode.to_canonical(v, kv_layout)
         return attention(self._plans(spec), q, k, v, extras)
 
     def _plans(self, spec: AttentionSpec) -> Plans:

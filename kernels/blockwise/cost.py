@@ -35,6 +35,13 @@ DECODE_MIN_KV_LEN = 2048
 #: this cache length (ragged 2k rows ran 0.3-0.75x, 4k rows 0.9-1.15x, at
 #: every batch, head count and dtype of the table).
 DECODE_MIN_KV_LEN_ONE_ROW = 8192
+#: The same with the cache held as ``[B, S, H, D]`` (``kv_layout="bshd"``,
+#: read as it is): the original's products over that layout are several
+#: times slower on CPU than over ``[B, H, S, D]``, the decode path's chunks
+#: are not, so one row per kv head pays from a shorter cache (forced decode
+#: path, B=4, H=8, f32: min(full, ragged) 0.97x at 2k, 1.02x at 4k, 1.22x at
+#: 8k; `benchmarks/decode.py --kernel blockwise --layout bshd`).
+DECODE_MIN_KV_LEN_ONE_ROW_BSHD = 4096
 #: Narrow floats (bf16, f16) with several rows per kv head: the original's
 #: narrow products are slow on CPU and the kernel computes in float32, so it
 #: pays from this (shorter) cache length on (1.5-4x at 1k keys in the table).
@@ -42,22 +49,26 @@ DECODE_MIN_KV_LEN_NARROW = 1024
 _NARROW = ("bfloat16", "float16")
 
 
-def decode_min_kv_len(spec: AttentionSpec) -> int:
+def decode_min_kv_len(spec: AttentionSpec, kv_layout: str = "bhsd") -> int:
     """The cache length from which the decode path beats the original on CPU,
-    by the score rows per kv head (queries x grouped heads), the dtype and
-    `DECODE_MIN_KV_LEN`; batch and head count move no threshold in the table
-    (``python benchmarks/decode.py --table``: B=1..16, H=2..32)."""
+    by the score rows per kv head (queries x grouped heads), the dtype, the
+    cache's layout and `DECODE_MIN_KV_LEN`; batch and head count move no
+    threshold in the table (``python benchmarks/decode.py --table``: B=1..16,
+    H=2..32)."""
     rows = spec.q_len * spec.groups
     if rows == 1:
+        if kv_layout == "bshd":
+            return DECODE_MIN_KV_LEN_ONE_ROW_BSHD
         return DECODE_MIN_KV_LEN_ONE_ROW
     if str(spec.q_dtype) in _NARROW and str(spec.k_dtype) in _NARROW:
         return DECODE_MIN_KV_LEN_NARROW
     return DECODE_MIN_KV_LEN
 
 
-def faster_as_written(spec: AttentionSpec, platform: str) -> str | None:
+def faster_as_written(spec: AttentionSpec, platform: str, kv_layout: str = "bhsd") -> str | None:
     """Why the original computation beats the blockwise kernel for ``spec``
-    on ``platform`` (None where the kernel is as fast or faster)."""
+    on ``platform``, k and v read in ``kv_layout`` (None where the kernel is
+    as fast or faster)."""
     if platform != "cpu":
         return None
     lengths = bool(spec.ops_of(KvLengths))
@@ -70,12 +81,13 @@ def faster_as_written(spec: AttentionSpec, platform: str) -> str | None:
                 f"decode step (q_len={spec.q_len} <= {DECODE_MAX_Q}) without per-row kv "
                 "lengths: the original is as memory-efficient and faster"
             )
-        shortest = decode_min_kv_len(spec)
+        shortest = decode_min_kv_len(spec, kv_layout)
         if spec.kv_len < shortest:
             rows = spec.q_len * spec.groups
             return (
                 f"short kv cache (kv_len={spec.kv_len} < {shortest}) for a decode step with "
                 f"{rows} score row{'s' if rows > 1 else ''} per kv head, {spec.q_dtype}"
+                + (", cache [B, S, H, D]" if kv_layout == "bshd" else "")
             )
         return None
     if spec.kv_len < CPU_MIN_KV_LEN:

@@ -84,19 +84,52 @@ class DecodePlan:
     fwd: Plan  # one query tile (all T rows), key chunks of bk
     plans: Plans  # the backward's tiling (flash.backward)
     lengths: KvLengths
+    #: How k and v are laid out: ``"bhsd"`` (canonical ``[B, Hkv, S, D]``) or
+    #: ``"bshd"`` (``[B, S, Hkv, D]``, as Hugging Face, keras-hub and MaxText
+    #: keep their caches).  Chunks are sliced from the arrays as given: the
+    #: cache is never transposed.
+    kv_layout: str = "bhsd"
 
 
-def make_decode_plan(spec: AttentionSpec, block_k: int, bwd_blocks: tuple[int, int]) -> DecodePlan:
+def make_decode_plan(
+    spec: AttentionSpec, block_k: int, bwd_blocks: tuple[int, int], kv_layout: str = "bhsd"
+) -> DecodePlan:
     """The decode plan of ``spec`` (which `decode_reasons` accepts): key chunks
-    of ``block_k``, the backward tiled by ``bwd_blocks``."""
+    of ``block_k``, the backward tiled by ``bwd_blocks``, k and v read in
+    ``kv_layout``."""
+    if kv_layout not in KV_LAYOUTS:
+        raise ValueError(f"kv_layout must be one of {KV_LAYOUTS}, got {kv_layout!r}")
     fwd = make_plan(spec, spec.q_len, min(block_k, spec.kv_len))
     bwd = make_plan(spec, *bwd_blocks)
     (op,) = spec.ops_of(KvLengths)
-    return DecodePlan(fwd, Plans(bwd, bwd, spec), op)
+    return DecodePlan(fwd, Plans(bwd, bwd, spec), op, kv_layout)
+
+
+#: The K/V layouts the decode path reads as they are.
+KV_LAYOUTS = ("bhsd", "bshd")
+
+
+def to_canonical(x, kv_layout: str):
+    """``x`` (k, v or their cotangents) as ``[B, Hkv, S, D]``."""
+    return x if kv_layout == "bhsd" else jnp.swapaxes(x, 1, 2)
+
+
+def to_canonical_shape(x, kv_layout: str):
+    """A shape-only stand-in for ``to_canonical(x)`` (for shape checks)."""
+    if kv_layout == "bhsd":
+        return x
+    b, s, h, d = x.shape
+    return jax.ShapeDtypeStruct((b, h, s, d), x.dtype)
+
+
+def from_canonical(x, kv_layout: str):
+    """A ``[B, Hkv, S, D]`` array in ``kv_layout`` (None stays None)."""
+    return x if x is None or kv_layout == "bhsd" else jnp.swapaxes(x, 1, 2)
 
 
 def forward(dp: DecodePlan, q, k, v, extras):
-    """``(out [B,H,T,Dv], m, den)``, the statistics as `flash.forward` saves them."""
+    """``(out [B,H,T,Dv], m, den)``, the statistics as `flash.forward` saves them
+    (k and v in ``dp.kv_layout``)."""
     plan = dp.fwd
     spec, cdt = plan.spec, plan.cdt
     B, Hkv, Dv, S = spec.batch, spec.kv_heads, spec.v_head_dim, spec.kv_len
@@ -111,6 +144,16 @@ def forward(dp: DecodePlan, q, k, v, extras):
     q_pos = row_pos(plan, 0)
     ragged_tail = S % bk != 0
     p_dtype = spec.p_dtype
+    bshd = dp.kv_layout == "bshd"
+    # Score and output products in k/v's own layout (XLA reads the heads
+    # axis where it is; no copy of the cache).
+    qk = "bhtd,bshd->bhts" if bshd else "bhtd,bhsd->bhts"
+    pv_eq = "bhts,bshd->bhtd" if bshd else "bhts,bhsd->bhtd"
+
+    def kv_chunk(x, b, start, d):
+        if bshd:
+            return lax.dynamic_slice(x, (b, start, 0, 0), (1, bk, Hkv, d))
+        return lax.dynamic_slice(x, (b, 0, start, 0), (1, Hkv, bk, d))
 
     def row(b, carry):
         out, ms, dens = carry
@@ -120,12 +163,12 @@ def forward(dp: DecodePlan, q, k, v, extras):
         def chunk(j, state):
             m, den, acc = state
             start = jnp.minimum(j * bk, S - bk)  # the last chunk ends at S: no padding
-            k_t = lax.dynamic_slice(k, (b, 0, start, 0), (1, Hkv, bk, spec.head_dim))
-            v_t = lax.dynamic_slice(v, (b, 0, start, 0), (1, Hkv, bk, Dv))
+            k_t = kv_chunk(k, b, start, spec.head_dim)
+            v_t = kv_chunk(v, b, start, Dv)
             k_pos = start + jnp.arange(bk)
             ex_t = [slice_s(x, start, bk) for x in ex_b]
             a, c = dot_operands(plan, q_b, k_t)
-            s = jnp.einsum("bhtd,bhsd->bhts", a, c, preferred_element_type=cdt)
+            s = jnp.einsum(qk, a, c, preferred_element_type=cdt)
             s = tile_score_fn(plan, ex_t, q_pos, k_pos, True)(s, {})
             if ragged_tail:  # keys the previous chunk already counted
                 s = jnp.where(k_pos >= j * bk, s, -jnp.inf)
@@ -135,7 +178,7 @@ def forward(dp: DecodePlan, q, k, v, extras):
             alpha = jnp.exp(m - m_safe)
             p = jnp.exp(s - m_safe[..., None])
             den = den * alpha + jnp.sum(p, axis=-1)
-            pv = jnp.einsum("bhts,bhsd->bhtd", p.astype(p_dtype), v_t, preferred_element_type=cdt)
+            pv = jnp.einsum(pv_eq, p.astype(p_dtype), v_t, preferred_element_type=cdt)
             return m_new, den, acc * alpha[..., None] + pv
 
         init = (
@@ -159,7 +202,7 @@ def forward(dp: DecodePlan, q, k, v, extras):
         # The whole cache in one pass, as the original computes it: faster
         # than the chunk loop when most chunks are visited anyway.
         a, c = dot_operands(plan, q_rows, k)
-        s = jnp.einsum("bhtd,bhsd->bhts", a, c, preferred_element_type=cdt)
+        s = jnp.einsum(qk, a, c, preferred_element_type=cdt)
         s = tile_score_fn(plan, ex5, q_pos, jnp.arange(S), True)(s, {})
         m = jnp.max(s, axis=-1)
         # exp(s - m), as the original's softmax writes it (XLA fuses the max,
@@ -167,7 +210,7 @@ def forward(dp: DecodePlan, q, k, v, extras):
         # gets NaN weights, as in the original (and the chunk loop: 0 / 0).
         p = jnp.exp(s - m[..., None])
         den = jnp.sum(p, axis=-1)
-        acc = jnp.einsum("bhts,bhsd->bhtd", p.astype(p_dtype), v, preferred_element_type=cdt)
+        acc = jnp.einsum(pv_eq, p.astype(p_dtype), v, preferred_element_type=cdt)
         # Typed as the chunk loop's results (`lax.cond` needs equal branch types).
         return varying(((acc / den[..., None]).astype(spec.out_dtype), m, den), q, k, v, extras)
 
@@ -193,7 +236,12 @@ def _attention_fwd(dp, q, k, v, extras):
 
 
 def _attention_bwd(dp, res, dout):
-    return flash._attention_bwd(dp.plans, res, dout)
+    # The backward is flash's, on canonical k and v: a training step's cost,
+    # not a decode step's; the cotangents go back in the caller's layout.
+    q, k, v, *rest = res
+    res = (q, to_canonical(k, dp.kv_layout), to_canonical(v, dp.kv_layout), *rest)
+    dq, dk, dv, dextras = flash._attention_bwd(dp.plans, res, dout)
+    return dq, from_canonical(dk, dp.kv_layout), from_canonical(dv, dp.kv_layout), dextras
 
 
 attention.defvjp(_attention_fwd, _attention_bwd, symbolic_zeros=True)

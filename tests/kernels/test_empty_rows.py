@@ -95,3 +95,27 @@ def test_a_kernel_without_bias_declines_with_the_rows_reason():
     assert reasons and all(
         "for the rows the additive mask may leave with no key" in r for r in reasons
     )
+
+
+def test_empty_rows_alone_in_chunks(monkeypatch):
+    """The second call covers only the empty rows (`empty_rows.rows_apart`:
+    the filled spec is scale + fill), gathered per (batch, head) a chunk at a
+    time: with 4-row chunks, example 0's 12 empty rows take 3 chunks, example
+    1 has none; exact against the dense bias, forward and gradient."""
+    monkeypatch.setattr(empty_rows, "ROW_CHUNK", 4)
+    kernel = get_kernel("blockwise")
+    parts = empty_rows.split(_spec())
+    assert empty_rows.rows_apart(kernel, parts.filled, ())
+    errors = run_and_compare(_Split(kernel), _spec(), (_keys(),), tol=2e-3, reference=_dense_oracle)
+    assert errors["out"] < 2e-3
+
+
+def test_rows_apart_declines_position_dependent_fills():
+    """A causal op left outside the additive mask depends on the row's
+    position: the second call then runs over every row, as before."""
+    mask, mask_extra = mask_op(0, (2, 1, 1, T), FILL)
+    ops = (Causal(0, -np.inf), mask, EmptyRows(1, FILL, "float32"))
+    spec = spec_of(b=2, h=2, t=T, ops=ops, extras=(mask_extra,))
+    parts = empty_rows.split(spec)
+    assert not empty_rows.rows_apart(get_kernel("blockwise"), parts.filled, ())
+    assert not empty_rows.rows_apart(get_kernel("pallas_tpu"), empty_rows.split(_spec()).filled, ())
