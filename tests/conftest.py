@@ -41,3 +41,11 @@ def pytest_addoption(parser):
 def rng():
     return np.random.default_rng(0)
 
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """The large grids' cases outside their default-set sample are `slow`
+    (tests/tiers.py); marked before `-m` selects."""
+    import tiers
+
+    tiers.mark(items, pytest.mark.slow)
