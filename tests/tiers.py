@@ -120,6 +120,8 @@ SAMPLED = {
     "tests/test_sinks.py::test_sink_spellings_are_rewritten_forward_and_gradient": diagonal(
         "name", "kernel"
     ),
+    # Each dropout spelling once, bfloat16 once.
+    "tests/test_dropout.py::test_spelling_matches_the_original": cover(),
 }
 
 
