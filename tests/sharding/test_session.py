@@ -26,7 +26,8 @@ def test_multidevice_session_slow():
 
 
 def run_session(markers: str):
-    env = dict(os.environ)
+    # (Under `pytest -n`, the worker's own variables stay out of the session.)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_XDIST")}
     env["XLA_FLAGS"] = (
         env.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={DEVICES}"
     ).strip()
