@@ -1,16 +1,18 @@
 #!/usr/bin/env bash
-# The frameworks leg (not part of .ci/run): the model tests that need PyTorch or
-# MaxText, each in a virtual environment of its own.
+# The frameworks legs (steps of every .ci/run): the model tests that need PyTorch
+# or MaxText, each in a virtual environment of its own.
 #
 #   ci/frameworks.sh            # both parts
 #   ci/frameworks.sh torchax    # PyTorch through torchax (Python 3.11)
 #   ci/frameworks.sh maxtext    # MaxText's own attention (Python 3.12, newest JAX)
 #
-# Why a leg of its own: the only torch that torchax 0.0.13 imports with is 2.12,
-# whose registry build is the CUDA one (about 5 GB installed; it runs on the CPU),
-# and its tests take 5 to 10 minutes on 2 cores; MaxText needs Python 3.12 and
-# the newest JAX. Without them the two test modules skip (pytest.importorskip),
-# so the main CI stays within its time. Times: ci/README.md.
+# Why venvs of their own: the only torch that torchax 0.0.13 imports with is 2.12,
+# whose registry build is the CUDA one (about 5.6 GB installed; it runs on the
+# CPU; pip's cache keeps the download for the next run); MaxText needs Python
+# 3.12 and the newest JAX. Without them the test modules skip
+# (pytest.importorskip), so each leg first checks that its libraries import: a
+# leg whose tests would all skip fails instead. The torchax leg also runs the
+# zoo's torch suites (tests/zoo) when there are any. Times: ci/README.md.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 parts=("${@:-torchax maxtext}")
@@ -24,8 +26,12 @@ torchax_leg() {
     "$venv/bin/python" -m pip install --quiet -e ".[test]" "torch==2.12.*" "torchax==0.0.13" \
         "diffusers==0.35.*" -c constraints.txt
     "$venv/bin/python" -m pip install --quiet --no-deps -r ci/no-deps.txt
+    "$venv/bin/python" -c 'import torch, torchax, diffusers; print("torchax leg: torch", torch.__version__)'
     "$venv/bin/python" -m pytest -q -p no:cacheprovider \
         tests/models/test_torchax_models.py tests/test_torch_layouts.py tests/export/test_fixtures.py
+    if [ -d tests/zoo ]; then # the zoo's torch suites: a sample, in the default set
+        "$venv/bin/python" -m pytest -q -p no:cacheprovider tests/zoo
+    fi
 }
 
 maxtext_leg() {
@@ -42,6 +48,7 @@ maxtext_leg() {
     "$venv/bin/python" -m pip install --quiet -e . pytest hypothesis "maxtext==0.2.5" flax aqtp \
         tokamax chex omegaconf pydantic jaxtyping optax qwix absl-py pathwaysutils jinja2 \
         -c ci/constraints-newest.txt
+    "$venv/bin/python" -c 'import maxtext, jax; print("maxtext leg: jax", jax.__version__)'
     "$venv/bin/python" -m pytest -q -p no:cacheprovider tests/models/test_maxtext.py
 }
 

@@ -17,9 +17,22 @@ Mutations (`MUTATIONS`), each at the kernel's entry point, so the oracle
 A kernel that takes no kv lengths (or no masks) cannot read them wrong: that
 pair is reported ``n/a``, not run.
 
+Two more mutations (`PASS_MUTATIONS`) break the pass's own machinery around
+every kernel, each against the tests of the README's default set that must
+notice it:
+
+* ``empty_rows:second_call``: `flashpass.kernels.empty_rows.apply` runs the
+  descriptors' call only, never the second call (the fill added to every
+  score) for the rows an additive mask leaves with no key;
+* ``ring:skip_step``: each device's ring skips step 1 (the K/V block of its
+  neighbour), a step it must run, in the forward and the backward
+  (`RingStep.visible` says the block holds no key the queries see); run on
+  the 8 simulated devices of the sharding session.
+
     python ci/mutation_check.py                 # every kernel, every mutation
     python ci/mutation_check.py paged_tpu       # one kernel
     python ci/mutation_check.py splash:drop_mask
+    python ci/mutation_check.py ring:skip_step
 
 As a pytest plugin (``-p mutation_check`` with ci/ on the path), this module
 applies the mutation named by ``FLASHPASS_MUTATION`` (``kernel:mutation``).
@@ -126,6 +139,51 @@ def _swap_batch(apply):
 MUTATIONS = {"kv_length": _kv_length, "drop_mask": _drop_mask, "swap_batch": _swap_batch}
 
 
+def _no_second_call(apply):
+    from flashpass.kernels import empty_rows
+
+    def mutated(kernel, spec, q, k, v, extras=(), *, interpret=False):
+        parts = empty_rows.split(spec)
+        if parts is None:
+            return apply(kernel, spec, q, k, v, extras, interpret=interpret)
+        return kernel.apply(parts.masked, q, k, v, extras, interpret=interpret)
+
+    return mutated
+
+
+def _skip_step(visible):
+    import jax.numpy as jnp
+    from jax import lax
+
+    def mutated(self, q0, k0, extras):
+        if self.n < 2:
+            return visible(self, q0, k0, extras)
+        neighbour = (lax.axis_index(self.axis_name) - 1) % self.n  # step 1's block
+        return visible(self, q0, k0, extras) & jnp.not_equal(k0, neighbour * self.spec.kv_len)
+
+    return mutated
+
+
+#: ``target:mutation`` -> (module, attribute, wrapper, the tests that must
+#: notice, extra environment): mutations of the pass around the kernels.
+PASS_MUTATIONS = {
+    "empty_rows:second_call": (
+        "flashpass.kernels.empty_rows",
+        "apply",
+        _no_second_call,
+        ["tests/kernels/test_empty_rows.py", "tests/test_library_masks.py"],
+        {},
+    ),
+    "ring:skip_step": (
+        "flashpass.ring.step",
+        "RingStep.visible",
+        _skip_step,
+        ["tests/sharding/multidevice/test_ring.py"],
+        {"XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"},
+    ),
+}
+
+
 def _applies(kernel: str, mutation: str) -> bool:
     import importlib
 
@@ -141,6 +199,14 @@ def pytest_configure(config):
     """Apply ``FLASHPASS_MUTATION`` (``kernel:mutation``) before tests import."""
     import importlib
 
+    if os.environ[ENV] in PASS_MUTATIONS:
+        module, attribute, wrapper, _, _ = PASS_MUTATIONS[os.environ[ENV]]
+        owner = importlib.import_module(module)
+        *path, name = attribute.split(".")
+        for part in path:
+            owner = getattr(owner, part)
+        setattr(owner, name, wrapper(getattr(owner, name)))
+        return
     kernel, mutation = os.environ[ENV].split(":")
     module, cls, _ = KERNELS[kernel]
     klass = getattr(importlib.import_module(module), cls)
@@ -156,15 +222,21 @@ def run(kernel: str, mutation: str, timeout: int = 900) -> tuple[str, str, float
     env = dict(os.environ)
     env[ENV] = f"{kernel}:{mutation}"
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "ci"), env.get("PYTHONPATH")]))
+    if env[ENV] in PASS_MUTATIONS:
+        *_, tests, extra = PASS_MUTATIONS[env[ENV]]
+        env.update(extra)
+    else:
+        tests = KERNELS[kernel][2]
+    # (The default set only: a mutation must fail a test of `python -m pytest -q`.)
     cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-rf", "-p", "no:cacheprovider"]
-    cmd += ["-p", "mutation_check", *KERNELS[kernel][2]]
+    cmd += ["-m", "not slow", "-p", "mutation_check", *tests]
     start = time.monotonic()
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     seconds = time.monotonic() - start
     failed = re.findall(r"^(?:FAILED|ERROR) (\S+)", proc.stdout, re.MULTILINE)
     if proc.returncode == 1 and failed:
-        why = re.search(r"^E +(.+)$", proc.stdout, re.MULTILINE)
-        return "killed", failed[0] + (f"\n    {why.group(1)[:160]}" if why else ""), seconds
+        why = " ".join(re.findall(r"^E +(\S.*)$", proc.stdout, re.MULTILINE)[:3])
+        return "killed", failed[0] + (f"\n    {why[:200]}" if why else ""), seconds
     if proc.returncode == 0:
         return "SURVIVED", "every test passed", seconds
     return (
@@ -176,11 +248,12 @@ def run(kernel: str, mutation: str, timeout: int = 900) -> tuple[str, str, float
 
 def main(argv: list[str]) -> int:
     pairs = [(k, m) for k in KERNELS for m in MUTATIONS]
-    if argv:  # kernels, or kernel:mutation pairs
+    pairs += [tuple(name.split(":")) for name in PASS_MUTATIONS]
+    if argv:  # kernels (or empty_rows, ring), or kernel:mutation pairs
         pairs = [(k, m) for k, m in pairs if k in argv or f"{k}:{m}" in argv]
     survived = 0
     for kernel, mutation in pairs:
-        if not _applies(kernel, mutation):
+        if f"{kernel}:{mutation}" not in PASS_MUTATIONS and not _applies(kernel, mutation):
             print(f"{kernel:10s} {mutation:10s} n/a (the kernel declares no such input)")
             continue
         verdict, detail, seconds = run(kernel, mutation)

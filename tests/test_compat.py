@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import inspect
+import os
 
 import jax
 import jax.numpy as jnp
@@ -859,3 +860,36 @@ def test_same_layout():
     assert compat.same_layout(sharded, NS(sharding=NS(mesh=mesh, spec=P("x"))))
     assert not compat.same_layout(sharded, NS(sharding=NS(mesh=mesh, spec=P(None, "x"))))
     assert not compat.same_layout(sharded, NS(sharding=None))
+
+
+def test_compilation_cache(tmp_path, monkeypatch):
+    """The test suite's persistent compilation cache (tests/conftest.py): its
+    options exist, a compile writes an entry, and a second process compiling
+    the same program (where the entry is there to read) computes the same
+    (in subprocesses: a process's first compilation decides whether it uses a
+    cache at all)."""
+    import subprocess
+    import sys
+
+    with uses("jax.config's persistent compilation cache options"):
+        for name in ("CACHE_DIR", "MIN_COMPILE_TIME", "MIN_ENTRY_SIZE"):
+            assert hasattr(jax.config, getattr(compat._cache, name))
+    assert compat.compilation_cache_dir() == (os.environ.get("JAX_COMPILATION_CACHE_DIR") or None)
+    assert compat.compilation_cache("") is False
+    program = (
+        "import sys, jax, jax.numpy as jnp; from flashpass import compat; "
+        "assert compat.compilation_cache(sys.argv[1]); "
+        "assert compat.compilation_cache_dir() == sys.argv[1]; "
+        "print(jax.jit(lambda x: jnp.sin(x) @ x.T)(jnp.ones((8, 8))).sum())"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_")}
+    outs = []
+    for _ in range(2):
+        proc = subprocess.run(
+            [sys.executable, "-c", program, str(tmp_path)], env=env, capture_output=True, text=True
+        )
+        assert proc.returncode == 0, proc.stderr
+        outs.append(proc.stdout)
+        entries = sorted(p.name for p in tmp_path.iterdir())
+        assert any("jit__lambda" in name for name in entries), entries
+    assert outs[0] == outs[1]

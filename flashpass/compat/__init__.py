@@ -3,7 +3,8 @@
 flashpass touches JAX internals (jaxpr data structures, source info, DCE) and
 experimental modules (Pallas kernels).  They all go through this package,
 ``flashpass.compat`` (jaxprs in _jaxpr.py, StableHLO modules and `Exported` in
-_export.py, kernels in _kernels.py, sharding in _sharding.py, placement by XLA's partitioner
+_export.py, kernels in _kernels.py, sharding in _sharding.py, the persistent
+compilation cache the tests share in _cache.py, placement by XLA's partitioner
 (``custom_partitioning``) in _partitioning.py, the PRNG internals
 of exact dropout in _random.py; the rest of flashpass imports only from here), so
 a JAX upgrade that moves something breaks here, loudly, and nowhere else.
@@ -16,6 +17,7 @@ test names it and the installed version.
 
 from __future__ import annotations
 
+from ._cache import compilation_cache, compilation_cache_dir  # noqa: F401
 from ._debug import name_stack, trace_as  # noqa: F401
 from ._export import (  # noqa: F401
     exported_from_module,

@@ -14,12 +14,26 @@ DEVICES = 8
 
 
 def test_multidevice_session():
-    env = dict(os.environ)
+    """The default set's multi-device tests (`-m "not slow"`)."""
+    run_session("not slow")
+
+
+@pytest.mark.slow
+def test_multidevice_session_slow():
+    """The slow multi-device tests: `pytest -m slow` runs them here (the main
+    session never collects tests/sharding/multidevice)."""
+    run_session("slow")
+
+
+def run_session(markers: str):
+    # (Under `pytest -n`, the worker's own variables stay out of the session.)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_XDIST")}
     env["XLA_FLAGS"] = (
         env.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={DEVICES}"
     ).strip()
     env["JAX_PLATFORMS"] = "cpu"
     cmd = [sys.executable, "-m", "pytest", str(HERE), "-q", "-rs", "-p", "no:cacheprovider"]
+    cmd += ["-m", markers]
     # About 4 minutes on 2 idle cores; CI runs it beside another lane.
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1500)
     assert proc.returncode == 0, (
