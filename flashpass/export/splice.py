@@ -42,6 +42,7 @@ class _Cut:
     leaves: list  # the MLIR values the cut reads, in a fixed order
     ops: list  # the cut's ops, in block order
     position: int  # the root op's index in its block
+    found: str = ""  # how it was found, when not in the module lifted whole
 
 
 def splice(exp: jax.export.Exported, platforms, options, planned) -> tuple:
@@ -83,6 +84,7 @@ def splice(exp: jax.export.Exported, platforms, options, planned) -> tuple:
     try:
         if whole:
             cuts, notes = _cuts(module, exp, platforms[0])
+            cuts, notes = _nested(module, platforms[0], cuts, notes)
         else:
             cuts, notes = _cuts_in_blocks(module, platforms[0])
             how = f"found in its own block (the lift route keeps the module: {planned.lift_error})"
@@ -100,7 +102,8 @@ def splice(exp: jax.export.Exported, platforms, options, planned) -> tuple:
                 continue
             for p, report in by_platform.items():
                 reports[p].append(report)
-            why = f"{how}; its cut of {len(cut.ops)} ops is replaced by a call to its kernel"
+            found = how if whole and not cut.found else (cut.found if whole else how)
+            why = f"{found}; its cut of {len(cut.ops)} ops is replaced by a call to its kernel"
             sites.append(SiteRoute(location, "splice", why))
             done += 1
     if not done:
@@ -135,6 +138,25 @@ def splice(exp: jax.export.Exported, platforms, options, planned) -> tuple:
         sites=sites[::-1],
         needs_x64=x64,
     )
+
+
+_NOT_A_VALUE = "does not end at a value of the module"
+
+
+def _nested(module, platform, cuts: list, notes: list) -> tuple[list, list]:
+    """Sites in a loop body (a ``scan``'s ``while``) are not values of the
+    lifted function: they are looked for again in their own blocks."""
+    nested = [n for n in notes if _NOT_A_VALUE in n]
+    if not nested:
+        return cuts, notes
+    more, _ = _cuts_in_blocks(module, platform)
+    known = {cut.root for cut in cuts}
+    found = [cut for cut in more if cut.root not in known]
+    if not found:
+        return cuts, notes
+    rest = [n for n in notes if _NOT_A_VALUE not in n]
+    missing = max(len(nested) - len(found), 0)
+    return _disjoint(cuts + found, rest + nested[:missing])
 
 
 def _location(value) -> str:
@@ -204,7 +226,7 @@ def _sites(closed, where: dict, n_out: int, n_extra: int) -> tuple[list, list]:
     for scope, site in sites:
         key = site.root.out
         if scope.prefix != () or key is None or key[0] != () or key[1] not in where:
-            notes.append(f"the site at {site.location} does not end at a value of the module")
+            notes.append(f"the site at {site.location} {_NOT_A_VALUE}")
             continue
         root = where[key[1]]
         if root in roots:
@@ -267,6 +289,7 @@ def _cuts_in_blocks(module, platform) -> tuple[list, list]:
             for cut in more:
                 if cut.root not in roots:
                     roots.add(cut.root)
+                    cut.found = "found in its own block"
                     cuts.append(cut)
     return _disjoint(cuts, notes)
 

@@ -99,11 +99,6 @@ def test_scale_spellings_are_rewritten(name, route):
 def test_every_spelling_exported_is_rewritten(name, route):
     """Every positive spelling, exported, on both routes: value and gradient."""
     exp, args = _exported_spelling(name)
-    if route == "splice" and name == "scan_layers":
-        # A site inside a loop body is not a value of the module's function.
-        _, report = fx.rewrite_and_explain(exp, route=route, kernel="blockwise")
-        assert report.route == "kept" and "does not end at a value" in report.kept_reason
-        return
     atol = 2e-2 if "bf16" in name else 2e-5
     _check(exp, args, route, grad="bf16" not in name, atol=atol)
 
@@ -307,6 +302,20 @@ def test_splice_finds_sites_where_the_lift_route_keeps_the_module():
     # Its derivative would be the lift route's, which keeps the module: it says so.
     with pytest.raises(ValueError, match="no derivative"):
         new.serialize(vjp_order=1)
+
+
+def test_splice_in_a_loop_body():
+    """A site inside a ``scan`` (a ``while`` body) is not a value of the lifted
+    function: it is found again in its own block and spliced there."""
+    exp, args = _exported_spelling("scan_layers")
+    new, report = fx.rewrite_and_explain(exp, route="splice", kernel="blockwise")
+    assert report.route == "splice" and len(report.rewrites) == 1, str(report)
+    (site,) = report.sites
+    assert "found in its own block" in site.why and not report.splice_notes, str(report)
+    text = new.mlir_module()
+    body = text[text.index("stablehlo.while") :]
+    assert "call @_flashpass_splice0_" in body  # the call is in the loop body
+    np.testing.assert_allclose(new.call(*args), exp.call(*args), atol=2e-5)
 
 
 def test_splice_with_an_island():
