@@ -243,3 +243,37 @@ def test_int64_inputs_without_x64(form):
     for artifact in (exp, new):
         with pytest.raises(ValueError, match="expected int64"):
             artifact.call(jnp.asarray(tokens), *weights)
+
+
+_CALLS = """
+func.func private @helper(%a: tensor<4xf32>) -> tensor<4xf32> {
+  %0 = call @inner(%a) : (tensor<4xf32>) -> tensor<4xf32>
+  return %0 : tensor<4xf32>
+}
+func.func private @inner(%a: tensor<4xf32>) -> tensor<4xf32> {
+  return %a : tensor<4xf32>
+}
+func.func private @unrelated(%a: tensor<4xf32>) -> tensor<4xf32> {
+  return %a : tensor<4xf32>
+}
+func.func public @main(%arg0: tensor<4xf32>) -> tensor<4xf32> {
+  %0 = stablehlo.custom_call @with_body(%arg0) {called_computations = [@helper]}
+    : (tensor<4xf32>) -> tensor<4xf32>
+  return %0 : tensor<4xf32>
+}
+"""
+
+
+def test_an_island_takes_the_functions_it_calls_along():
+    """A custom call with a body (``called_computations``): its island module
+    holds the functions it calls, transitively, and no other."""
+    from flashpass.export import islands
+    from flashpass.export.lift import _functions
+
+    module = compat.parse_module(_CALLS, compat.mlir_context())
+    functions = _functions(module)
+    call = next(iter(functions["main"].regions[0].blocks[0].operations))
+    text = str(islands._one_op_module(call, [], functions))
+    assert "func.func private @helper" in text and "func.func private @inner" in text
+    assert "@unrelated" not in text
+    assert "called_computations = [@helper]" in text
