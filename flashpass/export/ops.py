@@ -607,6 +607,18 @@ def _scatter(interp, op, operands):
 @_rule("stablehlo.while")
 def _while(interp, op, operands):
     cond_region, body_region = op.regions
+    trips = _counted_loop(interp, op, operands)
+    if trips is not None:
+        # A loop counting one carry up by 1 to a constant bound (what `lax.scan`
+        # and a static `fori_loop` lower to) is a scan again: reverse-differentiable,
+        # where a `while_loop` is not.
+        def step(carry, _):
+            out = interp.run_region(body_region, list(carry))
+            return tuple(materialize(x) for x in out), None
+
+        init = tuple(materialize(x) for x in operands)
+        out, _ = lax.scan(step, init, None, length=trips)
+        return list(out)
 
     def cond(carry):
         return interp.run_region(cond_region, list(carry))[0].reshape(())
@@ -615,6 +627,59 @@ def _while(interp, op, operands):
         return tuple(materialize(x) for x in interp.run_region(body_region, list(carry)))
 
     return list(lax.while_loop(cond, body, tuple(materialize(x) for x in operands)))
+
+
+def _static_value(interp, value):
+    """The constant behind ``value`` (a constant op, or a constant of the
+    enclosing function), else None."""
+    owner = value.owner
+    if hasattr(owner, "operation") and owner.operation.name == "stablehlo.constant":
+        return constant_value(dense_constant(owner.attributes["value"], tensor_aval(value.type)))
+    env = interp.envs[-1] if interp.envs else {}
+    return constant_value(env[value]) if value in env else None
+
+
+def _counted_loop(interp, op, operands) -> int | None:
+    """The trip count of a ``while`` whose condition is ``carry[i] < N`` (N a
+    constant), whose body returns ``carry[i] + 1`` and whose ``carry[i]`` starts
+    at a constant; else None."""
+    cond_region, body_region = op.regions
+    if len(list(cond_region.blocks)) != 1 or len(list(body_region.blocks)) != 1:
+        return None
+    cond = cond_region.blocks[0]
+    body_ops = list(cond.operations)
+    if len(body_ops) != 2 or body_ops[0].operation.name != "stablehlo.compare":
+        return None
+    compare, ret = body_ops
+    if list(ret.operands) != [compare.results[0]]:
+        return None
+    sh = compat.stablehlo_dialect()
+    if sh.ComparisonDirectionAttr(compare.attributes["comparison_direction"]).value != "LT":
+        return None
+    counter, limit = compare.operands
+    args = list(cond.arguments)
+    if counter not in args:
+        return None
+    i = args.index(counter)
+    if not jnp.issubdtype(tensor_aval(counter.type).dtype, jnp.integer):
+        return None
+    bound, start = _static_value(interp, limit), constant_value(operands[i])
+    if bound is None or start is None or bound.size != 1 or start.size != 1:
+        return None
+    block = body_region.blocks[0]
+    returned = list(block.operations)[-1].operands[i]
+    step_op = returned.owner
+    if not hasattr(step_op, "operation") or step_op.operation.name != "stablehlo.add":
+        return None
+    lhs, rhs = step_op.operation.operands
+    own = list(block.arguments)[i]
+    other = rhs if lhs == own else lhs if rhs == own else None
+    if other is None:
+        return None
+    one = _static_value(interp, other)
+    if one is None or one.size != 1 or int(one.reshape(())) != 1:
+        return None
+    return max(int(bound.reshape(())) - int(start.reshape(())), 0)
 
 
 @_rule("stablehlo.case")

@@ -198,6 +198,29 @@ def test_reduce_window_pooling_is_lifted():
     np.testing.assert_array_equal(new.call(x), exp.call(x))
 
 
+def _scanned(x, w):
+    def step(c, wi):
+        return jnp.tanh(c @ wi), None
+
+    return jax.lax.scan(step, x, w)[0]
+
+
+def test_a_counted_while_is_a_scan_again():
+    """``lax.scan`` lowers to a ``while`` counting to a constant: lifted as a
+    scan, so the lifted program is reverse-differentiable (a while_loop is not)."""
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((2, 4)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((3, 4, 4)), jnp.float32)
+    exp = jax.export.export(jax.jit(_scanned))(*_structs([x, w]))
+    assert "stablehlo.while" in exp.mlir_module()
+    new, report = fx.rewrite_and_explain(exp)
+    assert report.route == "lift" and not report.islands, str(report)
+    new = jax.export.deserialize(new.serialize(vjp_order=1))
+    np.testing.assert_allclose(new.call(x, w), exp.call(x, w), atol=1e-6)
+    got = jax.grad(lambda w: new.call(x, w).sum())(w)
+    np.testing.assert_allclose(got, jax.grad(lambda w: _scanned(x, w).sum())(w), atol=1e-5)
+
+
 def test_scatter_is_lifted():
     def fn(x, i, u):
         return x.at[i].add(u), x.at[i].set(u)
