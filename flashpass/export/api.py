@@ -14,7 +14,7 @@ from flashpass.platforms import KERNEL_PLATFORM_OF, export_platform
 
 from . import combine, sharded
 from .lift import OP_SCOPE, LiftedModule, prepare
-from .report import ExportReport, relocated
+from .report import ExportReport, SiteRoute, relocated
 from .values import LiftError, x64_scope_for
 
 #: jax.export platform names -> flashpass.optimize's platform names.
@@ -29,6 +29,7 @@ class _Plan:
     layout: sharded.Layout | None = None  # several devices: the meshes and shardings
     optimized: dict = dataclasses.field(default_factory=dict)  # platform -> Optimized
     report: ExportReport | None = None
+    lift_error: str | None = None  # why the module could not be lifted whole
 
 
 def explain(exp: jax.export.Exported, *, platforms=None, **options) -> ExportReport:
@@ -112,10 +113,19 @@ def _plan(exp, platforms, options) -> _Plan:
         try:
             _lift(plan, options)
         except LiftError as err:
-            reason = str(err)
+            reason = plan.lift_error = str(err)
     if reason is not None:
         plan.report = ExportReport(route="kept", kept_reason=reason, platforms=platforms)
+    plan.report.needs_x64 = needs_x64(exp)
     return plan
+
+
+_WIDE = {"int64", "uint64", "float64", "complex128"}
+
+
+def needs_x64(exp) -> bool:
+    """Whether calling ``exp`` takes x64 on: an input or output with a 64-bit type."""
+    return any(str(a.dtype) in _WIDE for a in (*exp.in_avals, *exp.out_avals))
 
 
 def _not_liftable(exp, platforms) -> str | None:
@@ -163,7 +173,11 @@ def _lift(plan: _Plan, options) -> None:
             report = optimized.explain(*structs)
         reports[p] = relocated(report, lifted.op_locations, OP_SCOPE)
     first = reports[plan.platforms[0]]
+    why = "the module was lifted whole and re-exported with the site rewritten"
+    sites = [SiteRoute(str(r.location), "lift", why) for r in first.rewrites]
+    sites += [SiteRoute(str(f.location), "kept", f.reason) for f in first.fallbacks]
     plan.report = ExportReport(
+        sites=sites,
         rewrites=first.rewrites,
         fallbacks=first.fallbacks,
         errors=first.errors,

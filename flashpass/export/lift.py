@@ -140,7 +140,7 @@ class _Interpreter:
     def run_region(self, region, args: list) -> list:
         blocks = list(region.blocks)
         if len(blocks) != 1:
-            raise LiftError("a region with several blocks is not lifted")
+            raise ops.NoRule  # a region with several blocks: its op is an island
         return self.run_block(blocks[0], args)
 
     def run_block(self, block, args: list) -> list:
@@ -166,6 +166,12 @@ class _Interpreter:
             callee = ir.FlatSymbolRefAttr(op.attributes["callee"]).value
             return self.call(callee, operands)
         rule = ops.RULES.get(name)
+        if ops.foldable(op, name, operands):
+            # Constants only: evaluated on the host now, never staged into the
+            # trace around the lift (a traced sqrt(8.0) could not be read back).
+            folded = ops.fold(self, op, name, operands)
+            if folded is not None:
+                return folded
         if rule is not None:
             self.lifted.op_locations.append(str(op.location))
             scope = f"{OP_SCOPE}{len(self.lifted.op_locations) - 1}"
@@ -181,7 +187,14 @@ class _Interpreter:
     def island(self, op, name: str, operands: list) -> list:
         if any(isinstance(x, Splat) for x in operands):
             operands = [ops.materialize(x) for x in operands]
-        outs = islands.call_island(op, operands, self.platforms)
+        captured = []
+        if len(op.regions):
+            env = self.envs[-1]
+            for value in islands.captured_values(op):
+                if value not in env:
+                    raise LiftError(f"{name}: a value its regions read is not lifted")
+                captured.append((value, ops.materialize(env[value])))
+        outs = islands.call_island(op, operands, self.platforms, self.funcs, captured)
         location = str(op.location)
         known = self.lifted.islands.get(name)
         count = 1 if known is None else known.count + 1

@@ -6,6 +6,12 @@ are folded (the result is a constant again), so the platform-index arithmetic
 of a multi-platform module, and scalar constants, never reach the jaxpr.
 A rule raises `NoRule` for a variant it does not cover; the op then becomes
 an island.
+
+Folding happens on the host (`fold`, under `compat.compile_time_eval`), never
+inside the trace the lift runs in: a ``sqrt`` of a splat constant bound while
+tracing would be a tracer, which numpy cannot read back.  ``iota`` is not
+folded: it stays the op a traced program holds, so positions built from it
+(causal and window masks) reach the matcher as JAX code would give them.
 """
 
 from __future__ import annotations
@@ -52,6 +58,51 @@ def _fold(result):
     return result if compat.is_tracer(result) else np.asarray(result)
 
 
+#: Results with more elements than this are not folded: a large constant
+#: computation stays staged, as it was in the program the module came from.
+FOLD_LIMIT = 1 << 16
+
+#: Ops with regions whose constant operands are folded (their body is pure).
+_FOLDABLE_REGIONS = ("stablehlo.reduce", "stablehlo.reduce_window")
+
+
+def _is_constant(x) -> bool:
+    return isinstance(x, Splat | np.ndarray | np.generic)
+
+
+def foldable(op, name: str, operands: list) -> bool:
+    """Whether ``op`` reads only constants and is folded on the host."""
+    if not operands or not all(_is_constant(x) for x in operands):
+        return False
+    if name not in RULES or name.startswith("sdy.") or name == "stablehlo.custom_call":
+        return False
+    if len(op.regions) and name not in _FOLDABLE_REGIONS:
+        return False
+    if all(isinstance(x, Splat) for x in operands) and not len(op.regions):
+        return True  # an elementwise or shape op of splats is a splat again
+    sizes = [int(np.prod(tensor_aval(r.type).shape)) for r in op.results]
+    return sum(sizes) <= FOLD_LIMIT
+
+
+def fold(interp, op, name: str, operands: list) -> list | None:
+    """``op`` evaluated on constant ``operands`` on the host: numpy arrays or
+    `Splat`s; None where its rule does not cover this form (an island then)."""
+    with compat.compile_time_eval():
+        try:
+            results = RULES[name](interp, op, operands)
+        except NoRule:
+            return None
+        out = []
+        for r in results:
+            if isinstance(r, Splat):
+                out.append(r)
+                continue
+            if compat.is_tracer(r):
+                raise LiftError(f"{name}: its constant operands did not fold (a lifting bug)")
+            out.append(np.asarray(r))
+    return out
+
+
 def as_output(x, aval):
     """A lifted value as an output of the function (constants materialised)."""
     if isinstance(x, Splat):
@@ -66,7 +117,8 @@ def _elementwise(fn):
     def rule(interp, op, operands):
         aval = _aval(op)
         if all(isinstance(x, Splat) for x in operands):
-            value = np.asarray(fn(*[x.value for x in operands]), aval.dtype)
+            with compat.compile_time_eval():  # on the host, not in the trace
+                value = np.asarray(fn(*[x.value for x in operands]), aval.dtype)
             return [Splat(value, aval.shape)]
         if fn in (lax.mul, lax.div) and _is_one(operands[1]):
             return [operands[0]]  # x * 1 and x / 1 are x, bit for bit
@@ -387,12 +439,186 @@ def _reduce(interp, op, operands):
     return list(lax.reduce(tuple(inputs), tuple(init_values), computation, dims))
 
 
+def _padding_pairs(attr, rank: int) -> list:
+    if attr is None:
+        return [(0, 0)] * rank
+    flat = np.array(compat.ir_module().DenseIntElementsAttr(attr)).reshape(-1)
+    return [(int(flat[2 * i]), int(flat[2 * i + 1])) for i in range(rank)]
+
+
+#: A reduce_window body of one op whose init is the identity: lax's monoid reducer
+#: (``reduce_window_sum``, ..., what ``jnp.cumsum`` and pooling trace to).
+_WINDOW_MONOIDS = {
+    "stablehlo.add": lax.add,
+    "stablehlo.maximum": lax.max,
+    "stablehlo.minimum": lax.min,
+}
+
+
+@_rule("stablehlo.reduce_window")
+def _reduce_window(interp, op, operands):
+    n = len(operands) // 2
+    inputs = [materialize(x) for x in operands[:n]]
+    inits = operands[n:]
+    rank = len(inputs[0].shape)
+    window = _i64s(op.attributes["window_dimensions"])
+    strides = _i64s(_attr(op, "window_strides")) or (1,) * rank
+    base = _i64s(_attr(op, "base_dilations")) or (1,) * rank
+    dilation = _i64s(_attr(op, "window_dilations")) or (1,) * rank
+    padding = _padding_pairs(_attr(op, "padding"), rank)
+    combine = _single_op_body(op) if n == 1 else None
+    init = constant_value(inits[0]) if n == 1 else None
+    if combine in _WINDOW_MONOIDS and init is not None:
+        identity = _MONOIDS[combine][1](init.dtype)
+        if init.reshape(()) == identity:
+            out = lax.reduce_window(
+                inputs[0],
+                np.asarray(init.reshape(()), init.dtype),
+                _WINDOW_MONOIDS[combine],
+                window,
+                strides,
+                padding,
+                base,
+                dilation,
+            )
+            return [_fold(out)]
+
+    def computation(a, b):
+        a, b = (a, b) if n > 1 else ((a,), (b,))
+        out = interp.run_region(op.regions[0], [*a, *b])
+        return tuple(materialize(x) for x in out) if n > 1 else materialize(out[0])
+
+    init_values = [materialize(x) for x in inits]
+    out = lax.reduce_window(
+        tuple(inputs) if n > 1 else inputs[0],
+        tuple(init_values) if n > 1 else init_values[0],
+        computation,
+        window,
+        strides,
+        padding,
+        base,
+        dilation,
+    )
+    return list(out) if n > 1 else [out]
+
+
+def _compare_of_args(op, first: int, second: int) -> tuple | None:
+    """``(direction, compare_type)`` of a comparator body ``return compare(arg_first,
+    arg_second)``, else None."""
+    block = op.regions[0].blocks[0]
+    body = list(block.operations)
+    args = list(block.arguments)
+    if len(body) != 2 or body[0].operation.name != "stablehlo.compare":
+        return None
+    compare, ret = body
+    if list(compare.operands) != [args[first], args[second]]:
+        return None
+    if list(ret.operands) != [compare.results[0]]:
+        return None
+    sh = compat.stablehlo_dialect()
+    direction = sh.ComparisonDirectionAttr(compare.attributes["comparison_direction"]).value
+    kind = _attr(compare, "compare_type")
+    return direction, "" if kind is None else str(kind)
+
+
+@_rule("stablehlo.sort")
+def _sort(interp, op, operands):
+    # lax.sort's order: ascending, floats in total order, keyed on the first operand.
+    found = _compare_of_args(op, 0, 1)
+    if found is None or found[0] != "LT":
+        raise NoRule
+    inputs = [materialize(x) for x in operands]
+    floating = jnp.issubdtype(inputs[0].dtype, jnp.floating)
+    if floating and "TOTALORDER" not in found[1]:
+        raise NoRule  # a partial float order (-0 == 0) is not lax.sort's
+    dimension = _int(op.attributes["dimension"])
+    stable = _attr(op, "is_stable")
+    out = lax.sort(
+        tuple(inputs),
+        dimension=dimension,
+        is_stable=stable is not None and str(stable) == "true",
+        num_keys=1,
+    )
+    return [_fold(x) for x in out]
+
+
+def _updated_value_body(op) -> str | None:
+    """``"set"`` for a scatter body returning its update, the combining op's name
+    for ``return op(current, update)``, else None."""
+    block = op.regions[0].blocks[0]
+    body = list(block.operations)
+    args = list(block.arguments)
+    if len(args) != 2:
+        return None
+    if len(body) == 1 and list(body[0].operands) == [args[1]]:
+        return "set"
+    return _single_op_body(op)
+
+
+_SCATTERS = {
+    "set": lax.scatter,
+    "stablehlo.add": lax.scatter_add,
+    "stablehlo.multiply": lax.scatter_mul,
+    "stablehlo.maximum": lax.scatter_max,
+    "stablehlo.minimum": lax.scatter_min,
+}
+
+
+@_rule("stablehlo.scatter")
+def _scatter(interp, op, operands):
+    if len(operands) != 3:
+        raise NoRule  # several inputs: an island
+    kind = _updated_value_body(op)
+    if kind not in _SCATTERS:
+        raise NoRule
+    sh = compat.stablehlo_dialect()
+    numbers = sh.ScatterDimensionNumbers(op.attributes["scatter_dimension_numbers"])
+    x, indices, updates = (materialize(v) for v in operands)
+    rank, vector = len(indices.shape), numbers.index_vector_dim
+    if vector == rank:
+        indices = lax.expand_dims(indices, (rank,))
+    elif vector != rank - 1:
+        order = [a for a in range(rank) if a != vector] + [vector]
+        indices = lax.transpose(indices, order)
+    dims = lax.ScatterDimensionNumbers(
+        update_window_dims=tuple(numbers.update_window_dims),
+        inserted_window_dims=tuple(numbers.inserted_window_dims),
+        scatter_dims_to_operand_dims=tuple(numbers.scattered_dims_to_operand_dims),
+        operand_batching_dims=tuple(numbers.input_batching_dims),
+        scatter_indices_batching_dims=tuple(numbers.scatter_indices_batching_dims),
+    )
+    sorted_, unique = _attr(op, "indices_are_sorted"), _attr(op, "unique_indices")
+    out = _SCATTERS[kind](
+        x,
+        indices,
+        updates,
+        dims,
+        indices_are_sorted=sorted_ is not None and str(sorted_) == "true",
+        unique_indices=unique is not None and str(unique) == "true",
+        # StableHLO skips out-of-bounds updates, as the lowering of this mode does.
+        mode=lax.GatherScatterMode.PROMISE_IN_BOUNDS,
+    )
+    return [_fold(out)]
+
+
 # --------------------------------------------------------------------------- control flow
 
 
 @_rule("stablehlo.while")
 def _while(interp, op, operands):
     cond_region, body_region = op.regions
+    trips = _counted_loop(interp, op, operands)
+    if trips is not None:
+        # A loop counting one carry up by 1 to a constant bound (what `lax.scan`
+        # and a static `fori_loop` lower to) is a scan again: reverse-differentiable,
+        # where a `while_loop` is not.
+        def step(carry, _):
+            out = interp.run_region(body_region, list(carry))
+            return tuple(materialize(x) for x in out), None
+
+        init = tuple(materialize(x) for x in operands)
+        out, _ = lax.scan(step, init, None, length=trips)
+        return list(out)
 
     def cond(carry):
         return interp.run_region(cond_region, list(carry))[0].reshape(())
@@ -401,6 +627,59 @@ def _while(interp, op, operands):
         return tuple(materialize(x) for x in interp.run_region(body_region, list(carry)))
 
     return list(lax.while_loop(cond, body, tuple(materialize(x) for x in operands)))
+
+
+def _static_value(interp, value):
+    """The constant behind ``value`` (a constant op, or a constant of the
+    enclosing function), else None."""
+    owner = value.owner
+    if hasattr(owner, "operation") and owner.operation.name == "stablehlo.constant":
+        return constant_value(dense_constant(owner.attributes["value"], tensor_aval(value.type)))
+    env = interp.envs[-1] if interp.envs else {}
+    return constant_value(env[value]) if value in env else None
+
+
+def _counted_loop(interp, op, operands) -> int | None:
+    """The trip count of a ``while`` whose condition is ``carry[i] < N`` (N a
+    constant), whose body returns ``carry[i] + 1`` and whose ``carry[i]`` starts
+    at a constant; else None."""
+    cond_region, body_region = op.regions
+    if len(list(cond_region.blocks)) != 1 or len(list(body_region.blocks)) != 1:
+        return None
+    cond = cond_region.blocks[0]
+    body_ops = list(cond.operations)
+    if len(body_ops) != 2 or body_ops[0].operation.name != "stablehlo.compare":
+        return None
+    compare, ret = body_ops
+    if list(ret.operands) != [compare.results[0]]:
+        return None
+    sh = compat.stablehlo_dialect()
+    if sh.ComparisonDirectionAttr(compare.attributes["comparison_direction"]).value != "LT":
+        return None
+    counter, limit = compare.operands
+    args = list(cond.arguments)
+    if counter not in args:
+        return None
+    i = args.index(counter)
+    if not jnp.issubdtype(tensor_aval(counter.type).dtype, jnp.integer):
+        return None
+    bound, start = _static_value(interp, limit), constant_value(operands[i])
+    if bound is None or start is None or bound.size != 1 or start.size != 1:
+        return None
+    block = body_region.blocks[0]
+    returned = list(block.operations)[-1].operands[i]
+    step_op = returned.owner
+    if not hasattr(step_op, "operation") or step_op.operation.name != "stablehlo.add":
+        return None
+    lhs, rhs = step_op.operation.operands
+    own = list(block.arguments)[i]
+    other = rhs if lhs == own else lhs if rhs == own else None
+    if other is None:
+        return None
+    one = _static_value(interp, other)
+    if one is None or one.size != 1 or int(one.reshape(())) != 1:
+        return None
+    return max(int(bound.reshape(())) - int(start.reshape(())), 0)
 
 
 @_rule("stablehlo.case")

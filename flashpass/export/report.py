@@ -20,6 +20,17 @@ _LOC_FILE = re.compile(r'"((?:[^"\\]|\\.)*)":(\d+):')
 NO_LOCATION = "no location in the artifact"
 
 
+@dataclasses.dataclass(frozen=True)
+class SiteRoute:
+    """Which route one site took, and why: ``"lift"`` (the whole module was
+    lifted and re-exported), ``"splice"`` (its ops were replaced by a call),
+    or ``"kept"`` (left as written)."""
+
+    location: str
+    route: str
+    why: str
+
+
 @dataclasses.dataclass
 class ExportReport(Report):
     """A `Report` for an exported artifact.
@@ -39,6 +50,11 @@ class ExportReport(Report):
     by_platform: dict = dataclasses.field(default_factory=dict, repr=False)
     #: The splice route: why a site found was not spliced (it is kept as written).
     splice_notes: list = dataclasses.field(default_factory=list)
+    #: Each site found: the route it took and why (`SiteRoute`).
+    sites: list = dataclasses.field(default_factory=list)
+    #: The artifact has 64-bit types (int64 tokens): x64 must be on to call it
+    #: (as the original); lifting and re-exporting turn it on in a scope.
+    needs_x64: bool = False
 
     def to_dict(self) -> dict:
         out = super().to_dict()
@@ -49,14 +65,23 @@ class ExportReport(Report):
             islands=[dataclasses.asdict(i) for i in self.islands],
             by_platform={p: r.to_dict() for p, r in self.by_platform.items()},
             splice_notes=list(self.splice_notes),
+            sites=[dataclasses.asdict(s) for s in self.sites],
+            needs_x64=self.needs_x64,
         )
         return out
 
     def __str__(self) -> str:
         head = f"artifact for {', '.join(self.platforms)}: route {self.route}"
+        x64 = (
+            "\n  64-bit types: call it with x64 on (jax.config.update('jax_enable_x64', True)),"
+            " as the original"
+            if self.needs_x64
+            else ""
+        )
         if self.route == "kept":
-            return f"{head}\n  kept unchanged: {self.kept_reason}"
-        lines = [head]
+            return f"{head}{x64}\n  kept unchanged: {self.kept_reason}"
+        lines = [head + x64]
+        lines += [f"  site at {s.location}: {s.route} ({s.why})" for s in self.sites]
         lines += [f"  not spliced (kept as written): {note}" for note in self.splice_notes]
         for island in self.islands:
             lines.append(

@@ -80,12 +80,77 @@ def test_a_custom_call_is_an_island():
     np.testing.assert_allclose(new.call(a), jnp.linalg.cholesky(a), atol=1e-6)
 
 
-def test_an_op_with_regions_and_no_rule_keeps_the_artifact():
+def test_sort_is_lifted():
+    exp = _exported(lambda x: jnp.sort(x), jax.ShapeDtypeStruct((8,), jnp.int32))
+    new, report = fx.rewrite_and_explain(exp)
+    assert report.route == "lift" and not report.islands, str(report)
+    x = jnp.asarray([3, -7, 0, -1, 9, 2, 2, 1], jnp.int32)
+    np.testing.assert_array_equal(new.call(x), exp.call(x))
+
+
+def test_a_float_sort_is_an_island_with_its_comparator():
+    """JAX's float comparator (NaN and -0 made canonical, then a total order)
+    reads constants from around the sort: the island takes them as arguments."""
     exp = _exported(lambda x: jnp.sort(x), jax.ShapeDtypeStruct((8,), jnp.float32))
     new, report = fx.rewrite_and_explain(exp)
-    assert report.route == "kept" and "stablehlo.sort" in report.kept_reason, str(report)
-    assert new is exp
-    assert "kept unchanged" in str(report)
+    assert report.route == "lift", str(report)
+    assert [i.op for i in report.islands] == ["stablehlo.sort"], str(report)
+    x = jnp.asarray([3.0, -0.0, 0.0, -1.0, jnp.nan, 2.0, -jnp.inf, 1.0])
+    np.testing.assert_array_equal(new.call(x), exp.call(x))
+
+
+def _two_key_sort(x, y):
+    return lax.sort((x, y), num_keys=2)
+
+
+def test_an_op_with_regions_and_no_rule_is_an_island():
+    """A sort on two keys (a comparator lax.sort's one-key rule does not read)
+    is cloned with its comparator region into a module of its own."""
+    s = jax.ShapeDtypeStruct((8,), jnp.int32)
+    exp = _exported(_two_key_sort, s, s)
+    new, report = fx.rewrite_and_explain(exp)
+    assert report.route == "lift", str(report)
+    assert [i.op for i in report.islands] == ["stablehlo.sort"], str(report)
+    x = jnp.asarray([3, 1, 3, 0, 1, 2, 0, 3], jnp.int32)
+    y = jnp.asarray([5, 4, 3, 2, 1, 0, 7, 6], jnp.int32)
+    for got, want in zip(new.call(x, y), _two_key_sort(x, y), strict=True):
+        np.testing.assert_array_equal(got, want)
+
+
+_CASE = """
+func.func public @main(%arg0: tensor<i32>, %arg1: tensor<4xf32>) -> tensor<4xf32> {
+  %c = stablehlo.constant dense<2.0> : tensor<4xf32>
+  %m = stablehlo.multiply %arg1, %c : tensor<4xf32>
+  %0 = "stablehlo.case"(%arg0) ({
+    stablehlo.return %m : tensor<4xf32>
+  }, {
+    %1 = stablehlo.add %m, %arg1 : tensor<4xf32>
+    stablehlo.return %1 : tensor<4xf32>
+  }) : (tensor<i32>) -> tensor<4xf32>
+  return %0 : tensor<4xf32>
+}
+"""
+
+
+def test_an_island_with_regions_reading_values_around_it():
+    """An op with regions kept as an island: the values its regions read from
+    around it (``%m`` and ``%arg1`` here) become arguments of its module."""
+    from flashpass.export import islands
+
+    module = compat.parse_module(_CASE, compat.mlir_context())
+    main = next(iter(module.body.operations))
+    case = next(op for op in main.regions[0].blocks[0].operations if "case" in op.operation.name)
+    captured = islands.captured_values(case)
+    assert len(captured) == 2  # %m and %arg1, each once
+    x = jnp.arange(4, dtype=jnp.float32)
+    for index, want in ((0, 2 * x), (1, 3 * x)):
+        got = islands.call_island(
+            case, [jnp.int32(index)], ("cpu",), {}, list(zip(captured, (2 * x, x), strict=True))
+        )
+        np.testing.assert_allclose(got[0], want)
+    # The lifted module (case has a rule) agrees.
+    new = fx.rewrite(fx.load(_CASE))
+    np.testing.assert_allclose(new.call(jnp.int32(1), x), 3 * x)
 
 
 def test_shape_polymorphic_artifacts_are_kept():
@@ -178,3 +243,37 @@ def test_int64_inputs_without_x64(form):
     for artifact in (exp, new):
         with pytest.raises(ValueError, match="expected int64"):
             artifact.call(jnp.asarray(tokens), *weights)
+
+
+_CALLS = """
+func.func private @helper(%a: tensor<4xf32>) -> tensor<4xf32> {
+  %0 = call @inner(%a) : (tensor<4xf32>) -> tensor<4xf32>
+  return %0 : tensor<4xf32>
+}
+func.func private @inner(%a: tensor<4xf32>) -> tensor<4xf32> {
+  return %a : tensor<4xf32>
+}
+func.func private @unrelated(%a: tensor<4xf32>) -> tensor<4xf32> {
+  return %a : tensor<4xf32>
+}
+func.func public @main(%arg0: tensor<4xf32>) -> tensor<4xf32> {
+  %0 = stablehlo.custom_call @with_body(%arg0) {called_computations = [@helper]}
+    : (tensor<4xf32>) -> tensor<4xf32>
+  return %0 : tensor<4xf32>
+}
+"""
+
+
+def test_an_island_takes_the_functions_it_calls_along():
+    """A custom call with a body (``called_computations``): its island module
+    holds the functions it calls, transitively, and no other."""
+    from flashpass.export import islands
+    from flashpass.export.lift import _functions
+
+    module = compat.parse_module(_CALLS, compat.mlir_context())
+    functions = _functions(module)
+    call = next(iter(functions["main"].regions[0].blocks[0].operations))
+    text = str(islands._one_op_module(call, [], functions))
+    assert "func.func private @helper" in text and "func.func private @inner" in text
+    assert "@unrelated" not in text
+    assert "called_computations = [@helper]" in text
