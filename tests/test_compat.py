@@ -828,7 +828,7 @@ def test_dce_loop_bodies():
 
         def body(carry):
             i, x = carry
-            jnp.cos(x)  # dead: JAX's own DCE keeps a while loop whole
+            jnp.cos(x)  # dead: JAX's own DCE (up to 0.10) keeps a while loop whole
             return i + 1, jnp.sin(x)
 
         def f(x):
@@ -839,7 +839,8 @@ def test_dce_loop_bodies():
         new = compat.dce_closed_jaxpr(compat.dce_loop_bodies(closed))
         text = str(new)
         assert "cos" not in text and "sin" in text and "while" in text
-        assert "cos" in str(compat.dce_closed_jaxpr(closed))
+        # (JAX up to 0.10 keeps the body whole, the reason for dce_loop_bodies;
+        # JAX 0.12 prunes a while body itself: either way the result above holds.)
         jaxpr, consts = compat.closed_parts(new)
         out = compat.eval_jaxpr(jaxpr, consts, jnp.ones(3))[0]
         np.testing.assert_allclose(out, f(jnp.ones(3)), rtol=1e-6)
