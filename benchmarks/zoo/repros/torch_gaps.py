@@ -149,6 +149,49 @@ def clamp_scores_to_finfo_min(q, k, v, padding):
     return jnp.matmul(jax.nn.softmax(s, axis=-1), v)
 
 
+def _matmul4(x, y):
+    """``torch.matmul`` on 4-D operands as PyTorch decomposes it: reshape to
+    ``[B*H, ., .]``, ``bmm``, view the result back as 4-D."""
+    b, h = x.shape[:2]
+    out = jnp.matmul(x.reshape(b * h, *x.shape[2:]), y.reshape(b * h, *y.shape[2:]))
+    return out.reshape(b, h, *out.shape[1:])
+
+
+def decode_step_one_query(q, k_cache, v_cache, position):
+    """**Kept site** (generate): "`reshape` between the score product and the
+    softmax removes the query axis".
+
+    One greedy decoding step of a Hugging Face eager attention over a static
+    KV cache: a single query (``T = 1``) against ``S`` cached keys, GQA keys
+    repeated to the query heads, ``torch.matmul`` decomposed to a ``bmm`` on
+    ``[B*H, 1, D] x [B*H, D, S]`` and the ``[B*H, 1, S]`` scores viewed back as
+    ``[B, H, 1, S]``; the causal mask at the cache position hides the empty
+    slots.  The prefill (``T`` = the prompt) through the same code is
+    rewritten; with one query the view back is read as removing the query
+    axis (a size-1 axis the regrouping proof does not follow).
+
+    Hit by every ``hf_torch`` causal LM whose ``generate`` runs (each layer's
+    decode-step site).  Fix: let the regrouping of a merged ``B*H`` axis keep a
+    size-1 query axis.
+    """
+    b, kv, s, d = k_cache.shape
+    rep = q.shape[1] // kv
+    k = jnp.broadcast_to(k_cache[:, :, None], (b, kv, rep, s, d)).reshape(b, kv * rep, s, d)
+    v = jnp.broadcast_to(v_cache[:, :, None], (b, kv, rep, s, d)).reshape(b, kv * rep, s, d)
+    keep = jnp.arange(s)[None, :] <= position  # [1, S]: the cache slots filled so far
+    mask = jnp.where(keep, 0.0, NEG)[None, None]  # [1, 1, 1, S]
+    w = _matmul4(q, jnp.swapaxes(k, 2, 3)) * d**-0.5 + mask
+    p = jax.nn.softmax(w.astype(jnp.float32), axis=-1).astype(q.dtype)
+    return _matmul4(p, v)
+
+
+def _decode():
+    rng = np.random.default_rng(5)
+    q = jnp.asarray(rng.standard_normal((B, H, 1, D)), jnp.float32)
+    kv = [jnp.asarray(rng.standard_normal((B, 2, T, D)), jnp.float32) for _ in range(2)]
+    return q, *kv, jnp.asarray(40, jnp.int32)
+
+
 def _padded():
     return (*_qkv(), _padding())
 
@@ -159,6 +202,7 @@ REPROS = {
     "alibi_plus_mask_one_dense_bias": (alibi_plus_mask_one_dense_bias, _padded),
     "local_window_from_buffer_slice": (local_window_from_buffer_slice, _qkv),
     "clamp_scores_to_finfo_min": (clamp_scores_to_finfo_min, _padded),
+    "decode_step_one_query": (decode_step_one_query, _decode),
 }
 
 

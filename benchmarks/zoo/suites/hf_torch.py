@@ -11,15 +11,24 @@ model has grouped queries), PyTorch's own random init under a fixed seed,
 nothing downloaded.  Sequences of 256 (encoder-decoders: 256 encoder / 128
 decoder tokens; vision: 256 patches and a class token; Whisper: 256 encoder
 positions).  Text inputs carry a padding mask with the second example
-right-padded by 37 tokens.  Causal LMs and seq2seq models train on their
-token cross-entropy, the others on the mean square of their outputs.
+right-padded by 37 tokens.  Causal LMs and seq2seq models train on their token
+cross-entropy, the others on the mean square of their outputs.
+Mixture-of-experts models run their experts with
+``experts_implementation="batched_mm"`` (transformers 5's default,
+``grouped_mm``, calls ``aten::_grouped_mm``, which torchax cannot lower).
 
-``generate`` is ``None``: transformers' KV caches (``DynamicCache``,
-``StaticCache``) are Python objects that the model mutates in place, and
-``generate()`` is a Python loop with data-dependent stopping; neither is a
-pure JAX function of the params through ``torchax.extract_jax`` (which traces
-one ``forward``).  Decoding with a KV cache is swept in the Flax and
-keras-hub suites.
+transformers 5 imports the Hub's ``kernels`` package when it is installed,
+and from the repository root that name is flashpass's own ``kernels/``
+folder: the environment must not have the Hub's ``kernels`` installed
+(``pip uninstall kernels`` after installing transformers).
+
+``generate`` (causal LMs): transformers' own ``generate()`` is a Python loop
+over a cache object the model mutates in place, which ``torchax.extract_jax``
+(one traced ``forward``) cannot take whole; `greedy` writes the same greedy
+decoding as one JAX function instead: each model call is a torchax program
+of the static cache's tensors (a ``StaticCache`` rebuilt around them), a
+prefill then a ``lax.fori_loop`` of one-token steps.  Where a model cannot
+decode that way the record's notes say why and ``generate`` is ``None``.
 """
 
 from __future__ import annotations
@@ -219,15 +228,104 @@ def _built(module, inputs, loss_of, seq, notes, export=True):
     )
 
 
+GEN_PROMPT, GEN_NEW, GEN_CACHE = 32, 8, 48
+
+
+def greedy(model):
+    """Greedy decoding with a static KV cache as one JAX function
+    ``generate(params, prompt)`` -> ``[B, GEN_NEW]`` token ids, or ``None``
+    where the model cannot decode this way through torchax.
+
+    Each call of the model is one torchax program of ``(ids, position,
+    keys, values)``: a ``StaticCache`` of ``GEN_CACHE`` slots is rebuilt
+    around the given ``[L, B, KV, GEN_CACHE, D]`` tensors, the model writes
+    the new keys and values into it (``index_copy_`` at the cache
+    position) and the updated tensors are returned.  A prefill of the prompt
+    is followed by a ``lax.fori_loop`` of one-token steps."""
+    import jax
+    import jax.numpy as jnp
+
+    torch, _ = setup()
+    import transformers
+
+    cfg = model.config
+
+    class Step(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.model = model
+
+        def forward(self, ids, pos, keys, values):
+            cache = transformers.StaticCache(config=cfg, max_cache_len=GEN_CACHE)
+            for i, layer in enumerate(cache.layers):
+                layer.keys, layer.values = keys[i], values[i]
+                layer.batch_size, layer.num_heads = keys.shape[1], keys.shape[2]
+                layer.k_head_dim = layer.v_head_dim = keys.shape[-1]
+                layer.device = keys.device
+                layer.cumulative_length = pos.clone()
+                layer.is_initialized = True
+            n = ids.shape[1]
+            where = torch.arange(n, device=ids.device) + pos
+            out = self.model(
+                input_ids=ids, past_key_values=cache, cache_position=where,
+                position_ids=where[None].expand(ids.shape[0], n), use_cache=True,
+            )  # fmt: skip
+            keys = torch.stack([layer.keys for layer in cache.layers])
+            values = torch.stack([layer.values for layer in cache.layers])
+            return out.logits[:, -1], keys, values
+
+    step, _ = as_jax(Step())
+    kv = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+    head = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    shape = (cfg.num_hidden_layers, B, kv, GEN_CACHE, head)
+
+    def generate(params, prompt):
+        keys = values = jnp.zeros(shape, jnp.float32)
+        logits, keys, values = step(params, prompt, jnp.asarray(0, jnp.int32), keys, values)
+        out = jnp.zeros((prompt.shape[0], GEN_NEW), jnp.int32)
+
+        def body(i, carry):
+            tok, keys, values, out = carry
+            out = out.at[:, i].set(tok)
+            where = (prompt.shape[1] + i).astype(jnp.int32)
+            logits, keys, values = step(params, tok[:, None], where, keys, values)
+            return jnp.argmax(logits, -1).astype(jnp.int32), keys, values, out
+
+        tok = jnp.argmax(logits, -1).astype(jnp.int32)
+        return jax.lax.fori_loop(0, GEN_NEW, body, (tok, keys, values, out))[3]
+
+    return generate
+
+
 def causal_lm(cls_name, cfg_name, impl, **cfg):
-    """A decoder LM: ``(ids, padding mask)`` -> logits; next-token loss."""
+    """A decoder LM: ``(ids, padding mask)`` -> logits; next-token loss;
+    greedy decoding with a static KV cache where the model takes one."""
 
     def build():
-        model = _model(cls_name, _config(cfg_name, impl, **cfg))
+        import jax
+
+        config = _config(cfg_name, impl, **cfg)
+        model = _model(cls_name, config)
         module = _wrap(model, lambda m, ids, mask: m(input_ids=ids, attention_mask=mask).logits)
         loss = lambda f: token_loss(f, targets_at=0, mask_at=1)  # noqa: E731
         notes = f"B={B}, row 1 right-padded by {PAD}; attn_implementation={impl}"
-        return _built(module, (_ids(), _mask()), loss, (T, T), notes)
+        built = _built(module, (_ids(), _mask()), loss, (T, T), notes)
+        prompt = _ids(GEN_PROMPT, seed=2)
+        try:
+            config.use_cache = True
+            generate = greedy(model)
+            jax.eval_shape(generate, built.params, prompt)
+        except Exception as err:
+            built.notes += f"; no static-cache decoding through torchax ({type(err).__name__})"
+        else:
+            built.generate, built.generate_inputs = generate, (prompt,)
+            built.notes += (
+                f"; generate: prompt {GEN_PROMPT} + {GEN_NEW} greedy tokens, "
+                f"static cache of {GEN_CACHE}"
+            )
+        finally:
+            config.use_cache = False
+        return built
 
     return build
 
@@ -509,6 +607,7 @@ _ENTRIES = [
 ]  # fmt: skip
 
 _NO_GENERATE = ("direct", "jit", "train", "export")
+_LM = ("direct", "jit", "train", "generate", "export")
 
 MODELS = [
     ZooModel(
@@ -516,7 +615,7 @@ MODELS = [
         f"{name}[{impl}]",
         family,
         make(impl),
-        modes=_NO_GENERATE,
+        modes=_LM if family == "decoder" else _NO_GENERATE,
         sample=sample and impl == impls[0],
     )
     for name, family, make, impls, sample in _ENTRIES
