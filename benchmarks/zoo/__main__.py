@@ -21,6 +21,10 @@ from . import sweep
 
 MINE = ("hf_flax", "keras_hub", "jax_native")
 
+#: Modes the CI sample checks (the full sweep runs them all): the forward and
+#: the training step, where the matcher's forward and backward readings live.
+SAMPLE_MODES = ("direct", "train")
+
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
@@ -44,10 +48,20 @@ def main(argv=None) -> int:
     failed = []
     for suite in suites:
         start = time.perf_counter()
-        records = sweep.run(suite, sample=args.sample, names=names, modes=modes, log=sys.stdout)
+        merge = bool(names or modes or args.sample)
+        each = None
+        if args.command == "sweep":
+            # Kept as it goes (merged into the file), then written whole.
+            def each(done, suite=suite, start=start):
+                sweep.save(suite, done, command, time.perf_counter() - start, True)
+
+        if args.command == "check" and args.sample and not modes:
+            modes = list(SAMPLE_MODES)
+        records = sweep.run(
+            suite, sample=args.sample, names=names, modes=modes, log=sys.stdout, each=each
+        )
         wall = time.perf_counter() - start
         if args.command == "sweep":
-            merge = bool(names or modes or args.sample)
             path = sweep.save(suite, records, command, wall, merge)
             print(f"[{suite}] {len(records)} records in {wall:.0f} s -> {path}")
         else:

@@ -144,13 +144,29 @@ def _block(x):
 # --------------------------------------------------------------------------- modes
 
 
-def _forward_mode(model, built, mode, rec, t, s):
+class _Reference:
+    """The original forward's site count, trace time and output, computed once
+    per model and shared by the modes that read them."""
+
+    def __init__(self, built: Built):
+        self.built = built
+        self._done = False
+
+    def get(self):
+        if not self._done:
+            args = (self.built.params, *self.built.inputs)
+            t0 = time.perf_counter()
+            original = jax.make_jaxpr(self.built.forward)(*args)
+            self.trace_s = time.perf_counter() - t0
+            self.sites = checks.independent_sites(original)
+            self.want = _block(jax.jit(self.built.forward)(*args))
+            self._done = True
+        return self.sites, self.trace_s, self.want
+
+
+def _forward_mode(model, built, mode, rec, t, s, ref):
     args = (built.params, *built.inputs)
-    t0 = time.perf_counter()
-    original = jax.make_jaxpr(built.forward)(*args)
-    trace_s = time.perf_counter() - t0
-    rec["sites"] = checks.independent_sites(original)
-    want = _block(jax.jit(built.forward)(*args))
+    rec["sites"], trace_s, want = ref.get()
     opt = _optimize(model, built.forward)
     t0 = time.perf_counter()
     if mode == "direct":
@@ -217,10 +233,9 @@ def _generate_mode(model, built, rec, t, s):
     rec["fwd_err"] = float("inf") if a.shape != b.shape else float(jnp.mean(a != b))
 
 
-def _export_mode(model, built, route, rec, t, s):
+def _export_mode(model, built, route, rec, t, s, ref):
     args = (built.params, *built.inputs)
-    rec["sites"] = checks.independent_sites(jax.make_jaxpr(built.forward)(*args))
-    want = _block(jax.jit(built.forward)(*args))
+    rec["sites"], _, want = ref.get()
     exp = jax.export.export(jax.jit(built.forward))(*args)
     t0 = time.perf_counter()
     new, report = flashpass.export.rewrite_and_explain(exp, route=route, **_options(model))
@@ -295,6 +310,7 @@ def run_model(model: ZooModel, modes=None, timeout: int = MODE_TIMEOUT) -> list[
             records.append(rec)
         return records
     t, s = _seq(built)
+    ref = _Reference(built)
     records = []
     for mode in wanted:
         rec = _empty(model, mode)
@@ -312,13 +328,13 @@ def run_model(model: ZooModel, modes=None, timeout: int = MODE_TIMEOUT) -> list[
                     rec["status"] = "skipped"
                     rec["error"] = "not exportable with jax.export"
                 elif mode in ("direct", "jit"):
-                    _forward_mode(model, built, mode, rec, t, s)
+                    _forward_mode(model, built, mode, rec, t, s, ref)
                 elif mode == "train":
                     _train_mode(model, built, rec, t, s)
                 elif mode == "generate":
                     _generate_mode(model, built, rec, t, s)
                 else:
-                    _export_mode(model, built, mode.removeprefix("export_"), rec, t, s)
+                    _export_mode(model, built, mode.removeprefix("export_"), rec, t, s, ref)
             if rec["status"] != "skipped":
                 _verdict(rec)
         except Exception as err:
@@ -326,5 +342,5 @@ def run_model(model: ZooModel, modes=None, timeout: int = MODE_TIMEOUT) -> list[
             rec["error"] = _error_text(err)
         rec["wall_s"] = round(time.perf_counter() - start, 2)
         records.append(rec)
-        jax.clear_caches()
+    jax.clear_caches()
     return records

@@ -72,8 +72,9 @@ def key(rec: dict) -> tuple[str, str]:
     return rec["model"], rec["mode"]
 
 
-def run(suite: str, *, sample=False, names=None, modes=None, log=None) -> list[dict]:
-    """Records of the suite's models (each model in turn; progress to ``log``)."""
+def run(suite: str, *, sample=False, names=None, modes=None, log=None, each=None) -> list[dict]:
+    """Records of the suite's models (each model in turn; progress to ``log``;
+    ``each(records so far)`` after every model, so a long sweep keeps what it did)."""
     from .harness import run_model
 
     records = []
@@ -81,6 +82,8 @@ def run(suite: str, *, sample=False, names=None, modes=None, log=None) -> list[d
         start = time.perf_counter()
         got = run_model(model, modes)
         records += got
+        if each is not None:
+            each(records)
         if log is not None:
             states = " ".join(f"{r['mode']}={r['status']}" for r in got)
             print(
