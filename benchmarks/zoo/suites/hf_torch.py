@@ -7,7 +7,9 @@ torchax's SDPA reference).  Models with both get two entries, ``[eager]`` and
 ``[sdpa]`` (``attn_implementation``).
 
 Tiny configs (hidden 64, 4 heads of 16, 2 layers, 2 KV heads where the
-model has grouped queries), PyTorch's own random init under a fixed seed,
+model has grouped queries, MLPs of 128 so that no activation is as big as a
+256 x 256 score matrix for the T x S checks; BLOOM, whose MLP is 4x, has
+hidden 48), PyTorch's own random init under a fixed seed,
 nothing downloaded.  Sequences of 256 (encoder-decoders: 256 encoder / 128
 decoder tokens; vision: 256 patches and a class token; Whisper: 256 encoder
 positions).  Text inputs carry a padding mask with the second example
@@ -461,7 +463,7 @@ _ENTRIES = [
     # decoder LMs
     ("GPT2LMHeadModel", "decoder", lambda i: causal_lm(
         "GPT2LMHeadModel", "GPT2Config", i, vocab_size=VOCAB, n_embd=W, n_layer=LAYERS,
-        n_head=HEADS, n_positions=2 * T), _BOTH, True),
+        n_head=HEADS, n_positions=2 * T, n_inner=2 * W), _BOTH, True),
     ("GPTNeoForCausalLM", "decoder", lambda i: causal_lm(
         "GPTNeoForCausalLM", "GPTNeoConfig", i, vocab_size=VOCAB, hidden_size=W,
         num_layers=LAYERS, num_heads=HEADS, attention_types=[[["global", "local"], 1]],
@@ -470,24 +472,26 @@ _ENTRIES = [
         "GPTNeoXForCausalLM", "GPTNeoXConfig", i, **_MHA), _BOTH, False),
     ("GPTJForCausalLM", "decoder", lambda i: causal_lm(
         "GPTJForCausalLM", "GPTJConfig", i, vocab_size=VOCAB, n_embd=W, n_layer=LAYERS,
-        n_head=HEADS, rotary_dim=8, n_positions=2 * T), _BOTH, False),
+        n_head=HEADS, rotary_dim=8, n_positions=2 * T, n_inner=2 * W), _BOTH, False),
     ("GPTBigCodeForCausalLM", "decoder", lambda i: causal_lm(
         "GPTBigCodeForCausalLM", "GPTBigCodeConfig", i, vocab_size=VOCAB, n_embd=W,
-        n_layer=LAYERS, n_head=HEADS, n_positions=2 * T, multi_query=True), _BOTH, False),
+        n_layer=LAYERS, n_head=HEADS, n_positions=2 * T, multi_query=True, n_inner=2 * W),
+        _BOTH, False),
     ("CodeGenForCausalLM", "decoder", lambda i: causal_lm(
         "CodeGenForCausalLM", "CodeGenConfig", i, vocab_size=VOCAB, n_embd=W, n_layer=LAYERS,
-        n_head=HEADS, rotary_dim=8, n_positions=2 * T, n_ctx=2 * T), ("eager",), False),
+        n_head=HEADS, rotary_dim=8, n_positions=2 * T, n_ctx=2 * T, n_inner=2 * W),
+        ("eager",), False),
     ("OPTForCausalLM", "decoder", lambda i: causal_lm(
         "OPTForCausalLM", "OPTConfig", i, vocab_size=VOCAB, hidden_size=W,
         num_hidden_layers=LAYERS, ffn_dim=2 * W, num_attention_heads=HEADS,
         max_position_embeddings=2 * T, word_embed_proj_dim=W), _BOTH, False),
     ("BloomForCausalLM", "decoder", lambda i: causal_lm(
-        "BloomForCausalLM", "BloomConfig", i, vocab_size=VOCAB, hidden_size=W, n_layer=LAYERS,
+        "BloomForCausalLM", "BloomConfig", i, vocab_size=VOCAB, hidden_size=48, n_layer=LAYERS,
         n_head=HEADS), ("eager",), False),
     ("FalconForCausalLM", "decoder", lambda i: causal_lm(
         "FalconForCausalLM", "FalconConfig", i, vocab_size=VOCAB, hidden_size=W,
         num_hidden_layers=LAYERS, num_attention_heads=HEADS, new_decoder_architecture=True,
-        num_kv_heads=KV, max_position_embeddings=2 * T), _BOTH, False),
+        num_kv_heads=KV, max_position_embeddings=2 * T, ffn_hidden_size=2 * W), _BOTH, False),
     ("XGLMForCausalLM", "decoder", lambda i: causal_lm(
         "XGLMForCausalLM", "XGLMConfig", i, vocab_size=VOCAB, d_model=W, num_layers=LAYERS,
         attention_heads=HEADS, ffn_dim=2 * W, max_position_embeddings=2 * T), ("eager",), False),

@@ -2,7 +2,8 @@
 
 Each model is ``timm.create_model(name, pretrained=False, num_classes=10,
 ...)`` with PyTorch's own random init under a fixed seed (nothing downloaded):
-the plain and class-attention ViTs shrunk to width 64, 4 heads, 2 blocks on
+the plain and class-attention ViTs shrunk to width 64, 4 heads, 2 blocks,
+MLP ratio 2 (no activation as big as a 256 x 256 score matrix) on
 64x64 images with 4x4 patches (256 patches, plus class tokens); the
 hierarchical ones (windowed, pyramid, hybrid conv-attention) at their
 smallest named variant, with fewer blocks where the constructor takes a
@@ -20,7 +21,7 @@ from ..model import Built, ZooModel
 
 SUITE = "timm"
 B = 2
-_VIT = dict(img_size=64, patch_size=4, embed_dim=64, depth=2, num_heads=4)
+_VIT = dict(img_size=64, patch_size=4, embed_dim=64, depth=2, num_heads=4, mlp_ratio=2.0)
 _SWIN = dict(
     img_size=64, patch_size=2, window_size=8, embed_dim=32, depths=(1, 1), num_heads=(2, 4)
 )
