@@ -34,6 +34,9 @@ def main(argv=None) -> int:
     parser.add_argument("--sample", action="store_true", help="only the CI sample")
     parser.add_argument("--models", help="comma-separated model names")
     parser.add_argument("--modes", help="comma-separated modes")
+    parser.add_argument(
+        "--reverse", action="store_true", help="models in reverse order (a second sweeper)"
+    )
     args = parser.parse_args(argv)
     sweep.prepare_environment()
     if args.command == "render":
@@ -48,7 +51,7 @@ def main(argv=None) -> int:
     failed = []
     for suite in suites:
         start = time.perf_counter()
-        merge = bool(names or modes or args.sample)
+        merge = bool(names or modes or args.sample or args.reverse)
         each = None
         if args.command == "sweep":
             # Kept as it goes (merged into the file), then written whole.
@@ -58,7 +61,13 @@ def main(argv=None) -> int:
         if args.command == "check" and args.sample and not modes:
             modes = list(SAMPLE_MODES)
         records = sweep.run(
-            suite, sample=args.sample, names=names, modes=modes, log=sys.stdout, each=each
+            suite,
+            sample=args.sample,
+            names=names,
+            modes=modes,
+            log=sys.stdout,
+            each=each,
+            reverse=args.reverse,
         )
         wall = time.perf_counter() - start
         if args.command == "sweep":

@@ -39,8 +39,10 @@ def independent_sites(closed) -> int:
 
 def dense_kernel_operands(rewritten, t: int, s: int) -> list[tuple[int, ...]]:
     """Kernel-call operands of a rewritten program that could hold a ``T x S``
-    matrix: a mask handed to the kernel densely."""
-    return sorted({x for x in kernel_operand_shapes(rewritten) if is_t_by_s(x, t, s)})
+    matrix: a mask handed to the kernel densely (captured constants a kernel
+    does not read are not operands)."""
+    shapes = kernel_operand_shapes(rewritten, constants=False)
+    return sorted({x for x in shapes if is_t_by_s(x, t, s)})
 
 
 def t_by_s_left(closed, t: int, s: int) -> list[tuple[int, ...]]:

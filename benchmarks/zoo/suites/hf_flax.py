@@ -439,7 +439,7 @@ MODELS = [
     ),
     _m("GPT-J", "decoder", _decoder("FlaxGPTJModel", _gptj, "FlaxGPTJForCausalLM"), modes=_LM),
     _m("OPT", "decoder", _decoder("FlaxOPTModel", _opt, "FlaxOPTForCausalLM"), modes=_LM),
-    _m("Llama", "decoder", _decoder("FlaxLlamaModel", _llama, "FlaxLlamaForCausalLM"), True, _LM),
+    _m("Llama", "decoder", _decoder("FlaxLlamaModel", _llama, "FlaxLlamaForCausalLM"), modes=_LM),
     _m(
         "Mistral",
         "decoder",
@@ -487,7 +487,7 @@ MODELS = [
             "FlaxMarianModel", _s2s("MarianConfig", pad_token_id=0, decoder_start_token_id=0)
         ),
     ),
-    _m("T5", "encoder-decoder", _encoder_decoder("FlaxT5Model", _t5("T5Config")), True),
+    _m("T5", "encoder-decoder", _encoder_decoder("FlaxT5Model", _t5("T5Config"))),
     _m("mT5", "encoder-decoder", _encoder_decoder("FlaxMT5Model", _t5("MT5Config"))),
     _m(
         "LongT5 (local)",
@@ -517,9 +517,9 @@ MODELS = [
         _vision("FlaxBeitModel", _vit("BeitConfig", use_relative_position_bias=True)),
     ),
     _m("DINOv2", "vision", _vision("FlaxDinov2Model", _vit("Dinov2Config"))),
-    _m("CLIP", "vision", _clip(), True),
+    _m("CLIP", "vision", _clip()),
     # speech
-    _m("Wav2Vec2", "speech", _wav2vec2(), True),
+    _m("Wav2Vec2", "speech", _wav2vec2()),
     _m("Whisper", "speech", _whisper(), True),
 ]
 

@@ -287,7 +287,7 @@ MODELS = [
         _backbone(lambda m: m.GPTNeoXBackbone(**MHA, max_sequence_length=2 * T)),
     ),
     _m("Falcon", "decoder", _backbone(lambda m: m.FalconBackbone(**TXT, num_attention_heads=4))),
-    _m("Llama", "decoder", _backbone(lambda m: m.LlamaBackbone(**GQA)), True),
+    _m("Llama", "decoder", _backbone(lambda m: m.LlamaBackbone(**GQA))),
     _m("Llama 3", "decoder", _backbone(lambda m: m.Llama3Backbone(**GQA))),
     _m("Mistral", "decoder", _backbone(lambda m: m.MistralBackbone(**GQA, sliding_window=64))),
     _m("Mixtral", "decoder", _backbone(lambda m: m.MixtralBackbone(**GQA, num_experts=4, top_k=2))),
@@ -320,7 +320,6 @@ MODELS = [
         "Gemma",
         "decoder",
         _backbone(lambda m: m.GemmaBackbone(**dict(GQA, num_key_value_heads=1), head_dim=8)),
-        True,
     ),
     _m(
         "Gemma 2",
