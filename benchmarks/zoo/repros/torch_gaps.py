@@ -185,6 +185,63 @@ def decode_step_one_query(q, k_cache, v_cache, position):
     return _matmul4(p, v)
 
 
+def class_attention_one_query(x, wq, wk, wv):
+    """**Kept site**: in the model "key operand of the score product has 3 free
+    axes, expected one" (the issue's CaiT case, still open); this repro, the
+    same one-query shape, is kept with `decode_step_one_query`'s reason ("`reshape`
+    between the score product and the softmax removes the query axis").
+
+    timm's ``ClassAttn`` (CaiT, and the class-attention blocks of XCiT and
+    VOLO): the class token alone is the query, ``q = (x[:, 0] @ Wq)`` viewed
+    ``[B, H, 1, D]``, over keys from every token; SDPA through torchax's
+    reference (``zeros(1, N)`` bias), its 4-D matmul decomposed to a ``bmm``
+    of ``[B*H, 1, D] x [B*H, D, N]`` and the scores viewed ``[B, H, 1, N]``.
+    One query row: a kernel computes it exactly (flash-decoding's shape).
+
+    Hit by ``cait_xxs24_224`` (both class-attention blocks, every mode).  Fix:
+    the same as `decode_step_one_query` (a size-1 query axis through the
+    merged-heads regrouping).
+    """
+    b, n, c = x.shape
+    q = (x[:, 0] @ wq)[:, None].reshape(b, 1, H, c // H).transpose(0, 2, 1, 3)
+    k = (x @ wk).reshape(b, n, H, c // H).transpose(0, 2, 1, 3)
+    v = (x @ wv).reshape(b, n, H, c // H).transpose(0, 2, 1, 3)
+    bias = jnp.zeros((1, n), x.dtype)
+    w = _matmul4(q, jnp.swapaxes(k, -1, -2)) * (c // H) ** -0.5 + bias
+    return _matmul4(jax.nn.softmax(w, axis=-1), v)
+
+
+def _class_tokens():
+    rng = np.random.default_rng(6)
+    x = jnp.asarray(rng.standard_normal((B, T + 1, H * D)), jnp.float32)
+    ws = [jnp.asarray(rng.standard_normal((H * D, H * D)) / 8, jnp.float32) for _ in range(3)]
+    return x, *ws
+
+
+def relpos_added_by_slice_assignment(q, k, v, rel):
+    """**Kept site**: "`scatter` between the score product and the softmax is
+    not a recognised score operation".
+
+    MViTv2's decomposed relative positions skip the class token by an
+    in-place slice assignment on the scores, ``attn[:, :, 1:, 1:] =
+    attn[:, :, 1:, 1:] + rel`` (a ``scatter`` in JAX), before the softmax:
+    an additive bias on all but the first query row and key column.
+    (Pooled keys and queries: T != S.)
+
+    Hit by ``mvitv2_tiny`` (every site).  Fix: read ``s.at[idx].set(s[idx] +
+    b)`` as ``s + pad(b)`` (an additive bias, zero outside the slice).
+    """
+    s = jnp.matmul(q * D**-0.5, jnp.swapaxes(k, -1, -2))
+    s = s.at[:, :, 1:, 1:].set(s[:, :, 1:, 1:] + rel)
+    return jnp.matmul(jax.nn.softmax(s, axis=-1), v)
+
+
+def _relpos():
+    q, k, v = _qkv(7, T + 1, T + 1)
+    rel = jnp.asarray(np.random.default_rng(8).standard_normal((B, H, T, T)), jnp.float32)
+    return q, k, v, rel
+
+
 # --------------------------------------------------------------------------- pass errors
 
 
@@ -238,6 +295,8 @@ REPROS = {
     "local_window_from_buffer_slice": (local_window_from_buffer_slice, _qkv),
     "clamp_scores_to_finfo_min": (clamp_scores_to_finfo_min, _padded),
     "decode_step_one_query": (decode_step_one_query, _decode),
+    "class_attention_one_query": (class_attention_one_query, _class_tokens),
+    "relpos_added_by_slice_assignment": (relpos_added_by_slice_assignment, _relpos),
 }
 
 #: name -> (function, its inputs), run as jax.export artifacts through flashpass.export
