@@ -82,6 +82,8 @@ def _linen(kind):
             return _built(lambda p, x, m: mha.apply(p, x, mask=m), params, (x, mask))
         return _built(lambda p, x: mha.apply(p, x), params, (x,))
 
+    return build
+
 
 def _linen_scan_stack():
     def build():
