@@ -241,8 +241,8 @@ def _export_mode(model, built, route, rec, t, s, ref):
     new, report = flashpass.export.rewrite_and_explain(exp, route=route, **_options(model))
     rec["pass_s"] = round(time.perf_counter() - t0, 3)
     rec.update(_report_fields(report))
-    if report.route == "kept":
-        rec["kept"] = [f"artifact kept unchanged: {report.kept_reason}"]
+    if report.route == "kept":  # every site of the artifact is kept, for that reason
+        rec["kept"] = [f"artifact kept unchanged: {report.kept_reason}"] * max(1, rec["sites"])
     rec["kept"] += [f"not spliced: {n}" for n in getattr(report, "splice_notes", ())]
     rec["islands"] = sorted({i.op for i in report.islands})
     rec["silent"] = _silent(rec)

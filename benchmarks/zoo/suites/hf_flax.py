@@ -210,7 +210,9 @@ def _clip():
 
         def forward(params, ids, pixels, mask):
             out = model(ids, pixels, attention_mask=mask, params=params)
-            return out.text_embeds, out.image_embeds
+            # The towers' hidden states: the projected embeddings are unit
+            # vectors, whose squared norm (the loss) has no gradient to compare.
+            return out.text_model_output[0], out.vision_model_output[0]
 
         return Built(
             forward, params, inputs, loss=_sq_loss(forward), seq=(T, T), notes="text + vision"
