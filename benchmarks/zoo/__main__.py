@@ -7,7 +7,9 @@ python -m benchmarks.zoo check [--suite S ...] [--sample]
     run (the CI sample of) suites and fail on any regression against the
     expected files, writing nothing;
 python -m benchmarks.zoo render
-    write docs/zoo.md and its plot from the expected files.
+    write docs/zoo.md and its plot from the expected files;
+python -m benchmarks.zoo tidy [--suite S ...]
+    redo the expected files' accounting (paths, kept artifacts) without a sweep.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ SAMPLE_MODES = ("direct", "train")
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(prog="python -m benchmarks.zoo")
-    parser.add_argument("command", choices=("sweep", "check", "render"))
+    parser.add_argument("command", choices=("sweep", "check", "render", "tidy"))
     parser.add_argument("--suite", action="append", choices=sweep.SUITES)
     parser.add_argument("--sample", action="store_true", help="only the CI sample")
     parser.add_argument("--models", help="comma-separated model names")
@@ -39,6 +41,10 @@ def main(argv=None) -> int:
     )
     args = parser.parse_args(argv)
     sweep.prepare_environment()
+    if args.command == "tidy":  # redo the accounting of the expected files, no sweep
+        for suite in args.suite or MINE:
+            sweep.tidy(suite)
+        return 0
     if args.command == "render":
         from .render import render
 

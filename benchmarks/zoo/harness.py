@@ -267,6 +267,21 @@ def _verdict(rec: dict) -> None:
     rec["problems"] = bad
 
 
+def account(rec: dict) -> dict:
+    """``rec`` with its silent count and verdict redone from its measured
+    values (an artifact kept unchanged keeps each of its sites)."""
+    rec = dict(rec)
+    if rec["status"] not in ("ok", "fail"):
+        return rec
+    whole = [k for k in rec["kept"] if k.startswith("artifact kept unchanged")]
+    if whole and len(whole) < rec["sites"]:
+        rec["kept"] = [k for k in rec["kept"] if k not in whole] + [whole[0]] * rec["sites"]
+    if rec["mode"].startswith("export"):
+        rec["silent"] = _silent(rec)
+    _verdict(rec)
+    return rec
+
+
 def _empty(model: ZooModel, mode: str) -> dict:
     return {
         "suite": model.suite,
