@@ -242,6 +242,36 @@ def _relpos():
     return q, k, v, rel
 
 
+def factor_attention_softmax_over_keys(x, wqkv):
+    """**Kept site that is not attention**: "`split` between the score product
+    and the softmax is not a recognised score operation".
+
+    CoaT's factorized attention (``FactorAttnConvRelPosEnc``) is linear
+    attention: ``softmax(k, axis=tokens)``, then ``k^T v`` (``[D, D]`` per
+    head), then ``q (k^T v)``; there is no ``T x S`` score matrix.  Its
+    ``[B, H, N, D]`` softmax (``D`` >= the detector's 16) reaching a product
+    is counted as a site by the independent detector, and the matcher,
+    walking back from the softmax to the fused ``qkv`` projection's
+    ``split``, keeps it with a score-operation reason.  The reason should say
+    it is not a softmax over a score product's key axis (and the detector
+    should not count a softmax whose input is no product of two activations).
+
+    Hit by ``coat_lite_tiny`` (and ``coat_tiny``, the same block).
+    """
+    b, n, c = x.shape
+    qkv = (x @ wqkv).reshape(b, n, 3, H, c // H).transpose(2, 0, 3, 1, 4)
+    q, k, v = jnp.split(qkv, 3, axis=0)
+    q, k, v = q[0], k[0], v[0]
+    kv = jnp.matmul(jnp.swapaxes(jax.nn.softmax(k, axis=2), -1, -2), v)  # [B, H, D, D]
+    return jnp.matmul(q, kv) * (c // H) ** -0.5
+
+
+def _factor():
+    rng = np.random.default_rng(9)
+    x = jnp.asarray(rng.standard_normal((B, T, H * D)), jnp.float32)
+    return x, jnp.asarray(rng.standard_normal((H * D, 3 * H * D)) / 8, jnp.float32)
+
+
 # --------------------------------------------------------------------------- pass errors
 
 
@@ -297,6 +327,7 @@ REPROS = {
     "decode_step_one_query": (decode_step_one_query, _decode),
     "class_attention_one_query": (class_attention_one_query, _class_tokens),
     "relpos_added_by_slice_assignment": (relpos_added_by_slice_assignment, _relpos),
+    "factor_attention_softmax_over_keys": (factor_attention_softmax_over_keys, _factor),
 }
 
 #: name -> (function, its inputs), run as jax.export artifacts through flashpass.export
