@@ -146,8 +146,20 @@ def render() -> pathlib.Path:
             by_model[rec["model"]][rec["mode"]] = rec
             family[rec["model"]] = rec["family"]
         versions = ", ".join(f"{k} {v}" for k, v in sorted(meta.get("versions", {}).items()))
+        listed = {m.name for m in sweep.models(suite)}
+        missing = sorted(listed - set(by_model))
         lines += [
-            f"## {suite} ({len(by_model)} models)",
+            f"## {suite} ({len(by_model)} of {len(listed)} models swept)",
+            *(
+                [
+                    "",
+                    "Not in this expected file (not swept in the recorded run): "
+                    + ", ".join(missing)
+                    + ".",
+                ]
+                if missing
+                else []
+            ),
             "",
             f"`{meta.get('command', '')}` — {meta.get('date', '')}, "
             f"commit {meta.get('commit', '')}, "
