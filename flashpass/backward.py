@@ -357,7 +357,7 @@ def _search(t: Scope, j: Scope, state: _State, site, budget: list) -> _State | N
                 preferred = [c for c in cands if c in site.nodes]
                 cands = preferred if len(preferred) == 1 else cands
             if len(cands) == 1:
-                _bind(tn, cands[0], state, getattr(j, "canon", None))
+                _bind(tn, cands[0], state, getattr(j, "canon", None), j)
                 progress = True
             elif ambiguous is None:
                 ambiguous = (tn, cands)
@@ -370,7 +370,7 @@ def _search(t: Scope, j: Scope, state: _State, site, budget: list) -> _State | N
         tn, cands = ambiguous
         for cand in cands:
             trial = state.copy()
-            _bind(tn, cand, trial, getattr(j, "canon", None))
+            _bind(tn, cand, trial, getattr(j, "canon", None), j)
             found = _search(t, j, trial, site, budget)
             if found is not None:
                 return found
@@ -388,7 +388,8 @@ def _candidates(tn: Node, t: Scope, j: Scope, state: _State) -> list | None:
         mapped = state.env[a]
         if isinstance(mapped, Const):
             continue
-        pool = (pool or []) + [n for n, p in j.consumers(mapped) if p == pos]
+        swaps = tn.prim in _COMMUTATIVE and len(tn.ins) == 2
+        pool = (pool or []) + [n for n, p in j.consumers(mapped) if p == pos or swaps]
     if pool is None:
         for o in tn.outs:
             if o is not None and o in state.env and not isinstance(state.env[o], Const):
@@ -401,12 +402,35 @@ def _candidates(tn: Node, t: Scope, j: Scope, state: _State) -> list | None:
     return [n for n in dict.fromkeys(pool) if n not in state.used and _fits(tn, n, state, canon, j)]
 
 
+#: Binary equations whose operands may come in either order: autodiff sums a
+#: value's cotangents in the order it meets its uses, which a call boundary
+#: (a ``jit`` around a ``where``) changes; floating-point ``a + b`` and
+#: ``a * b`` are ``b + a`` and ``b * a`` exactly.
+_COMMUTATIVE = frozenset({"add_any", "add", "mul"})
+
+
 def _fits(tn: Node, jn: Node, state: _State, canon=None, j=None) -> bool:
+    return _fitting_ins(tn, jn, state, canon, j) is not None
+
+
+def _fitting_ins(tn: Node, jn: Node, state: _State, canon=None, j=None):
+    """``jn``'s operands in the order they pair with ``tn``'s, or None."""
     if tn.prim != jn.prim or len(tn.ins) != len(jn.ins) or len(tn.outs) != len(jn.outs):
-        return False
+        return None
     if not _same_params(tn.params, jn.params):
-        return False
-    for a, b in zip(tn.ins, _canon(jn.ins, canon), strict=True):
+        return None
+    ins = tuple(_canon(jn.ins, canon))
+    orders = [ins]
+    if tn.prim in _COMMUTATIVE and len(ins) == 2 and ins[0] is not ins[1]:
+        orders.append(ins[::-1])
+    for order in orders:
+        if _fits_in_order(tn, jn, order, state, j):
+            return order
+    return None
+
+
+def _fits_in_order(tn: Node, jn: Node, ins, state: _State, j=None) -> bool:
+    for a, b in zip(tn.ins, ins, strict=True):
         if not isinstance(a, Const) and a in state.fills:
             if _fill(j, b) != state.fills[a]:
                 return False
@@ -435,10 +459,12 @@ def _fits(tn: Node, jn: Node, state: _State, canon=None, j=None) -> bool:
     return True
 
 
-def _bind(tn: Node, jn: Node, state: _State, canon=None) -> None:
+def _bind(tn: Node, jn: Node, state: _State, canon=None, j=None) -> None:
+    ins = _fitting_ins(tn, jn, state, canon, j)
+    ins = tuple(_canon(jn.ins, canon)) if ins is None else ins
     state.pairs[tn] = jn
     state.used.add(jn)
-    pairs = zip((*tn.ins, *tn.outs), (*_canon(jn.ins, canon), *jn.outs), strict=True)
+    pairs = zip((*tn.ins, *tn.outs), (*ins, *jn.outs), strict=True)
     for a, b in pairs:
         if a is None or isinstance(a, Const) or a in state.env or a in state.fills:
             continue

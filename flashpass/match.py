@@ -201,7 +201,7 @@ def _users_roles_miss(scope: Scope, soft, chain, key_axis: int) -> Miss | None:
 
 def _build_site(scope: Scope, soft, chain, sp) -> AttentionSite | Miss:
     dot = chain.dot
-    nodes = {dot, *soft.nodes, *(step.node for step in chain.steps)}
+    nodes = {dot, *soft.nodes, *(n for step in chain.steps for n in (step.node, *step.interior))}
     q_shape, k_shape = scope.shape(sp.q), scope.shape(sp.k)
     sizes = {r: q_shape[a] for r, a in sp.q_axes.items() if r != "D"}
     for r in [r for r in sizes if isinstance(r, Merged)]:  # a merged batch axis

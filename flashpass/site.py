@@ -159,6 +159,22 @@ class Compared:
         return jnp.logical_not(out) if self.negate else out
 
 
+@dataclasses.dataclass(frozen=True)
+class Filled:
+    """An extra that is the additive mask ``where(x == keep_when, 0, fill)``
+    of a boolean ``x``, in ``dtype``: the bias a program writes as
+    ``where(x, s, s + fill)`` (masked scores shifted by a constant) adds."""
+
+    keep_when: bool
+    fill: float
+    dtype: str
+
+    def apply(self, x):
+        x = jnp.asarray(x)
+        zero, fill = jnp.zeros((), self.dtype), jnp.asarray(self.fill, self.dtype)
+        return jnp.where(x == self.keep_when, zero, fill)
+
+
 COMPARE = {
     "ge": jnp.greater_equal,
     "gt": jnp.greater,
@@ -175,7 +191,7 @@ class ExtraSource:
 
     ``axes[r]`` is the axis of the (un-broadcast) ``atom`` holding role ``r``
     of the score layout, or None where it is broadcast.  ``transform`` (a
-    `Transform`, a `Compared`, or None) is applied first.
+    `Transform`, a `Compared`, a `Filled`, or None) is applied first.
     """
 
     atom: object

@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from flashpass.ops import EmptyRows, Mask, Positional, Segments
-from flashpass.site import Transform
+from flashpass.site import Filled, Transform
 from flashpass.spec import Bias, excludes, fill_after
 
 from .indicators import two_valued
@@ -47,15 +47,25 @@ class AdditiveSource:
     profile: object
     sign: int
     first: bool
+    #: The bias is ``where(profile, 0, fill)`` of a boolean profile, never
+    #: written as an array (`add_filled`); None: the profile is the bias.
+    filled: Filled | None = None
 
     def literal(self, build):
         if not self.first:
             return None
-        dtype = build.scope.dtype(self.profile.base)
-        index, shape4 = build.add_extra(
-            self.profile, Transform.NEG if self.sign < 0 else None, dtype
-        )
-        return Bias(index, shape4, dtype)
+        return literal_bias(build, self.profile, self.sign, self.filled)
+
+
+def literal_bias(build, profile, sign: int, filled: Filled | None = None) -> Bias:
+    """The additive mask as the one bias it is: the program's array (negated
+    for ``s - bias``), or ``where(pred, 0, fill)`` of its boolean ``pred``."""
+    if filled is not None:
+        index, shape4 = build.add_extra(profile, filled, filled.dtype)
+        return Bias(index, shape4, filled.dtype)
+    dtype = build.scope.dtype(profile.base)
+    index, shape4 = build.add_extra(profile, Transform.NEG if sign < 0 else None, dtype)
+    return Bias(index, shape4, dtype)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -69,6 +79,7 @@ class AdditiveGroup:
     sign: int
     ops: tuple
     at: str = ""  # where the bias is added, for the report
+    filled: Filled | None = None  # as `AdditiveSource.filled`
 
     def holds(self, op) -> bool:
         """Whether ``op`` is one of the group's (by identity: equal ops of
@@ -89,7 +100,7 @@ class AdditiveGroup:
         return None
 
     def literal(self, build):
-        return AdditiveSource(self.profile, self.sign, first=True).literal(build)
+        return literal_bias(build, self.profile, self.sign, self.filled)
 
 
 def settle(build) -> None:
@@ -131,12 +142,30 @@ def add_additive(build, prof, sign: int, at: str = "") -> str | None:
     """Add the descriptors of an additive mask to ``build``; None when done,
     else why the bias stays dense ("" when it is no mask at all).  ``at``:
     where the bias is added, in the report's words."""
-    from .masks import add_mask  # masks imports this module's caller
-
     found = as_mask(build.scope, prof, sign)
     if found is None:
         return ""
     factors, keep_when, fill = found
+    return _add_factors(build, factors, keep_when, fill, prof, sign, None, at)
+
+
+def add_filled(build, pred, keep_when: bool, fill: float, dtype, at: str = "") -> None:
+    """``where(pred == keep_when, s, s + fill)`` with an excluding ``fill``
+    (Keras' ``Attention`` layer: masked scores shifted down, not replaced):
+    the additive mask ``s + where(pred == keep_when, 0, fill)``, exactly,
+    value and gradient, in every row.  Its descriptors when they are exact,
+    else that bias, built from ``pred`` (as broadcast as ``pred`` is)."""
+    filled = Filled(bool(keep_when), float(fill), str(np.dtype(dtype)))
+    why = _add_factors(build, [pred], keep_when, fill, pred, +1, filled, at)
+    if why is not None:
+        build.ops.append(literal_bias(build, pred, +1, filled))
+        if why:
+            build.dense_notes.append(why + at)
+
+
+def _add_factors(build, factors, keep_when, fill, prof, sign, filled, at) -> str | None:
+    from .masks import add_mask  # masks imports this module's caller
+
     before = (len(build.ops), len(build.extras), len(build._causal))
     for factor in factors:
         add_mask(build, factor, keep_when, fill)
@@ -148,12 +177,14 @@ def add_additive(build, prof, sign: int, at: str = "") -> str | None:
             del build.ops[before[0] :], build.extras[before[1] :], build._causal[before[2] :]
             return dense
         # Rows may be empty: the original's s + fill there is run as such.
-        dtype = build.scope.dtype(prof.base)
+        dtype = filled.dtype if filled is not None else build.scope.dtype(prof.base)
         build.ops.append(EmptyRows(len(new_ops), fill, dtype))
     if fill != float("-inf"):
-        build.additive.append(AdditiveGroup(prof, sign, tuple(build.ops[before[0] :]), at))
+        group = AdditiveGroup(prof, sign, tuple(build.ops[before[0] :]), at, filled)
+        build.additive.append(group)
     for n, (op, _) in enumerate(build._causal[before[2] :]):
-        build._causal[before[2] + n] = (op, AdditiveSource(prof, sign, first=n == 0))
+        source = AdditiveSource(prof, sign, first=n == 0, filled=filled)
+        build._causal[before[2] + n] = (op, source)
     return None
 
 

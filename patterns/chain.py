@@ -37,6 +37,12 @@ class Step:
         """Side operands (must not depend on the scores)."""
         return [a for a in self.node.ins if a is not self.chain_in]
 
+    @property
+    def interior(self) -> tuple:
+        """Other equations of the site this step reads through (their outputs
+        may depend on the scores and are used only inside the site)."""
+        return ()
+
     def permutation(self) -> tuple | None:
         """The axis permutation this step applies to the scores, if any: for each
         output axis the input axis it is, or None (an axis a regrouping made)."""

@@ -75,7 +75,7 @@ class Profile:
 
 
 def profile(scope: Scope, atom, target: tuple[int, ...]) -> Profile:
-    """Peel size-1 broadcasting, ``broadcast_in_dim`` and unit reshapes off ``atom``."""
+    """Peel size-1 broadcasting, ``broadcast_in_dim``, transposes and unit reshapes off ``atom``."""
     shape = scope.shape(atom)
     if not shape:  # lax binops broadcast rank-0 operands
         return Profile(scope.resolve(atom), (None,) * len(target), tuple(target))
@@ -102,6 +102,14 @@ def profile(scope: Scope, atom, target: tuple[int, ...]) -> Profile:
             continue
         if node.prim in compat.VALUE_IDENTITY_PRIMITIVES:  # pvary: a type change only
             atom = scope.resolve(node.ins[node.outs.index(atom)])
+            continue
+        if node.prim == "transpose":
+            # A permutation moves axes and nothing else: output axis i is the
+            # operand's axis perm[i] (keras' 5-D GQA mask moves a unit axis
+            # to the front; the mask is then read from what it transposed).
+            perm = node.params["permutation"]
+            axes = tuple(None if a is None else perm[a] for a in axes)
+            atom = scope.resolve(node.ins[0])
             continue
         if node.prim == "reshape" and node.params.get("dimensions") is None:
             found = _unit_reshape_source(scope, node, scope.shape(atom))

@@ -21,7 +21,7 @@ import numpy as np
 from flashpass.site import Compared, Transform
 from flashpass.spec import EXCLUDING_FILL, Bias, Causal, Mask, excludes
 
-from .additive import add_additive
+from .additive import add_additive, add_filled
 from .chain import Step, rule
 from .common import Miss, Profile, profile, scalar_value, uniform_value, where
 from .indicators import COMPARISONS, boolean_factors, compose
@@ -38,6 +38,30 @@ class MaskStep(Step):
 
     def apply(self, build) -> None:
         add_mask(build, self.profile, self.keep_when, self.fill)
+
+
+@dataclasses.dataclass
+class ShiftedMaskStep(Step):
+    """``where(pred, s, s + fill)``: the masked scores are the scores shifted
+    by an excluding scalar ``fill`` (``shift`` computes ``s + fill``), which
+    is the additive mask ``s + where(pred, 0, fill)`` (`additive.add_filled`)."""
+
+    profile: Profile
+    keep_when: bool
+    fill: float
+    shift: object
+
+    @property
+    def side(self) -> list:
+        return [self.node.ins[0]]  # the predicate; the shifted branch is the scores'
+
+    @property
+    def interior(self) -> tuple:
+        return (self.shift,)
+
+    def apply(self, build) -> None:
+        dtype = build.scope.dtype(self.chain_in)
+        add_filled(build, self.profile, self.keep_when, self.fill, dtype, where(self.node))
 
 
 @dataclasses.dataclass
@@ -261,6 +285,11 @@ def _select(scope, node, out):
     for chain_pos in (1, 0):
         chain, fill_atom = cases[chain_pos], cases[1 - chain_pos]
         fill_prof = profile(scope, fill_atom, shape)
+        shifted = _shifted_scores(scope, chain, fill_atom)
+        if shifted is not None:
+            keep = profile(scope, pred, shape)
+            readings.append(ShiftedMaskStep(node, chain, keep, bool(chain_pos), *shifted))
+            continue
         if not fill_prof.is_scalar:
             # A broadcast fill hoisted out of a loop body (autodiff of a scan does it).
             fill = uniform_value(scope, fill_atom)
@@ -275,6 +304,28 @@ def _select(scope, node, out):
     if not readings:
         return Miss(f"masked scores are filled with a non-scalar value{where(node)}", node)
     return readings
+
+
+def _shifted_scores(scope, chain, fill_atom):
+    """``(fill, node)`` when ``fill_atom`` is ``chain + fill`` or ``chain -
+    (-fill)`` (``node`` computes it) with an excluding scalar constant
+    ``fill``; None otherwise."""
+    node = scope.producer(fill_atom)
+    if node is None or node.prim not in ("add", "sub") or len(node.ins) != 2:
+        return None
+    a, b = node.ins
+    scores = scope.resolve(chain)  # the same array across a call boundary
+    for x, c, ok in ((a, b, True), (b, a, node.prim == "add")):
+        if not ok or scope.resolve(x) != scores:
+            continue
+        c_prof = profile(scope, c, scope.shape(node.out))
+        value = scalar_value(scope, c_prof.base) if c_prof.is_scalar else None
+        if value is None:
+            continue
+        fill = value if node.prim == "add" else -value
+        if excludes(fill):
+            return fill, node
+    return None
 
 
 def and_factors(scope, prof):

@@ -56,3 +56,7 @@ class ZooModel:
     modes: tuple[str, ...] = ("direct", "jit", "train", "generate", "export")
     #: Whether the CI sample includes it (at least one model per family per suite).
     sample: bool = False
+    #: The kernel the pass is forced to (``"blockwise"``: the CPU cost model
+    #: keeps no short site); ``None``: the platform's default kernel order
+    #: (the long-sequence entries that exercise the defaults).
+    kernel: str | None = "blockwise"
