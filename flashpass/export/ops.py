@@ -323,18 +323,23 @@ def _reduce_precision(interp, op, operands):
     return [_fold(lax.reduce_precision(materialize(operands[0]), exponent, mantissa))]
 
 
+def _index_vector_last(indices, vector: int):
+    """``indices`` with StableHLO's index vector axis moved last (added when it
+    is the implicit trailing one), the layout lax.gather and lax.scatter take."""
+    rank = len(indices.shape)
+    if vector == rank:
+        return lax.expand_dims(indices, (rank,))
+    if vector != rank - 1:
+        return lax.transpose(indices, [a for a in range(rank) if a != vector] + [vector])
+    return indices
+
+
 @_rule("stablehlo.gather")
 def _gather(interp, op, operands):
     sh = compat.stablehlo_dialect()
     numbers = sh.GatherDimensionNumbers(op.attributes["dimension_numbers"])
     x, indices = (materialize(v) for v in operands)
-    # lax.gather keeps the index vector in the last axis of the indices.
-    rank, vector = len(indices.shape), numbers.index_vector_dim
-    if vector == rank:
-        indices = lax.expand_dims(indices, (rank,))
-    elif vector != rank - 1:
-        order = [a for a in range(rank) if a != vector] + [vector]
-        indices = lax.transpose(indices, order)
+    indices = _index_vector_last(indices, numbers.index_vector_dim)
     dims = lax.GatherDimensionNumbers(
         offset_dims=tuple(numbers.offset_dims),
         collapsed_slice_dims=tuple(numbers.collapsed_slice_dims),
@@ -574,12 +579,7 @@ def _scatter(interp, op, operands):
     sh = compat.stablehlo_dialect()
     numbers = sh.ScatterDimensionNumbers(op.attributes["scatter_dimension_numbers"])
     x, indices, updates = (materialize(v) for v in operands)
-    rank, vector = len(indices.shape), numbers.index_vector_dim
-    if vector == rank:
-        indices = lax.expand_dims(indices, (rank,))
-    elif vector != rank - 1:
-        order = [a for a in range(rank) if a != vector] + [vector]
-        indices = lax.transpose(indices, order)
+    indices = _index_vector_last(indices, numbers.index_vector_dim)
     dims = lax.ScatterDimensionNumbers(
         update_window_dims=tuple(numbers.update_window_dims),
         inserted_window_dims=tuple(numbers.inserted_window_dims),
