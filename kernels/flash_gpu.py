@@ -24,7 +24,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
 from flashpass import compat
@@ -34,7 +33,6 @@ from . import _util
 from . import flash_tpu as tiles
 from .base import CheckContext, Kernel
 from .dropout import apply_dropout, keep_mask_words
-from .reference import sink_cotangent
 
 #: Default query and key tile (Triton: a power of two).
 DEFAULT_BLOCK = 64
@@ -416,50 +414,7 @@ def _backward(plan, q, k, v, ex, key, do, m, inv_l, delta):
 # --------------------------------------------------------------------------- custom_vjp
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _attention(plan, q, k, v, ex, sink, key):
-    return _forward(plan, q, k, v, ex, sink, key)[0]
-
-
-def _attention_fwd(plan, q, k, v, ex, sink, key):
-    out, m, den = _forward(plan, q, k, v, ex, sink, key)
-    return out, (q, k, v, ex, sink, key, out, m, den)
-
-
-def _attention_bwd(plan, res, dout):
-    q, k, v, ex, sink, key, out, m, den = res
-    spec = plan.spec
-    T = spec.q_len
-    real = (jnp.arange(plan.tp) < T)[None, None, :, None]
-    m_b = jnp.where(real, m, jnp.inf)
-    inv_l = jnp.where(real, 1 / jnp.where(real, den, 1.0), 0.0)
-    dout = jnp.where(real, dout, 0).astype(plan.kdt)
-    delta = jnp.sum(dout.astype(jnp.float32) * out.astype(jnp.float32), axis=-1, keepdims=True)
-    dq, dk, dv, dtiles = _backward(plan, q, k, v, ex, key, dout, m_b, inv_l, delta)
-    G = spec.groups
-    if G > 1:
-        dk = dk.reshape(spec.batch, spec.kv_heads, G, *dk.shape[2:]).sum(2)
-        dv = dv.reshape(spec.batch, spec.kv_heads, G, *dv.shape[2:]).sum(2)
-    grads = dict(zip(plan.grad_extras, dtiles, strict=True))
-    dex = []
-    for index, x in zip(plan.tile_extras, ex, strict=True):
-        if index in grads:
-            dex.append(tiles._extra_cotangent(plan, grads[index], x))
-        elif jnp.issubdtype(x.dtype, jnp.inexact):
-            dex.append(jnp.zeros_like(x))
-        else:
-            dex.append(np.zeros(x.shape, jax.dtypes.float0))
-    dsink = None
-    if sink is not None:
-        rows = sink.shape[2]
-        s = sink[:, :, :T] if rows > 1 else sink
-        g = sink_cotangent(s, m[..., :T, 0], den[..., :T, 0], delta[..., :T, 0])
-        dsink = _util.pad_axis(g, 2, rows) if rows > 1 else g
-    dkey = None if key is None else np.zeros(key.shape, jax.dtypes.float0)
-    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), tuple(dex), dsink, dkey
-
-
-_attention.defvjp(_attention_fwd, _attention_bwd)
+_attention = tiles.vjp_attention(_forward, _backward)
 
 
 # --------------------------------------------------------------------------- adapter

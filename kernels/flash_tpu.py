@@ -619,57 +619,58 @@ def _backward(plan: _Plan, q, k, v, ex, key, do, m, inv_l, delta):
 # --------------------------------------------------------------------------- custom_vjp
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _attention(plan: _Plan, q, k, v, ex, sink, key):
-    return _forward(plan, q, k, v, ex, sink, key)[0]
+def vjp_attention(forward, backward):
+    """The kernel's attention as a ``custom_vjp`` over its own ``forward(plan, q,
+    k, v, ex, sink, key) -> (out, m, den)`` and ``backward(plan, q, k, v, ex,
+    key, dout, m, inv_l, delta) -> (dq, dk, dv, per-tile extra cotangents)``.
+    The gradient's assembly around the backward kernel (padded rows, GQA sums,
+    the extras' and the sink's cotangents) is the same for every backend of
+    this tile code (flash_tpu here, flash_gpu on Triton)."""
 
+    @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+    def attention(plan, q, k, v, ex, sink, key):
+        return forward(plan, q, k, v, ex, sink, key)[0]
 
-def _attention_fwd(plan, q, k, v, ex, sink, key):
-    out, m, den = _forward(plan, q, k, v, ex, sink, key)
-    return out, (q, k, v, ex, sink, key, out, m, den)
+    def attention_fwd(plan, q, k, v, ex, sink, key):
+        out, m, den = forward(plan, q, k, v, ex, sink, key)
+        return out, (q, k, v, ex, sink, key, out, m, den)
 
+    def attention_bwd(plan, res, dout):
+        q, k, v, ex, sink, key, out, m, den = res
+        spec = plan.spec
+        T = spec.q_len
+        real = (jnp.arange(plan.tp) < T)[None, None, :, None]
+        # Padded rows: m = +inf and 1/l = 0, so their weights are exactly 0.
+        m_b = jnp.where(real, m, jnp.inf)
+        inv_l = jnp.where(real, 1 / jnp.where(real, den, 1.0), 0.0)
+        dout = jnp.where(real, dout, 0).astype(plan.kdt)
+        delta = jnp.sum(dout.astype(jnp.float32) * out.astype(jnp.float32), -1, keepdims=True)
+        dq, dk, dv, dtiles = backward(plan, q, k, v, ex, key, dout, m_b, inv_l, delta)
+        G = spec.groups
+        if G > 1:
+            dk = dk.reshape(spec.batch, spec.kv_heads, G, *dk.shape[2:]).sum(2)
+            dv = dv.reshape(spec.batch, spec.kv_heads, G, *dv.shape[2:]).sum(2)
+        dex = []
+        grads = dict(zip(plan.grad_extras, dtiles, strict=True))
+        for i, x in zip(plan.tile_extras, ex, strict=True):
+            if i in grads:
+                dex.append(_extra_cotangent(plan, grads[i], x))
+            elif jnp.issubdtype(x.dtype, jnp.inexact):
+                dex.append(jnp.zeros_like(x))
+            else:
+                dex.append(np.zeros(x.shape, jax.dtypes.float0))
+        dsink = None
+        if sink is not None:
+            rows = sink.shape[2]
+            s = sink[:, :, :T] if rows > 1 else sink
+            g = sink_cotangent(s, m[..., :T, 0], den[..., :T, 0], delta[..., :T, 0])
+            dsink = _util.pad_axis(g, 2, rows) if rows > 1 else g
+        dkey = None if key is None else np.zeros(key.shape, jax.dtypes.float0)
+        grads = (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype))
+        return (*grads, tuple(dex), dsink, dkey)
 
-def _attention_bwd(plan, res, dout):
-    q, k, v, ex, sink, key, out, m, den = res
-    spec = plan.spec
-    T = spec.q_len
-    real = (jnp.arange(plan.tp) < T)[None, None, :, None]
-    # Padded rows: m = +inf and 1/l = 0, so their weights are exactly 0.
-    m_b = jnp.where(real, m, jnp.inf)
-    inv_l = jnp.where(real, 1 / jnp.where(real, den, 1.0), 0.0)
-    dout = jnp.where(real, dout, 0).astype(plan.kdt)
-    delta = jnp.sum(dout.astype(jnp.float32) * out.astype(jnp.float32), axis=-1, keepdims=True)
-    dq, dk, dv, dtiles = _backward(plan, q, k, v, ex, key, dout, m_b, inv_l, delta)
-    G = spec.groups
-    if G > 1:
-        shape = (spec.batch, spec.kv_heads, G, plan.sp)
-        dk = dk.reshape(*shape, spec.head_dim).sum(2)
-        dv = dv.reshape(*shape, spec.v_head_dim).sum(2)
-    dex = []
-    grads = dict(zip(plan.grad_extras, dtiles, strict=True))
-    for i, x in zip(plan.tile_extras, ex, strict=True):
-        if i in grads:
-            dex.append(_extra_cotangent(plan, grads[i], x))
-        elif jnp.issubdtype(x.dtype, jnp.inexact):
-            dex.append(jnp.zeros_like(x))
-        else:
-            dex.append(np.zeros(x.shape, jax.dtypes.float0))
-    dsink = None
-    if sink is not None:
-        rows = sink.shape[2]
-        delta_r = delta[..., :T, 0]
-        s = sink[:, :, :T] if rows > 1 else sink
-        g = sink_cotangent(s, m[..., :T, 0], den[..., :T, 0], delta_r)
-        dsink = _util.pad_axis(g, 2, rows) if rows > 1 else g
-    dkey = None if key is None else np.zeros(key.shape, jax.dtypes.float0)
-    return (
-        dq.astype(q.dtype),
-        dk.astype(k.dtype),
-        dv.astype(v.dtype),
-        tuple(dex),
-        dsink,
-        dkey,
-    )
+    attention.defvjp(attention_fwd, attention_bwd)
+    return attention
 
 
 def _extra_cotangent(plan: _Plan, tiles, x):
@@ -681,7 +682,7 @@ def _extra_cotangent(plan: _Plan, tiles, x):
     return g[:, :, : x.shape[2], : x.shape[3]].astype(x.dtype)
 
 
-_attention.defvjp(_attention_fwd, _attention_bwd)
+_attention = vjp_attention(_forward, _backward)
 
 
 # --------------------------------------------------------------------------- adapter
