@@ -167,6 +167,11 @@ def _probe(kernel: Kernel, spec, ctx: CheckContext) -> tuple[str | None, str | N
 #: Primitives whose bodies hold tiles, not whole arrays (`materialises`).
 _TILED = frozenset({"pallas_call", "while", "scan"})
 
+#: Primitives that hold a kernel's differentiable core (its `custom_vjp`): the
+#: arrays inside are the kernel's own work (one tile where a short sequence
+#: fits one); an operand built for it from O(T) data is built outside.
+_CORE = frozenset({"custom_vjp_call", "custom_vjp_call_jaxpr", "custom_jvp_call"})
+
 
 def _is_t_by_s(shape, t: int, s: int) -> bool:
     """Whether an array of ``shape`` could hold a ``T x S`` score matrix:
@@ -193,20 +198,41 @@ def _materialised_note(kernel: Kernel, spec, closed, interpret: bool) -> str | N
             if note is not None:
                 return note
         return None
-    stack = [closed.jaxpr]
-    while stack:
-        jaxpr = stack.pop()
-        for eqn in jaxpr.eqns:
-            for var in eqn.outvars:
-                shape = tuple(getattr(var.aval, "shape", ()))
-                if _is_t_by_s(shape, t, s):
-                    dtype = getattr(var.aval, "dtype", "")
-                    return (
-                        f"{kernel.name} materialises T×S: it builds a {dtype}{list(shape)} "
-                        "array from the site's O(T) data"
-                    )
-            if eqn.primitive.name not in _TILED:
-                stack += [getattr(b, "jaxpr", b) for b in compat.subjaxprs_of_params(eqn.params)]
+    # q, k and v are the call's first three operands: an array computed from
+    # them (scores, probabilities) is the kernel's own work, a tile when the
+    # sequence fits one; what is flagged is built from the O(T) data alone.
+    shape = _operand_built(
+        closed.jaxpr, [True] * 3 + [False] * (len(closed.jaxpr.invars) - 3), t, s
+    )
+    if shape is None:
+        return None
+    return f"{kernel.name} materialises T×S: it builds a {shape} array from the site's O(T) data"
+
+
+def _operand_built(jaxpr, from_qkv: list[bool], t: int, s: int) -> str | None:
+    """``dtype[shape]`` of the first array of ``jaxpr`` (or of a body it calls,
+    outside Pallas kernels and loop bodies, whose arrays are tiles) that could
+    hold a ``T x S`` matrix and does not depend on q, k or v (``from_qkv``
+    marks the invars that do); None if there is none."""
+    derived = {v for v, flag in zip(jaxpr.invars, from_qkv, strict=True) if flag}
+    for eqn in jaxpr.eqns:
+        ins = [not hasattr(x, "val") and x in derived for x in eqn.invars]
+        if eqn.primitive.name not in _TILED | _CORE:
+            for body in compat.subjaxprs_of_params(eqn.params):
+                body = getattr(body, "jaxpr", body)
+                # Operands map onto a body's inputs one to one (jit, custom
+                # derivatives); otherwise (cond, ...) any input taints them all.
+                flags = ins if len(body.invars) == len(ins) else [any(ins)] * len(body.invars)
+                found = _operand_built(body, flags, t, s)
+                if found is not None:
+                    return found
+        for var in eqn.outvars:
+            if any(ins):
+                derived.add(var)
+                continue
+            shape = tuple(getattr(var.aval, "shape", ()))
+            if _is_t_by_s(shape, t, s):
+                return f"{getattr(var.aval, 'dtype', '')}{list(shape)}"
     return None
 
 

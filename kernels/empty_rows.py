@@ -132,12 +132,11 @@ def rows_apart(kernel, filled: AttentionSpec, extras) -> bool:
         return False
     if filled.sink is not None:
         return False
-    for op in filled.score_ops:
-        if not isinstance(op, _ROW_FREE):
-            return False
-        if any(filled.extras[i].shape[2] != 1 for i in op.extras_read()):
-            return False
-    return True
+    if any(not isinstance(op, _ROW_FREE) for op in filled.score_ops):
+        return False
+    # Every extra goes with the gathered rows' call, read or not: none may
+    # hold a query axis (the call's query length is the chunk's).
+    return all(x.shape[2] == 1 for x in filled.extras)
 
 
 def _empty_rows_gathered(kernel, parts: Split, q, k, v, extras, empty, out, interpret: bool):

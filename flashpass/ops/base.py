@@ -21,6 +21,7 @@ import dataclasses
 from typing import ClassVar
 
 import jax.numpy as jnp
+import numpy as np
 
 #: `ScoreOp.at_offset`'s answer for an op that excludes every key of the block.
 EXCLUDED = "excluded"
@@ -187,7 +188,9 @@ class Positional(KeepOp):
             )
             full = full | (True if covers is None else covers)
         meets = self.meets(r0, r1, c0, c1)
-        return (False if meets is True else ~meets), full
+        # (`~` of a Python bool is an int: -1 for False.)
+        empty = (not meets) if isinstance(meets, bool | np.bool_) else ~meets
+        return empty, full
 
     def _ends(self, r0, r1):
         first, last = self.key_ranges(r0), self.key_ranges(r1)

@@ -12,7 +12,23 @@ from flashpass.kernels import Kernel, get_kernel, kernel_names, matrix
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
+def _pinned_jax() -> str:
+    for line in (ROOT / "constraints.txt").read_text().splitlines():
+        if line.startswith("jax=="):
+            return line.split("==", 1)[1].strip()
+    raise AssertionError("constraints.txt pins no jax")
+
+
 def test_docs_kernels_md_has_the_generated_matrix():
+    # The page is generated on the JAX that constraints.txt pins: on another
+    # version the GPU order (tokamax from 0.11.1) and Triton's availability
+    # differ, so the columns do too.
+    import jax
+
+    if jax.__version__ != _pinned_jax():
+        pytest.skip(
+            f"docs/kernels.md is generated on JAX {_pinned_jax()}, this is {jax.__version__}"
+        )
     page = (ROOT / "docs" / "kernels.md").read_text()
     assert matrix.BEGIN in page and matrix.END in page
     assert matrix.replace_in(page) == page, (
