@@ -30,10 +30,9 @@ from flashpass.kernels.dropout import dropout_reasons
 from . import compat
 from .calls import kernel_call
 
-#: (kernel name, id(kernel), spec, interpret, platform) -> error string or None
+#: (kernel name, id(kernel), spec, interpret, platform, step) -> (error string or
+#: None, `materialises`' note or None)
 _PROBES: collections.OrderedDict = collections.OrderedDict()
-#: The same keys -> `materialises`' note (None: O(T) operands only).
-_MATERIALISED: dict = {}
 _PROBE_LIMIT = 512
 
 
@@ -113,7 +112,7 @@ def materialises(kernel: Kernel, spec, ctx: CheckContext) -> str | None:
     Read from the probe's trace (`probe`), so it costs nothing more."""
     if probe(kernel, spec, ctx) is not None:
         return None
-    return _MATERIALISED.get(_probe_key(kernel, spec, ctx, False))
+    return _PROBES[_probe_key(kernel, spec, ctx, False)][1]
 
 
 def probe(kernel: Kernel, spec, ctx: CheckContext, step: bool = False) -> str | None:
@@ -122,16 +121,11 @@ def probe(kernel: Kernel, spec, ctx: CheckContext, step: bool = False) -> str | 
     key = _probe_key(kernel, spec, ctx, step)
     if key in _PROBES:
         _PROBES.move_to_end(key)
-        return _PROBES[key]
-    if step:
-        error = _probe_step(kernel, spec, ctx)
-    else:
-        error, note = _probe(kernel, spec, ctx)
-        _MATERIALISED[key] = note
-    _PROBES[key] = error
+        return _PROBES[key][0]
+    _PROBES[key] = (_probe_step(kernel, spec, ctx), None) if step else _probe(kernel, spec, ctx)
     if len(_PROBES) > _PROBE_LIMIT:
-        _MATERIALISED.pop(_PROBES.popitem(last=False)[0], None)
-    return error
+        _PROBES.popitem(last=False)
+    return _PROBES[key][0]
 
 
 def _probe_key(kernel: Kernel, spec, ctx: CheckContext, step: bool):
@@ -277,4 +271,3 @@ def current_platform() -> str:
 
 def clear_probe_cache() -> None:
     _PROBES.clear()
-    _MATERIALISED.clear()
