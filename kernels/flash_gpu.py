@@ -455,8 +455,6 @@ class FlashGpuKernel(Kernel):
         extras = tuple(extras)
         _util.check_arrays(self.name, spec, q, k, v, extras)
         plan = self.plan(spec, interpret)
-        sink_i = None if spec.sink is None else spec.sink.index
-        key_i = None if spec.dropout is None else spec.dropout.index
         Dp, Dvp = _pow2(spec.head_dim), _pow2(spec.v_head_dim)
         kdt, tp, sp = plan.kdt, plan.tp, plan.sp
 
@@ -467,14 +465,7 @@ class FlashGpuKernel(Kernel):
         def run(q, k, v, *extras):
             qp, kp = prep(q, tp, Dp), prep(k, sp, Dp)
             vp = prep(v, sp, Dvp, rounded=False)
-            ex = tuple(tiles._tile_extra(plan, i, extras[i]) for i in plan.tile_extras)
-            sink = None
-            if sink_i is not None:
-                sink = extras[sink_i]
-                if sink.shape[2] > 1:
-                    sink = _util.pad_axis(sink, 2, tp)
-            key = None if key_i is None else extras[key_i].reshape(2).astype(jnp.uint32)
-            out = _attention(plan, qp, kp, vp, ex, sink, key)
+            out = _attention(plan, qp, kp, vp, *tiles.kernel_extras(plan, spec, extras))
             return out[:, :, : spec.q_len, : spec.v_head_dim]
 
         # (x64 off while tracing, forward and backward, as for the TPU kernels.)

@@ -736,8 +736,6 @@ class FlashTpuKernel(Kernel):
         extras = tuple(extras)
         _util.check_arrays(self.name, spec, q, k, v, extras)
         plan = self.plan(spec, interpret)
-        sink_i = None if spec.sink is None else spec.sink.index
-        key_i = None if spec.dropout is None else spec.dropout.index
 
         def run(q, k, v, *extras):
             kdt, tp, sp = plan.kdt, plan.tp, plan.sp
@@ -745,17 +743,25 @@ class FlashTpuKernel(Kernel):
             q = _util.pad_axis(q.astype(spec.compute_dtype).astype(kdt), 2, tp)
             k = _util.pad_axis(k.astype(spec.compute_dtype).astype(kdt), 2, sp)
             v = _util.pad_axis(v.astype(kdt), 2, sp)
-            ex = tuple(_tile_extra(plan, i, extras[i]) for i in plan.tile_extras)
-            sink = None
-            if sink_i is not None:
-                sink = extras[sink_i]
-                if sink.shape[2] > 1:
-                    sink = _util.pad_axis(sink, 2, tp)
-            key = None if key_i is None else extras[key_i].reshape(2).astype(jnp.uint32)
-            out = _attention(plan, q, k, v, ex, sink, key)
+            out = _attention(plan, q, k, v, *kernel_extras(plan, spec, extras))
             return out[:, :, : spec.q_len]
 
         return compat.pallas_tpu_traced(run, interpret=False)(q, k, v, *extras)
+
+
+def kernel_extras(plan: _Plan, spec: AttentionSpec, extras) -> tuple:
+    """``(tiled extras, sink, dropout key)`` as the kernels read them, from the
+    call's extras (shared by flash_tpu and flash_gpu)."""
+    ex = tuple(_tile_extra(plan, i, extras[i]) for i in plan.tile_extras)
+    sink = None
+    if spec.sink is not None:
+        sink = extras[spec.sink.index]
+        if sink.shape[2] > 1:
+            sink = _util.pad_axis(sink, 2, plan.tp)
+    key = None
+    if spec.dropout is not None:
+        key = extras[spec.dropout.index].reshape(2).astype(jnp.uint32)
+    return ex, sink, key
 
 
 def _tile_extra(plan: _Plan, index: int, x):
