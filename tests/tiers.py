@@ -122,6 +122,19 @@ SAMPLED = {
     ),
     # Each dropout spelling once, bfloat16 once.
     "tests/test_dropout.py::test_spelling_matches_the_original": cover(),
+    # A Hugging Face training step with dropout: each model once, each dtype
+    # once (the dropout spellings themselves: test_dropout.py).
+    "tests/models/test_transformers_training.py::test_train_step_with_dropout": diagonal(
+        "name", "dtype"
+    ),
+    # The bounded signature cache: one size by default (the eviction path runs
+    # at size 1; size 8 repeats it with more entries).
+    "tests/test_resources.py::test_cache_stays_bounded_and_releases_evicted_entries": every(
+        2, "cache_size"
+    ),
+    # The torch-exported Llama fixtures: each attention implementation, each
+    # exporter and each export route once.
+    "tests/export/test_fixtures.py::test_llama_is_rewritten": cover(),
 }
 
 
