@@ -12,7 +12,9 @@ array).  Which rows are empty is read from the mask's ops in key chunks
 Where the second spec's scores do not depend on the query's position (a
 scale, a fill, key-only biases: `rows_apart`) and the kernel is plain JAX,
 the second call covers only the empty rows, gathered (`ROW_CHUNK` at a
-time), so left padding pays for its empty rows, not for every row again.
+time), so left padding pays for its empty rows, not for every row again; and
+where their scores all round to the fill, for the mean of v only
+(`kernels.uniform_rows`).
 
 Kernels never see `EmptyRows`: selection asks a kernel about both specs
 (`check`), and the named kernel call runs `apply` (`flashpass.calls`).
@@ -29,6 +31,7 @@ from jax import lax
 from flashpass.ops import Bias, EmptyRows, KvLengths, Scale, Softcap
 from flashpass.spec import AttentionSpec, ExtraSpec
 
+from . import uniform_rows
 from .blockwise.tiles import varying
 
 #: Keys per chunk of the empty-row pass: a ``[B, H|1, T, KEY_CHUNK]`` boolean
@@ -162,8 +165,14 @@ def _empty_rows_gathered(kernel, parts: Split, q, k, v, extras, empty, out, inte
         idx = lax.dynamic_slice_in_dim(order, j * chunk, chunk, axis=2)  # [B, H, C]
         q_rows = jnp.take_along_axis(q, idx[..., None], axis=2)
 
-        def run():
+        def call(q_rows, k, v, extras):
             return kernel.apply(rows_spec, q_rows, k, v, extras, interpret=interpret)
+
+        def run():
+            layout = getattr(kernel, "kv_layout", "bhsd")
+            return uniform_rows.rows_call(
+                call, rows_spec, parts.op.added, layout, q_rows, k, v, extras
+            )
 
         def skip():  # typed as ``run``'s result (in a shard_map body: varying alike)
             return varying(jnp.zeros((b, h, chunk, dv), spec.out_dtype), q, k, v, extras)
