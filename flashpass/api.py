@@ -1,29 +1,31 @@
-"""Public entry points: `optimize` and `explain`."""
+"""Public entry points: `optimize`, `explain`, and `Optimized`, the function `optimize` returns.
+
+`Optimized` is the front door: its options, its calls (one ``jax.jit`` of the
+rewritten program) and what it reports.  What it leans on lives beside it: the
+side table of input signatures in `flashpass.cache`, the static arguments and
+the table's key in `flashpass.arguments`, decorated methods in
+`flashpass.methods`, calls with Flax NNX objects in `flashpass.nnx_state`.
+"""
 
 from __future__ import annotations
 
-import collections
 import collections.abc
-import contextlib
-import ctypes
 import dataclasses
 import difflib
 import functools
-import inspect
-import numbers
 import os
-import sys
 import threading
 import weakref
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import jax
 import numpy as np
 
 from flashpass.kernels import Kernel, get_kernel
 
-from . import compat, errors, nnx_state, pipeline, placement
+from . import compat, errors, methods, nnx_state, pipeline, placement
+from .arguments import StaticArgs, leaf_aval
+from .cache import Entry, SignatureTable, release_freed_memory
 from .platforms import KERNEL_PLATFORMS, kernel_platform
 from .report import Report
 from .select import current_platform, resolve_order
@@ -72,17 +74,6 @@ class _kept:  # noqa: N801 - used as a decorator
 
     def __call__(self, *args, **kwargs):
         return self.fn(*args, **kwargs)
-
-
-@dataclasses.dataclass
-class _Entry:
-    """Everything the side table keeps for one input signature."""
-
-    original: Any  # ClosedJaxpr as traced
-    rewritten: Any  # ClosedJaxpr after the pass
-    out_tree: Any
-    report: Report
-    logged: bool = False  # whether the report was logged (when the program is staged)
 
 
 class Optimized:
@@ -144,22 +135,18 @@ class Optimized:
         else:
             # Resolve now so an unknown kernel name fails here, with the known names.
             resolve_order(kernel, platform or "cpu")
-        self._static_argnums, self._static_argnames, self._params = _static_args(
-            fn, static_argnums, static_argnames
-        )
-        # Names of the parameters a static position may also be passed by keyword.
-        self._keyword_names = tuple(
-            p.name if p.kind == p.POSITIONAL_OR_KEYWORD else None
-            for p in (self._params or {}).values()
-        )
-        self._cache: collections.OrderedDict = collections.OrderedDict()
+        self._statics = StaticArgs(fn, static_argnums, static_argnames)
+        self._cache = SignatureTable(cache_size)
         self._cache_size = cache_size
         self._lock = threading.RLock()
         self.traces = 0  # number of trace+match+rewrite runs (for tests and tuning)
         # Decorated methods: id(instance) -> (weakref to it, its Optimized).
         self._instances: dict[int, tuple[weakref.ref, Optimized]] = {}
-        self._graph: Optimized | None = None  # for calls with Flax NNX modules (`_route`)
-        self._routes = True  # False for that one: its arguments are pure state
+        # Calls with Flax NNX modules (`_route`); None for the pure function
+        # they are routed to, whose arguments are pure state.
+        self._nnx: nnx_state.Routes | None = nnx_state.Routes(
+            fn, self._statics.nums, self._statics.names
+        )
         # Not its __dict__: an optimized function passed in must keep its own state.
         functools.update_wrapper(self, fn, updated=())
         # A wrapper that copies this __dict__ (``functools.wraps``, e.g.
@@ -188,10 +175,11 @@ class Optimized:
         # The name ``jit`` shows in the caller's jaxpr and in profiles.
         name = getattr(fn, "__name__", None)
         staged.__name__ = staged.__qualname__ = name if isinstance(name, str) else "optimized"
+        # jit splits each call and dispatches on the static values itself.
         self._jitted = jax.jit(
             staged,
-            static_argnums=tuple(sorted(self._static_argnums)),
-            static_argnames=tuple(sorted(self._static_argnames)),
+            static_argnums=tuple(sorted(self._statics.nums)),
+            static_argnames=tuple(sorted(self._statics.names)),
         )
 
     # ------------------------------------------------------------------ calling
@@ -272,26 +260,30 @@ class Optimized:
         """``(optimized, args, kwargs, split)``: ``self`` and the arguments as
         given, or, when they hold Flax NNX modules or optimizers, the optimized
         pure function of their state and its arguments (`flashpass.nnx_state`)."""
-        if not self._routes:
-            return self, args, kwargs, None
-        split = nnx_state.split_call(args, kwargs, self._static_argnums, self._static_argnames)
-        if split is None:
-            return self, args, kwargs, None
-        with self._lock:
-            if self._graph is None:
-                self._graph = Optimized(
-                    nnx_state.pure_function(self._fn),
-                    kernel=self._kernel,
-                    platform=self._platform,
-                    interpret=self._interpret,
-                    static_argnums=(0, *(i + 2 for i in self._static_argnums)),
-                    static_argnames=tuple(self._static_argnames),
-                    cache_size=self._cache_size,
-                    strict=self._strict,
-                )
-                self._graph._routes = False
-                self._graph._disabled = self._disabled  # as when this one was made
-        return self._graph, (split.graphdef, split.state, *split.args), split.kwargs, split
+        routed = None if self._nnx is None else self._nnx(args, kwargs, self._derive_pure)
+        return (self, args, kwargs, None) if routed is None else routed
+
+    def _derive_pure(self, fn, static_argnums, static_argnames) -> Optimized:
+        pure = self._derive(fn, static_argnums, static_argnames)
+        pure._nnx = None  # its arguments are pure state
+        return pure
+
+    def _derive(self, fn, static_argnums, static_argnames) -> Optimized:
+        """An `Optimized` of ``fn`` with this one's settings (its off switch
+        too, as when this one was made)."""
+        derived = Optimized(
+            fn,
+            kernel=self._kernel,
+            platform=self._platform,
+            interpret=self._interpret,
+            static_argnums=static_argnums,
+            static_argnames=static_argnames,
+            cache_size=self._cache_size,
+            strict=self._strict,
+            zigzag=self._zigzag,
+        )
+        derived._disabled = self._disabled
+        return derived
 
     @property
     def reports(self) -> tuple[Report, ...]:
@@ -299,7 +291,8 @@ class Optimized:
         (e.g. ``reports[-1]`` after a call inside ``vmap`` or ``shard_map``,
         where the signature is the per-example or per-shard one)."""
         with self._lock:
-            graph = self._graph.reports if self._graph is not None else ()
+            pure = None if self._nnx is None else self._nnx.optimized
+            graph = pure.reports if pure is not None else ()
             return graph + tuple(e.report for e in self._cache.values())
 
     def cache_info(self) -> dict:
@@ -310,70 +303,27 @@ class Optimized:
         with self._lock:
             self._cache.clear()
             self._jitted.clear_cache()
-            if self._graph is not None:
-                self._graph.clear_cache()
+            pure = None if self._nnx is None else self._nnx.optimized
+            if pure is not None:
+                pure.clear_cache()
         release_freed_memory()
 
     def __get__(self, obj, objtype=None):
-        """Decorated methods: one optimized function (and cache) per instance.
-
-        ``instance.method`` keeps the instance alive, as a bound method does;
-        the per-instance cache holds it only weakly and is dropped when the
-        instance is (instances are told apart by identity, not ``==``).  An
-        instance that does not support weak references (``__slots__`` without
-        ``__weakref__``) gets a fresh cache on every attribute access.
-        """
+        """Decorated methods: one optimized function (and cache) per instance
+        (`flashpass.methods`)."""
         if obj is None:
             return self
-        with self._lock:
-            found = self._instances.get(id(obj))
-            if found is not None and found[0]() is obj:
-                return _BoundMethod(found[1], obj)
-            try:
-                ref = weakref.ref(obj)
-            except TypeError:
-                return _BoundMethod(self._bind(lambda: obj), obj)
-            bound = self._bind(ref)
-            self._instances[id(obj)] = (ref, bound)
-        weakref.finalize(obj, _forget_instance, self._instances, id(obj), ref)
-        return _BoundMethod(bound, obj)
+        return methods.bound_method(self._instances, self._lock, obj, self._bind)
 
     def _bind(self, ref) -> Optimized:
         """The `Optimized` of ``self._fn`` with its first argument ``ref()``."""
-        fn = self._fn
-
-        def method(*args, **kwargs):
-            instance = ref()
-            if instance is None:  # pragma: no cover - the caller holds the instance
-                raise ReferenceError("the instance of this optimized method no longer exists")
-            return fn(instance, *args, **kwargs)
-
-        for attr in ("__module__", "__name__", "__qualname__", "__doc__"):
-            with contextlib.suppress(AttributeError):
-                setattr(method, attr, getattr(fn, attr))
-        first = None
-        if self._params is not None:
-            params = list(self._params.values())
-            if params and params[0].kind in (
-                params[0].POSITIONAL_ONLY,
-                params[0].POSITIONAL_OR_KEYWORD,
-            ):
-                first = params[0].name
-                method.__signature__ = inspect.Signature(params[1:])
-        bound = Optimized(
+        method, first = methods.method_of(self._fn, self._statics.params, ref)
+        return self._derive(
             method,
-            kernel=self._kernel,
-            platform=self._platform,
-            interpret=self._interpret,
             # the instance is bound: positions shift by one
-            static_argnums=tuple(i - 1 for i in self._static_argnums if i > 0),
-            static_argnames=tuple(n for n in self._static_argnames if n != first),
-            cache_size=self._cache_size,
-            strict=self._strict,
-            zigzag=self._zigzag,
+            tuple(i - 1 for i in self._statics.nums if i > 0),
+            tuple(n for n in self._statics.names if n != first),
         )
-        bound._disabled = self._disabled  # as when this one was made
-        return bound
 
     def _name(self) -> str:
         name = getattr(self._fn, "__qualname__", None)
@@ -385,101 +335,39 @@ class Optimized:
 
     # ------------------------------------------------------------------ internals
 
-    def _entry(self, args, kwargs) -> tuple[_Entry, list]:
+    def _entry(self, args, kwargs) -> tuple[Entry, list]:
         """The side-table entry for these arguments (built on a miss) and the
         dynamic argument leaves; at ``jit`` trace time the leaves are tracers."""
-        dyn_args, dyn_kwargs, static_key, rebuild = self._split(args, kwargs)
+        dyn_args, dyn_kwargs, static_key, rebuild = self._statics.split(args, kwargs)
         leaves, in_tree = jax.tree_util.tree_flatten((dyn_args, dyn_kwargs))
-        avals = tuple(_aval(x, in_tree, i) for i, x in enumerate(leaves))
+        avals = tuple(leaf_aval(x, in_tree, i) for i, x in enumerate(leaves))
         key = (in_tree, avals, static_key, compat.context_mesh())
         with self._lock:
             entry = self._cache.get(key)
             if entry is not None:
-                self._cache.move_to_end(key)
                 return entry, leaves
         entry = self._build(avals, in_tree, rebuild)
         with self._lock:
-            if not _holds_tracers(entry.rewritten.consts):
-                self._cache[key] = entry
-                if len(self._cache) > self._cache_size:
-                    while len(self._cache) > self._cache_size:
-                        self._cache.popitem(last=False)
-                    # Release the evicted signatures' compiled programs: ``jit``
-                    # keeps one per signature and cannot drop a single one.
-                    self._jitted.clear_cache()
-                    release_freed_memory()
+            if not _holds_tracers(entry.rewritten.consts) and self._cache.put(key, entry):
+                # Release the evicted signatures' compiled programs: ``jit``
+                # keeps one per signature and cannot drop a single one.
+                self._jitted.clear_cache()
+                release_freed_memory()
         return entry, leaves
 
     def _input_problem(self, args, kwargs) -> Exception | None:
         """The clear error for bad arguments (non-array leaves, unhashable or
         missing static arguments), or None when the arguments are fine."""
         try:
-            dyn_args, dyn_kwargs, _, _ = self._split(args, kwargs)
+            dyn_args, dyn_kwargs, _, _ = self._statics.split(args, kwargs)
             leaves, in_tree = jax.tree_util.tree_flatten((dyn_args, dyn_kwargs))
             for i, x in enumerate(leaves):
-                _aval(x, in_tree, i)
+                leaf_aval(x, in_tree, i)
         except (TypeError, ValueError, OverflowError) as err:
             return err
         return None
 
-    def _split(self, args, kwargs):
-        """``(dynamic args, dynamic kwargs, static key, rebuild)`` of one call.
-
-        A static parameter may be passed by position or by keyword (as with
-        ``jax.jit``); the key names it the same way for both, so the two forms
-        share a cache entry.
-        """
-        static_pos, static_names = self._static_argnums, self._static_argnames
-        for i in static_pos:
-            if i >= len(args):
-                name = self._positional_name(i)
-                if name is not None and (name in kwargs or self._has_default(name)):
-                    continue  # passed by keyword, or the function's default applies
-                by_keyword = f" and {name!r} was not passed by keyword" if name else ""
-                raise ValueError(
-                    f"static_argnums={i} but only {len(args)} positional arguments were "
-                    f"passed{by_keyword}"
-                )
-        dyn_args = tuple(a for i, a in enumerate(args) if i not in static_pos)
-        dyn_kwargs = {k: v for k, v in kwargs.items() if k not in static_names}
-        named = {k: v for k, v in kwargs.items() if k in static_names}
-        unnamed = []  # static positions without a name (inside *args)
-        for i in sorted(static_pos):
-            if i < len(args):
-                name = self._positional_name(i)
-                if name is None:
-                    unnamed.append((i, args[i]))
-                elif name in named:
-                    raise TypeError(
-                        f"{getattr(self._fn, '__name__', 'fn')}() got multiple values for "
-                        f"argument {name!r}"
-                    )
-                else:
-                    named[name] = args[i]
-        statics = (tuple(unnamed), tuple(sorted(named.items())))
-        try:
-            hash(statics)
-        except TypeError as err:
-            raise TypeError(
-                f"static arguments must be hashable ({err}); pass arrays as non-static arguments"
-            ) from None
-
-        def rebuild(d_args, d_kwargs):
-            it = iter(d_args)
-            full = [args[i] if i in static_pos else next(it) for i in range(len(args))]
-            return full, {**d_kwargs, **{k: kwargs[k] for k in kwargs if k in static_names}}
-
-        return dyn_args, dyn_kwargs, statics, rebuild
-
-    def _positional_name(self, i: int) -> str | None:
-        """The name of positional parameter ``i`` (None: inside ``*args``, or unknown)."""
-        return self._keyword_names[i] if i < len(self._keyword_names) else None
-
-    def _has_default(self, name: str) -> bool:
-        param = (self._params or {}).get(name)
-        return param is not None and param.default is not param.empty
-
-    def _build(self, avals, in_tree, rebuild) -> _Entry:
+    def _build(self, avals, in_tree, rebuild) -> Entry:
         self.traces += 1
 
         def flat_fn(*leaves):
@@ -494,8 +382,8 @@ class Optimized:
             self._fn,
             example_args,
             example_kwargs,
-            self._static_argnums,
-            self._static_argnames,
+            self._statics.nums,
+            self._statics.names,
             len(avals),
         )
         closed, out_shape = pipeline.trace(flat_fn, avals)
@@ -503,7 +391,7 @@ class Optimized:
         platform = self._platform or current_platform()
         if self._disabled:  # the off switch: the program as traced, under jit
             report = Report(platform=platform, jax_version=jax.__version__, disabled=self._disabled)
-            return _Entry(closed, closed, out_tree, report)
+            return Entry(closed, closed, out_tree, report)
         with errors.strict_mode(self._strict):
             rewritten, report = pipeline.run_pass(
                 closed,
@@ -513,7 +401,7 @@ class Optimized:
                 zigzag=self._zigzag,
             )
         pipeline.dump(self._name(), closed, rewritten, report)
-        return _Entry(closed, rewritten, out_tree, report)
+        return Entry(closed, rewritten, out_tree, report)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -582,102 +470,6 @@ class _LiveReports(collections.abc.Sequence):
         return repr(self._now())
 
 
-class _BoundMethod:
-    """``instance.method`` of an optimized method.
-
-    Holds the instance, as a Python bound method does, and calls the
-    instance's `Optimized` (which holds it only weakly); its attributes
-    (``explain``, ``cache_info``...) are that `Optimized`'s.
-    """
-
-    __slots__ = ("__self__", "_optimized", "__weakref__")
-
-    def __init__(self, optimized: Optimized, instance):
-        self._optimized = optimized
-        self.__self__ = instance
-
-    def __call__(self, *args, **kwargs):
-        return self._optimized(*args, **kwargs)
-
-    def __getattr__(self, name):
-        return getattr(self._optimized, name)
-
-    def __repr__(self) -> str:
-        return f"<bound {self._optimized!r} of {self.__self__!r}>"
-
-
-def _malloc_trim():
-    """glibc's ``malloc_trim`` (None elsewhere: macOS, Windows, musl)."""
-    try:
-        return ctypes.CDLL(None).malloc_trim
-    except (AttributeError, OSError):
-        return None
-
-
-_MALLOC_TRIM = _malloc_trim() if sys.platform.startswith("linux") else None
-
-
-def release_freed_memory() -> None:
-    """Return the heap that freed programs leave behind to the operating system.
-
-    A compiled program is allocated by XLA's compile threads; when it is freed
-    (an eviction clears ``jit``'s programs) glibc keeps the pages in those
-    threads' arenas, so the process's resident memory would stay as high as if
-    the programs were alive.  ``malloc_trim(0)`` gives free pages back (a few
-    milliseconds, next to the compilation that caused the eviction); elsewhere
-    this does nothing.
-    """
-    if _MALLOC_TRIM is not None:
-        _MALLOC_TRIM(0)
-
-
-def _forget_instance(instances: dict, key: int, ref) -> None:
-    """Drop a dead instance's `Optimized` (unless the id was reused meanwhile)."""
-    found = instances.get(key)
-    if found is not None and found[0] is ref:
-        instances.pop(key, None)
-
-
-def _aval(x, in_tree, index):
-    """The abstract value ``jit`` gives argument leaf ``x`` (``jax.typeof``: for
-    a tracer, its type; for an array, its shape, dtype, weak type and sharding),
-    or a clear error for a leaf that is not an array or number."""
-    if isinstance(x, jax.ShapeDtypeStruct):
-        return compat.struct_aval(x)
-    if isinstance(x, jax.Array | np.ndarray | np.generic) or compat.is_tracer(x):
-        if isinstance(x, np.ndarray | np.generic) and not _numeric(x.dtype):
-            raise TypeError(
-                f"argument leaf {_leaf_path(in_tree, index)} has dtype {x.dtype}, not a "
-                "number type; pass it through static_argnums/static_argnames, or close over it"
-            )
-        return jax.typeof(x)
-    if isinstance(x, bool | numbers.Number):
-        if type(x) is int and not -(2**31) <= x < 2**31 and not jax.config.jax_enable_x64:
-            raise TypeError(
-                f"argument leaf {_leaf_path(in_tree, index)} = {x} does not fit in int32; pass an "
-                "array with an explicit dtype (int64 needs jax_enable_x64), or use static_argnums"
-                "/static_argnames"
-            )
-        return jax.typeof(x)
-    path = _leaf_path(in_tree, index)
-    raise TypeError(
-        f"argument leaf {path} is a {type(x).__name__}, not an array or number; "
-        "pass it through static_argnums/static_argnames, or close over it"
-    )
-
-
-def _numeric(dtype) -> bool:
-    return dtype == np.bool_ or jax.numpy.issubdtype(dtype, jax.numpy.number)
-
-
-def _leaf_path(in_tree, index) -> str:
-    dummy = jax.tree_util.tree_unflatten(in_tree, list(range(in_tree.num_leaves)))
-    for path, leaf in jax.tree_util.tree_flatten_with_path(dummy)[0]:
-        if leaf == index:
-            return jax.tree_util.keystr(path)
-    return f"#{index}"
-
-
 def _traced(args, kwargs) -> bool:
     """Whether the call is being traced (e.g. under an outer ``jit`` or
     ``jax.export``, which may lower for another platform than this host)."""
@@ -687,62 +479,6 @@ def _traced(args, kwargs) -> bool:
 
 def _holds_tracers(consts) -> bool:
     return any(compat.is_tracer(c) for c in consts)
-
-
-def _static_args(fn, argnums, argnames):
-    """``(static positions, static names, fn's signature parameters or None)``;
-    a static parameter that has both gets both."""
-    if isinstance(argnums, int):
-        argnums = (argnums,)
-    if isinstance(argnames, str):
-        argnames = (argnames,)
-    try:
-        argnums = tuple(argnums)
-        argnames = tuple(argnames)
-    except TypeError:
-        raise TypeError("static_argnums must be ints and static_argnames strings") from None
-    if not all(isinstance(i, int) and not isinstance(i, bool) for i in argnums):
-        raise TypeError(f"static_argnums must be ints, got {argnums!r}")
-    if not all(isinstance(n, str) for n in argnames):
-        raise TypeError(f"static_argnames must be strings, got {argnames!r}")
-    nums, names = set(argnums), set(argnames)
-    try:
-        signature_params = inspect.signature(fn).parameters
-    except (TypeError, ValueError):
-        signature_params = None
-    params = None if signature_params is None else list(signature_params.values())
-    if params is not None:
-        positional = [
-            p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
-        ]
-        has_varargs = any(p.kind == p.VAR_POSITIONAL for p in params)
-        has_varkw = any(p.kind == p.VAR_KEYWORD for p in params)
-        for i in list(nums):
-            if i < 0:
-                if has_varargs:
-                    raise ValueError("negative static_argnums need a fixed number of arguments")
-                nums.discard(i)
-                i += len(positional)
-                if i < 0:
-                    raise ValueError(f"static_argnums {i} is out of range")
-                nums.add(i)
-            if i < len(positional):
-                names.add(positional[i])
-            elif not has_varargs:
-                raise ValueError(
-                    f"static_argnums={i} but {getattr(fn, '__name__', 'fn')} takes "
-                    f"{len(positional)} positional arguments"
-                )
-        known = {p.name for p in params}
-        for n in argnames:
-            if n not in known and not has_varkw:
-                raise ValueError(
-                    f"static_argnames={n!r} is not a parameter of "
-                    f"{getattr(fn, '__name__', 'fn')}; parameters: {sorted(known)}"
-                )
-            if n in positional:
-                nums.add(positional.index(n))
-    return frozenset(nums), frozenset(names), signature_params
 
 
 def optimize(
@@ -820,5 +556,5 @@ def explain(fn: Callable, *args, **kwargs) -> Report:
 
     ``fn`` may already be an optimized function (its settings are used).
     """
-    opt = fn if isinstance(fn, Optimized | _BoundMethod) else optimize(fn)
+    opt = fn if isinstance(fn, Optimized | methods.BoundMethod) else optimize(fn)
     return opt.explain(*args, **kwargs)

@@ -11,6 +11,9 @@ This holds whichever way the step is wrapped: ``nnx.jit(optimize(step))``
 (the nodes hold ``nnx.jit``'s tracers; their state is written back on its
 trace) and ``optimize(nnx.jit(step))`` (the fresh nodes are ``nnx.jit``'s
 arguments; it updates them, and their state is returned).
+
+`Routes` sends an optimized function's calls that hold graph nodes to the
+optimized pure function of their state.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import threading
 
 import jax
 
@@ -41,6 +45,37 @@ class Split:
     args: tuple  # the arguments, each graph node replaced by a `_Slot`
     kwargs: dict
     nodes: tuple  # the caller's nodes, in slot order
+
+
+class Routes:
+    """An optimized function's calls with Flax NNX graph nodes among their
+    arguments, routed to one optimized pure function of their state
+    (`pure_function` of ``fn``), made on the first such call."""
+
+    def __init__(self, fn, static_argnums, static_argnames):
+        self._fn = fn
+        self._nums, self._names = static_argnums, static_argnames
+        self._lock = threading.Lock()
+        self.optimized = None  # the pure function's optimized function, once made
+
+    def __call__(self, args, kwargs, derive):
+        """``(optimized, args, kwargs, split)`` for a call whose arguments hold
+        graph nodes (the pure function's, its arguments, and the split to write
+        the final state back through), or None when they hold none.
+
+        ``derive(fn, static_argnums, static_argnames)`` makes the optimized
+        function of the pure function, with the caller's settings.
+        """
+        split = split_call(args, kwargs, self._nums, self._names)
+        if split is None:
+            return None
+        with self._lock:
+            if self.optimized is None:
+                # (graphdef, state) come first: the static positions shift by two.
+                nums = (0, *(i + 2 for i in self._nums))
+                self.optimized = derive(pure_function(self._fn), nums, tuple(self._names))
+        pure_args = (split.graphdef, split.state, *split.args)
+        return self.optimized, pure_args, split.kwargs, split
 
 
 def split_call(args, kwargs, static_argnums, static_argnames) -> Split | None:

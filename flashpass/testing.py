@@ -25,7 +25,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import compat
-from .api import Optimized, _BoundMethod, optimize
+from .api import Optimized, optimize
+from .methods import BoundMethod
 from .printer import count_kernel_calls, format_jaxpr
 from .report import Report
 
@@ -41,7 +42,7 @@ def _in_ci() -> bool:
 
 
 def _optimized(fn, kwargs) -> Optimized:
-    if isinstance(fn, Optimized | _BoundMethod):  # already optimized (a method, too)
+    if isinstance(fn, Optimized | BoundMethod):  # already optimized (a method, too)
         return fn
     return optimize(fn, **kwargs)
 
@@ -65,7 +66,7 @@ def assert_rewrites(
     Returns the `Report`.
     """
     settings = dict(optimize_kwargs or {})
-    if kernel is not None and not isinstance(fn, Optimized | _BoundMethod):
+    if kernel is not None and not isinstance(fn, Optimized | BoundMethod):
         if settings.get("kernel", kernel) != kernel:
             raise TypeError(
                 f"kernel={kernel!r} and optimize_kwargs['kernel']={settings['kernel']!r} differ"

@@ -30,7 +30,7 @@ from flashpass import compat
 from flashpass.spec import AttentionSpec
 
 from . import _util
-from . import flash_tpu as tiles
+from . import flash_tiles as tiles
 from .base import CheckContext, Kernel
 from .dropout import apply_dropout, keep_mask_words
 
@@ -258,34 +258,51 @@ def _grads_of_tile(plan, qt, kt, vt, dot, m, inv_l, delta, ex, key_ref, b, h, qi
 
 
 def _backward(plan, q, k, v, ex, key, do, m, inv_l, delta):
-    pl, plgpu = compat.pallas_triton_modules()
+    """``(dq, dk, dv per query head, dextra tiles)``: two kernels over the same
+    inputs, dQ by query tile and dK/dV by key tile."""
+    has_key = key is not None
+    args = [q, k, v, do, m, inv_l, delta, *ex] + ([key] if has_key else [])
+    dq, dex = _backward_dq(plan, args, has_key)
+    dk, dv = _backward_dkv(plan, args, has_key)
+    return dq, dk, dv, dex
+
+
+def _backward_params():
+    _, plgpu = compat.pallas_triton_modules()
+    return plgpu.CompilerParams(num_warps=4, num_stages=1)
+
+
+def _split_refs(plan, refs, has_key: bool):
+    """A backward kernel's refs: ``((q, k, v, dO, m, 1/l, delta), extras, key, outputs)``."""
+    n_ex = len(plan.tile_extras)
+    q_ref, k_ref, v_ref, do_ref, m_ref, il_ref, d_ref = refs[:7]
+    ex_refs = refs[7 : 7 + n_ex]
+    rest = list(refs[7 + n_ex :])
+    key_ref = rest.pop(0) if has_key else None
+    return (q_ref, k_ref, v_ref, do_ref, m_ref, il_ref, d_ref), ex_refs, key_ref, rest
+
+
+def _backward_dq(plan, args, has_key: bool):
+    """dQ (and the extras' cotangent tiles): one program per query tile."""
+    pl, _ = compat.pallas_triton_modules()
     spec = plan.spec
     B, H, G = spec.batch, spec.heads, spec.groups
     Dp, Dvp = _pow2(spec.head_dim), _pow2(spec.v_head_dim)
-    n_ex = len(plan.tile_extras)
-    has_key = key is not None
     kdt = plan.kdt
     dtiles = []
     for index in plan.grad_extras:
         _, _, et, es = spec.extras[index].shape
         dtiles.append((plan.bq if et > 1 else 1, plan.bk if es > 1 else 1))
-    params = plgpu.CompilerParams(num_warps=4, num_stages=1)
 
-    def split(refs):
-        q_ref, k_ref, v_ref, do_ref, m_ref, il_ref, d_ref = refs[:7]
-        ex_refs = refs[7 : 7 + n_ex]
-        rest = list(refs[7 + n_ex :])
-        key_ref = rest.pop(0) if has_key else None
-        return (q_ref, k_ref, v_ref, do_ref, m_ref, il_ref, d_ref), ex_refs, key_ref, rest
-
-    # dQ (and the extras' cotangent tiles): one program per query tile.
     rows, _, extra_q, _, _ = _blocks(plan, "q")
     full_keys = lambda w: pl.BlockSpec(  # noqa: E731
         (None, None, plan.sp, w), lambda b, h, i: (b, lax.div(h, G), 0, 0)
     )
 
     def dq_kernel(*refs):
-        (q_ref, k_ref, v_ref, do_ref, m_ref, il_ref, d_ref), ex_refs, key_ref, outs = split(refs)
+        (q_ref, k_ref, v_ref, do_ref, m_ref, il_ref, d_ref), ex_refs, key_ref, outs = _split_refs(
+            plan, refs, has_key
+        )
         dq_ref, *dex_refs = outs
         b, h, i = (pl.program_id(a) for a in range(3))
         qt, dot, mt, il, dl = q_ref[...], do_ref[...], m_ref[...], il_ref[...], d_ref[...]
@@ -313,7 +330,6 @@ def _backward(plan, q, k, v, ex, key, do, m, inv_l, delta):
 
         dq_ref[...] = lax.fori_loop(0, plan.nk, step, jnp.zeros((plan.bq, Dp), jnp.float32))
 
-    args = [q, k, v, do, m, inv_l, delta, *ex] + ([key] if has_key else [])
     in_specs = [rows(Dp), full_keys(Dp), full_keys(Dvp), rows(Dvp), rows(1), rows(1), rows(1)]
     in_specs += [extra_q(index) for index in plan.tile_extras]
     if has_key:
@@ -329,17 +345,27 @@ def _backward(plan, q, k, v, ex, key, do, m, inv_l, delta):
         ],
         out_shape=[jax.ShapeDtypeStruct((B, H, plan.tp, Dp), jnp.float32)]
         + [jax.ShapeDtypeStruct((B, H, plan.nq, plan.nk, *t), jnp.float32) for t in dtiles],
-        compiler_params=params,
+        compiler_params=_backward_params(),
         interpret=plan.interpret,
         name="flashpass_flash_gpu_dq",
     )(*args)
+    return dq, dex
 
-    # dK, dV per query head: one program per key tile.
+
+def _backward_dkv(plan, args, has_key: bool):
+    """dK, dV per query head: one program per key tile."""
+    pl, _ = compat.pallas_triton_modules()
+    spec = plan.spec
+    B, H = spec.batch, spec.heads
+    Dp, Dvp = _pow2(spec.head_dim), _pow2(spec.v_head_dim)
+    kdt = plan.kdt
     rows_k, keys_k, extra_k, _, _ = _blocks(plan, "k")
     per_head = lambda w: pl.BlockSpec((None, None, plan.bk, w), lambda b, h, j: (b, h, j, 0))  # noqa: E731
 
     def dkv_kernel(*refs):
-        (q_ref, k_ref, v_ref, do_ref, m_ref, il_ref, d_ref), ex_refs, key_ref, outs = split(refs)
+        (q_ref, k_ref, v_ref, do_ref, m_ref, il_ref, d_ref), ex_refs, key_ref, outs = _split_refs(
+            plan, refs, has_key
+        )
         dk_ref, dv_ref = outs
         b, h, j = (pl.program_id(a) for a in range(3))
         kt, vt = k_ref[...], v_ref[...]
@@ -404,11 +430,11 @@ def _backward(plan, q, k, v, ex, key, do, m, inv_l, delta):
             jax.ShapeDtypeStruct((B, H, plan.sp, Dp), jnp.float32),
             jax.ShapeDtypeStruct((B, H, plan.sp, Dvp), jnp.float32),
         ],
-        compiler_params=params,
+        compiler_params=_backward_params(),
         interpret=plan.interpret,
         name="flashpass_flash_gpu_dkv",
     )(*args)
-    return dq, dk, dv, dex
+    return dk, dv
 
 
 # --------------------------------------------------------------------------- custom_vjp

@@ -352,7 +352,7 @@ def _check_decode_memory(shapes, cache_size, b, h, d, s0, ds, limit_mib):
         pytest.skip(f"plain jax.jit grew only {baseline:.0f} MiB over {shapes} shapes here")
     grown = _decode_rss_growth("opt", *args)
     # jit keeps every shape's program; the optimized function at most
-    # cache_size of them, and returns the freed heap (api.release_freed_memory).
+    # cache_size of them, and returns the freed heap (cache.release_freed_memory).
     assert grown <= min(0.6 * baseline, limit_mib), (
         f"optimized decode step grew {grown:.0f} MiB over {shapes} new shapes "
         f"(cache_size={cache_size}); plain jax.jit grew {baseline:.0f} MiB"
