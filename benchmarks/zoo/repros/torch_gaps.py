@@ -158,21 +158,23 @@ def _matmul4(x, y):
 
 
 def decode_step_one_query(q, k_cache, v_cache, position):
-    """**Kept site** (generate): "`reshape` between the score product and the
-    softmax removes the query axis".
+    """**Closed** (was a kept site in generate: "`reshape` between the score
+    product and the softmax removes the query axis").
 
     One greedy decoding step of a Hugging Face eager attention over a static
     KV cache: a single query (``T = 1``) against ``S`` cached keys, GQA keys
     repeated to the query heads, ``torch.matmul`` decomposed to a ``bmm`` on
     ``[B*H, 1, D] x [B*H, D, S]`` and the ``[B*H, 1, S]`` scores viewed back as
     ``[B, H, 1, S]``; the causal mask at the cache position hides the empty
-    slots.  The prefill (``T`` = the prompt) through the same code is
-    rewritten; with one query the view back is read as removing the query
-    axis (a size-1 axis the regrouping proof does not follow).
+    slots.  A row-major reshape ignores size-1 axes, so the view back was read
+    as removing the query axis and making a new unit axis.
 
     Hit by every ``hf_torch`` causal LM whose ``generate`` runs (each layer's
-    decode-step site).  Fix: let the regrouping of a merged ``B*H`` axis keep a
-    size-1 query axis.
+    decode-step site).  The rule now (patterns/regroup.py): a query or key
+    axis of size 1 that a reshape moves keeps its role on the unit axis the
+    reshape makes at the same flattened offset, and a size-1 query axis a
+    reshape removes is given back at P·V (or stays absent from the output);
+    real axes are regrouped by roles only, as before.
     """
     b, kv, s, d = k_cache.shape
     rep = q.shape[1] // kv
@@ -186,10 +188,8 @@ def decode_step_one_query(q, k_cache, v_cache, position):
 
 
 def class_attention_one_query(x, wq, wk, wv):
-    """**Kept site**: in the model "key operand of the score product has 3 free
-    axes, expected one" (the issue's CaiT case, still open); this repro, the
-    same one-query shape, is kept with `decode_step_one_query`'s reason ("`reshape`
-    between the score product and the softmax removes the query axis").
+    """**Closed** (was a kept site: "`reshape` between the score product and
+    the softmax removes the query axis", `decode_step_one_query`'s reason).
 
     timm's ``ClassAttn`` (CaiT, and the class-attention blocks of XCiT and
     VOLO): the class token alone is the query, ``q = (x[:, 0] @ Wq)`` viewed
@@ -197,10 +197,9 @@ def class_attention_one_query(x, wq, wk, wv):
     reference (``zeros(1, N)`` bias), its 4-D matmul decomposed to a ``bmm``
     of ``[B*H, 1, D] x [B*H, D, N]`` and the scores viewed ``[B, H, 1, N]``.
     One query row: a kernel computes it exactly (flash-decoding's shape).
+    Closed by the same size-1 query axis rule as `decode_step_one_query`.
 
-    Hit by ``cait_xxs24_224`` (both class-attention blocks, every mode).  Fix:
-    the same as `decode_step_one_query` (a size-1 query axis through the
-    merged-heads regrouping).
+    Hit by ``cait_xxs24_224`` (both class-attention blocks, every mode).
     """
     b, n, c = x.shape
     q = (x[:, 0] @ wq)[:, None].reshape(b, 1, H, c // H).transpose(0, 2, 1, 3)
