@@ -33,7 +33,7 @@ import math
 from flashpass.roles import UNIT, Merged, flat
 from flashpass.roles import role_name as _name
 
-from .chain import Step, rule
+from .chain import Step, rule, walk_chain
 from .common import Miss, where
 
 #: Primitives read here, on the score chain and on the probabilities.
@@ -129,6 +129,20 @@ def axis_sources(node, in_shape, out_shape) -> tuple:
         return tuple(kept.get(j) for j in range(len(out_shape)))
     moves = _moves(node, in_shape, out_shape)
     return tuple(moves[0]) if not isinstance(moves, str) else (None,) * len(out_shape)
+
+
+def axis_origins(node, in_shape, out_shape) -> tuple:
+    """For each output axis, the input axis it is or is a factor of (a split of
+    one axis), else None (a merge of several, or a new axis)."""
+    moves = _moves(node, in_shape, out_shape)
+    if isinstance(moves, str):
+        return axis_sources(node, in_shape, out_shape)
+    out = list(moves[0])
+    for seg_in, seg_out in moves[1]:
+        if len(seg_in) == 1:
+            for j in seg_out:
+                out[j] = seg_in[0]
+    return tuple(out)
 
 
 def regroup(node, roles: list, in_shape, out_shape) -> list | str:
@@ -254,6 +268,27 @@ class Regroup(Step):
             )
         build.roles = roles
         return None
+
+
+def product_axes(scope, atom):
+    """``(product, n_batch, origins)``: the score product ``atom`` is read
+    back to (through the score chain's rules, `patterns.chain`), its number of
+    batch axes, and for each axis of ``atom`` the product's output axis it is
+    or is a factor of (None: an axis a merge made); None when no reading
+    reaches a product."""
+    chain = walk_chain(scope, atom)
+    if not chain:
+        return None
+    origins = list(range(len(scope.shape(chain.dot.out))))
+    for step in chain.steps:
+        perm = step.permutation()
+        if isinstance(step, Regroup):
+            perm = axis_origins(step.node, step.in_shape, step.out_shape)
+        if perm is not None:
+            origins = [None if p is None or p >= len(origins) else origins[p] for p in perm]
+    if len(origins) != len(scope.shape(atom)):
+        return None
+    return chain.dot, len(chain.dot.params["dimension_numbers"][1][0]), origins
 
 
 @rule(*PRIMS)

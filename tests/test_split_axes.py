@@ -1,10 +1,12 @@
-"""Score axes that reshapes move or split: one query.
+"""Score axes that reshapes move or split: one query; heads mixed.
 
 * One query (``T = 1``: a decode step, a class token attending to the
   patches): PyTorch's ``bmm`` on ``[B·H, 1, D]`` operands, viewed back as
   ``[B, H, 1, S]``.  A reshape places the size-1 query axis anywhere (or
   nowhere); the regrouping keeps its role (patterns/regroup.py), while real
   axes are still regrouped by roles only.
+* Talking-heads attention (CaiT) mixes heads before the softmax: kept, and
+  the report says so.
 
 Every positive case: rewritten on its first call under ``jax.jit``, forward
 and gradient equal to the original's; every near miss kept, with its reason.
@@ -138,6 +140,29 @@ def two_queries_merged_with_heads(q, k, v):
     return jnp.matmul(p, v.reshape(B * H, S, D))
 
 
+def talking_heads(x, wqkv, wl, ww):
+    # CaiT's TalkingHeadAttn: the scores mixed across heads by a linear layer
+    # before the softmax (and the weights after it).
+    b, n, c = x.shape
+    qkv = (x @ wqkv).reshape(b, n, 3, H, c // H).transpose(2, 0, 3, 1, 4)
+    q, k, v = qkv[0] * (c // H) ** -0.5, qkv[1], qkv[2]
+    attn = _matmul4(q, jnp.swapaxes(k, -1, -2))
+    attn = jnp.einsum("...a,ba->...b", attn.transpose(0, 2, 3, 1), wl).transpose(0, 3, 1, 2)
+    attn = jax.nn.softmax(attn, axis=-1)
+    attn = jnp.einsum("...a,ba->...b", attn.transpose(0, 2, 3, 1), ww).transpose(0, 3, 1, 2)
+    return _matmul4(attn, v).transpose(0, 2, 1, 3).reshape(b, n, c)
+
+
+def _talking(rng):
+    c = H * D
+    return (
+        _normal(rng, B, S, c),
+        _normal(rng, c, 3 * c) / 4,
+        _normal(rng, H, H),
+        _normal(rng, H, H),
+    )
+
+
 NEGATIVE = {
     "one_query_keys_merged_with_heads": (
         one_query_keys_merged_with_heads,
@@ -149,6 +174,7 @@ NEGATIVE = {
         lambda r: _bhsd(r, 2),
         "regroups the query axis with other axes",
     ),
+    "talking_heads": (talking_heads, _talking, "mixed across heads before the softmax"),
 }
 
 

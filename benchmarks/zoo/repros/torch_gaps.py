@@ -200,6 +200,10 @@ def class_attention_one_query(x, wq, wk, wv):
     Closed by the same size-1 query axis rule as `decode_step_one_query`.
 
     Hit by ``cait_xxs24_224`` (both class-attention blocks, every mode).
+
+    ``cait_xxs24_224``'s other kept reason ("key operand of the score product
+    has 3 free axes") is not this block's: it is CaiT's ``TalkingHeadAttn``
+    (`talking_heads_mixes_scores`), a genuine keep.
     """
     b, n, c = x.shape
     q = (x[:, 0] @ wq)[:, None].reshape(b, 1, H, c // H).transpose(0, 2, 1, 3)
@@ -208,6 +212,39 @@ def class_attention_one_query(x, wq, wk, wv):
     bias = jnp.zeros((1, n), x.dtype)
     w = _matmul4(q, jnp.swapaxes(k, -1, -2)) * (c // H) ** -0.5 + bias
     return _matmul4(jax.nn.softmax(w, axis=-1), v)
+
+
+def talking_heads_mixes_scores(x, wqkv, wl, ww):
+    """**Kept site, correctly; the reason is now precise** (was "key operand
+    of the score product has 3 free axes, expected one").
+
+    CaiT's ``TalkingHeadAttn`` projects the scores across heads with a linear
+    layer before the softmax (``proj_l`` on ``attn.permute(0, 2, 3, 1)``) and
+    the weights again after it (``proj_w``): each softmax row reads every
+    head's scores, which no attention kernel computes from its own head's q
+    and k.  The matcher walked back from the softmax to ``proj_l``'s product
+    and read that as the score product.  It now reads ``proj_l``'s operand
+    back to the real score product and says "the scores of the product ...
+    are mixed across heads before the softmax ... (talking-heads
+    attention)".
+
+    Hit by ``cait_xxs24_224`` (its two self-attention blocks, every mode).
+    """
+    b, n, c = x.shape
+    qkv = (x @ wqkv).reshape(b, n, 3, H, c // H).transpose(2, 0, 3, 1, 4)
+    q, k, v = qkv[0] * (c // H) ** -0.5, qkv[1], qkv[2]
+    attn = _matmul4(q, jnp.swapaxes(k, -1, -2))
+    attn = jnp.einsum("...a,ba->...b", attn.transpose(0, 2, 3, 1), wl).transpose(0, 3, 1, 2)
+    attn = jax.nn.softmax(attn, axis=-1)
+    attn = jnp.einsum("...a,ba->...b", attn.transpose(0, 2, 3, 1), ww).transpose(0, 3, 1, 2)
+    return _matmul4(attn, v).transpose(0, 2, 1, 3).reshape(b, n, c)
+
+
+def _talking():
+    rng = np.random.default_rng(10)
+    x = jnp.asarray(rng.standard_normal((B, T, H * D)), jnp.float32)
+    wqkv = jnp.asarray(rng.standard_normal((H * D, 3 * H * D)) / 8, jnp.float32)
+    return x, wqkv, *(jnp.asarray(rng.standard_normal((H, H)), jnp.float32) for _ in range(2))
 
 
 def _class_tokens():
@@ -325,6 +362,7 @@ REPROS = {
     "clamp_scores_to_finfo_min": (clamp_scores_to_finfo_min, _padded),
     "decode_step_one_query": (decode_step_one_query, _decode),
     "class_attention_one_query": (class_attention_one_query, _class_tokens),
+    "talking_heads_mixes_scores": (talking_heads_mixes_scores, _talking),
     "relpos_added_by_slice_assignment": (relpos_added_by_slice_assignment, _relpos),
     "factor_attention_softmax_over_keys": (factor_attention_softmax_over_keys, _factor),
 }
