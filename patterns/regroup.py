@@ -35,6 +35,7 @@ from flashpass.roles import role_name as _name
 
 from .chain import Step, rule, walk_chain
 from .common import Miss, where
+from .factored import split_readings
 
 #: Primitives read here, on the score chain and on the probabilities.
 PRIMS = ("reshape", "squeeze", "broadcast_in_dim")
@@ -296,4 +297,6 @@ def _regroup(scope, node, out):
     if node.prim == "reshape" and len(node.ins) != 1:
         return Miss(f"`reshape` of the scores with dynamic shape{where(node)}", node)
     src = node.ins[0]
-    return [Regroup(node, src, tuple(scope.shape(src)), tuple(scope.shape(node.out)))]
+    # Terms added while a query or key axis is split (patterns/factored.py) first.
+    split = split_readings(scope, node, _moves, product_axes)
+    return [*split, Regroup(node, src, tuple(scope.shape(src)), tuple(scope.shape(node.out)))]

@@ -247,6 +247,47 @@ def _talking():
     return x, wqkv, *(jnp.asarray(rng.standard_normal((H, H)), jnp.float32) for _ in range(2))
 
 
+_GRID = 16  # T = S = 16 x 16 patches
+
+
+def decomposed_relpos_on_split_scores(q, k, v, rh, rw):
+    """**Closed** (was a kept site: "the softmax is over an axis `reshape`
+    made out of several score axes (or a new one), not the key axis").
+
+    SAM's and ViTDet's decomposed relative positions as segment-anything,
+    detectron2 and keras-hub write them (``add_decomposed_rel_pos``): on
+    merged ``[B*H, T, D]`` heads, the ``[B*H, T, S]`` scores viewed as
+    ``[B*H, qh, qw, kh, kw]``, ``rel_h[..., None]`` and ``rel_w[..., None,
+    :]`` (einsums of q with the gathered tables) added, the sum viewed back
+    as ``[B*H, T, S]`` before the softmax.  (timm's ``samvit`` builds the
+    same sum outside the scores and passes it as an ``attn_mask``: a bias
+    read before.)
+
+    Hit by keras-hub's ``SAM`` (every mode).  The rule now
+    (patterns/factored.py): additive terms between a reshape that splits the
+    query or key axis into factors and its exact inverse are each a dense bias
+    of the merged shape, built from the term (its gradient reaches the
+    terms); anything else between the two reshapes stays kept.
+    """
+    bh = q.shape[0]
+    s = (q * D**-0.5) @ jnp.swapaxes(k, 1, 2)
+    r_q = q.reshape(bh, _GRID, _GRID, D)
+    rel_h = jnp.einsum("bhwc,hkc->bhwk", r_q, rh)
+    rel_w = jnp.einsum("bhwc,wkc->bhwk", r_q, rw)
+    s = s.reshape(bh, _GRID, _GRID, _GRID, _GRID)
+    s = s + rel_h[..., :, None]
+    s = s + rel_w[..., None, :]
+    s = s.reshape(bh, _GRID * _GRID, _GRID * _GRID)
+    return jax.nn.softmax(s, axis=-1) @ v
+
+
+def _decomposed():
+    rng = np.random.default_rng(11)
+    q, k, v = (jnp.asarray(rng.standard_normal((B * H, T, D)), jnp.float32) for _ in range(3))
+    tables = [jnp.asarray(rng.standard_normal((_GRID, _GRID, D)) / 4, jnp.float32) for _ in "hw"]
+    return q, k, v, *tables
+
+
 def _class_tokens():
     rng = np.random.default_rng(6)
     x = jnp.asarray(rng.standard_normal((B, T + 1, H * D)), jnp.float32)
@@ -363,6 +404,7 @@ REPROS = {
     "decode_step_one_query": (decode_step_one_query, _decode),
     "class_attention_one_query": (class_attention_one_query, _class_tokens),
     "talking_heads_mixes_scores": (talking_heads_mixes_scores, _talking),
+    "decomposed_relpos_on_split_scores": (decomposed_relpos_on_split_scores, _decomposed),
     "relpos_added_by_slice_assignment": (relpos_added_by_slice_assignment, _relpos),
     "factor_attention_softmax_over_keys": (factor_attention_softmax_over_keys, _factor),
 }
