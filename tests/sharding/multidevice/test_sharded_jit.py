@@ -218,3 +218,27 @@ def test_split_terms_with_sharded_operands_are_kept():
     assert_close(got.out, want.out)
     for a, b in zip(got.grads, want.grads, strict=True):
         assert_close(a, b)
+
+
+def test_split_terms_on_auto_axes_compute_the_original():
+    """On Auto axes the decision waits for XLA's shardings; at partitioning the
+    site with an `Unsplit` extra runs on whole arrays (gathered), exactly."""
+    m = mesh((8,), ("data",), explicit=False)
+
+    def fn(q, k, v, rel_h):  # (Auto axes: the plain reshapes need no sharding)
+        b, h, t, _ = q.shape
+        s = jnp.einsum("bhtd,bhsd->bhts", q, k) * 0.25
+        s = (s.reshape(b, h, 8, 8, 8, 8) + rel_h[..., None]).reshape(b, h, t, t)
+        return jnp.einsum("bhts,bhsd->bhtd", jax.nn.softmax(s, -1), v)
+
+    args = [put(m, P("data"), normal(i, (8, 2, 64, 16))) for i in range(3)]
+    args.append(put(m, P("data"), normal(3, (8, 2, 8, 8, 8))))
+    opt = flashpass.optimize(fn, kernel="blockwise")
+    with jax.set_mesh(m):
+        report = opt.explain(*args)
+        assert len(report.rewrites) == 1 and not report.fallbacks, str(report)
+        got = run(opt, args, (0, 1, 2, 3))
+        want = run(fn, unsharded(args), (0, 1, 2, 3))
+    assert_close(got.out, want.out)
+    for a, b in zip(got.grads, want.grads, strict=True):
+        assert_close(a, b)
