@@ -26,7 +26,7 @@ from flashpass.patterns.common import ESCAPE_HINT, Miss, profile, where
 from flashpass.patterns.dropout import dropout_op
 from flashpass.patterns.products import output_product, score_products
 from flashpass.patterns.regroup import PRIMS as REGROUP_PRIMS
-from flashpass.patterns.regroup import batch_splits, regroup
+from flashpass.patterns.regroup import batch_splits, product_axes, regroup
 from flashpass.patterns.softmax import match_softmax
 from flashpass.patterns.softmax_like import softmax_like
 
@@ -159,7 +159,8 @@ def match_site(scope: Scope, soft) -> AttentionSite | Escaped | Miss:
     n_batch = len(dot.params["dimension_numbers"][1][0])
     readings = score_products(scope, dot, positions[soft.axis], batch_splits(chain.steps, n_batch))
     if not readings:
-        return readings
+        mixed = _mixed_scores(scope, dot, positions[soft.axis])
+        return readings if mixed is None else mixed
     fallback = None
     for sp in readings:
         site = _build_site(scope, soft, chain, sp)
@@ -174,6 +175,41 @@ def match_site(scope: Scope, soft) -> AttentionSite | Escaped | Miss:
 
 
 PV_CONTRACTS_QUERY = "P·V contracts the query axis"
+
+
+def _mixed_scores(scope: Scope, dot, key_out_axis: int) -> Miss | None:
+    """Why ``dot`` is no score product when it is a product *of scores*: its
+    operand holding the softmax axis is itself read back (`patterns.chain`) to
+    an earlier product whose free axis that is, and ``dot`` contracts an axis of
+    it that is (a factor of) one of that product's batch axes: heads, as
+    talking-heads attention mixes them before the softmax.  Every softmax row
+    then reads several heads' scores; else None."""
+    (lc, rc), (lb, rb) = dot.params["dimension_numbers"]
+    lhs, rhs = dot.ins
+    nb = len(lb)
+    lfree = [a for a in range(len(scope.shape(lhs))) if a not in (*lc, *lb)]
+    rfree = [a for a in range(len(scope.shape(rhs))) if a not in (*rc, *rb)]
+    if key_out_axis < nb:
+        return None
+    if key_out_axis < nb + len(lfree):
+        x, contract, key = lhs, lc, lfree[key_out_axis - nb]
+    else:
+        x, contract, key = rhs, rc, rfree[key_out_axis - nb - len(lfree)]
+    found = product_axes(scope, x)  # each axis: the product's axis it is, or a factor of
+    if found is None:
+        return None
+    inner, inner_nb, positions = found
+    if positions[key] is None or positions[key] < inner_nb:
+        return None
+    if not any(positions[a] is not None and positions[a] < inner_nb for a in contract):
+        return None
+    return Miss(
+        f"the scores of the product{where(inner)} are mixed across heads before the "
+        f"softmax: the product{where(dot)} contracts one of their batch axes (talking-heads "
+        "attention), so each softmax row reads several heads' scores, which no attention "
+        "kernel computes; kept as written",
+        dot,
+    )
 
 
 def _users_roles_miss(scope: Scope, soft, chain, key_axis: int) -> Miss | None:

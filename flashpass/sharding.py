@@ -50,7 +50,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from . import compat, ring
 from .graph import Const
 from .roles import Merged
-from .site import AttentionSite, Layout
+from .site import AttentionSite, Layout, Unsplit
 
 _SEQUENCE = {"T": "query", "S": "key"}
 
@@ -189,6 +189,12 @@ def analyze(site: AttentionSite, aval_of, sharding_of=None) -> ShardPlan | str |
         specs.append((atom, roles, ndim))
     if not axes:
         return None
+    if any(isinstance(e.transform, Unsplit) for e in site.extras):
+        return (
+            "a bias is added to the scores while their axes are split into factors (it is "
+            "built from its terms whole, not per shard) and the operands are sharded; kept "
+            "as written"
+        )
     output = ("the output", None, {r: i for i, r in enumerate(site.out_roles)})
     for name, _, roles in [*read, output]:
         # A merged head axis is read whole: none of its roles may be split.
@@ -303,7 +309,9 @@ def operands(site: AttentionSite) -> list:
         ("v", site.v.atom, dict(site.v.axes)),
     ]
     for i, e in enumerate(site.extras):
-        out.append((f"bias/mask #{i}", e.atom, {r: a for r, a in e.axes.items() if a is not None}))
+        # An `Unsplit` term's axes are not the score roles' (it is read whole).
+        axes = {} if isinstance(e.transform, Unsplit) else e.axes
+        out.append((f"bias/mask #{i}", e.atom, {r: a for r, a in axes.items() if a is not None}))
     for op in site.post_ops:  # what sits after the softmax and reads an array
         roles = op.operand_roles()
         if roles is not None:

@@ -175,6 +175,54 @@ class Filled:
         return jnp.where(x == self.keep_when, zero, fill)
 
 
+@dataclasses.dataclass(frozen=True)
+class Unsplit:
+    """An extra that is a term the program adds to the scores while a reshape
+    splits their axes into factors (``split``), before merging them back
+    (``merged``): SAM's and ViTDet's decomposed relative positions add
+    ``rel_h[..., None]`` and ``rel_w[..., None, :]`` to the scores viewed as
+    ``[B, qh, qw, kh, kw]``.  ``apply`` reads the term's un-broadcast array
+    (``axes[t]``: its axis feeding split axis ``t``, None where broadcast) and
+    returns it in the merged layout: broadcast over the factors of each merged
+    group it varies along, size 1 over a group it does not vary along at all.
+    Unlike the other transforms it changes the array's axes, so an extra that
+    carries it is read whole (never sharded: `flashpass.sharding`)."""
+
+    axes: tuple  # per split axis: the term's axis, or None
+    split: tuple  # the split shape
+    groups: tuple  # ((split axes, merged axes), ...): the reshape's runs of equal size
+    merged: tuple  # the merged shape
+    negate: bool = False  # a subtracted term
+
+    def carried(self) -> tuple:
+        """Per merged axis: whether the result varies along it (else size 1)."""
+        out = [False] * len(self.merged)
+        for split, merged in self.groups:
+            if any(self.axes[t] is not None for t in split):
+                for j in merged:
+                    out[j] = True
+        return tuple(out)
+
+    def apply(self, x):
+        x = jnp.asarray(x)
+        used = [a for a in self.axes if a is not None]
+        drop = tuple(a for a in range(x.ndim) if a not in used)  # size 1 (`Profile`)
+        x = jnp.squeeze(x, drop) if drop else x
+        kept = sorted(used)
+        x = jnp.transpose(x, [kept.index(a) for a in used])
+        x = x.reshape([1 if a is None else self.split[t] for t, a in enumerate(self.axes)])
+        full = list(x.shape)
+        for split, _ in self.groups:
+            if any(self.axes[t] is not None for t in split):
+                for t in split:
+                    full[t] = self.split[t]
+        carried = self.carried()
+        x = jnp.broadcast_to(x, full).reshape(
+            [d if carried[j] else 1 for j, d in enumerate(self.merged)]
+        )
+        return -x if self.negate else x
+
+
 COMPARE = {
     "ge": jnp.greater_equal,
     "gt": jnp.greater,
@@ -191,12 +239,13 @@ class ExtraSource:
 
     ``axes[r]`` is the axis of the (un-broadcast) ``atom`` holding role ``r``
     of the score layout, or None where it is broadcast.  ``transform`` (a
-    `Transform`, a `Compared`, a `Filled`, or None) is applied first.
+    `Transform`, a `Compared`, a `Filled`, an `Unsplit`, or None) is applied
+    first; ``axes`` are those of its result (an `Unsplit` changes the axes).
     """
 
     atom: object
     axes: dict
-    transform: Transform | None
+    transform: Transform | Compared | Filled | Unsplit | None
     dtype: object
 
 

@@ -10,7 +10,11 @@ maps to a role-preserving axis:
 
 * a size-1 axis is added (role `UNIT`) or removed (a `UNIT`, or a batch or group
   role of size 1: its single index carries no information; `resolve_units` gives
-  it back to a unit axis at ``P·V``); the query and key axes are never removed;
+  it back to a unit axis at ``P·V``);
+* a query or key axis of size 1 (one query: a decode step, a class token) that a
+  reshape moves keeps its role on a size-1 axis the reshape makes (the one at the
+  same flattened offset); a query axis of size 1 a reshape or squeeze removes is
+  given back at ``P·V`` like a batch role; the key axis is never removed;
 * non-unit axes are regrouped only within runs of batch / group roles, merged in
   canonical order (batch axes in the score product's order, then the group):
   the merged axis is a `Merged` role that must later be split back exactly;
@@ -29,8 +33,9 @@ import math
 from flashpass.roles import UNIT, Merged, flat
 from flashpass.roles import role_name as _name
 
-from .chain import Step, rule
+from .chain import Step, rule, walk_chain
 from .common import Miss, where
+from .factored import split_readings
 
 #: Primitives read here, on the score chain and on the probabilities.
 PRIMS = ("reshape", "squeeze", "broadcast_in_dim")
@@ -127,6 +132,20 @@ def axis_sources(node, in_shape, out_shape) -> tuple:
     return tuple(moves[0]) if not isinstance(moves, str) else (None,) * len(out_shape)
 
 
+def axis_origins(node, in_shape, out_shape) -> tuple:
+    """For each output axis, the input axis it is or is a factor of (a split of
+    one axis), else None (a merge of several, or a new axis)."""
+    moves = _moves(node, in_shape, out_shape)
+    if isinstance(moves, str):
+        return axis_sources(node, in_shape, out_shape)
+    out = list(moves[0])
+    for seg_in, seg_out in moves[1]:
+        if len(seg_in) == 1:
+            for j in seg_out:
+                out[j] = seg_in[0]
+    return tuple(out)
+
+
 def regroup(node, roles: list, in_shape, out_shape) -> list | str:
     """The roles of ``node``'s output axes, or why it does not preserve them."""
     moves = _moves(node, in_shape, out_shape)
@@ -160,10 +179,44 @@ def regroup(node, roles: list, in_shape, out_shape) -> list | str:
             if size != out_shape[j]:
                 return f"splits {Merged(tuple(parts))} into sizes that are not its roles"
             out[j] = group[0][0] if len(group) == 1 else Merged(tuple(group))
-    for i in range(len(in_shape)):
-        if i not in used and not _droppable(roles[i]):
+    lost = [i for i in range(len(in_shape)) if i not in used]
+    free = [j for j in range(len(out_shape)) if kept[j] is None and out[j] == UNIT]
+    homeless = [i for i in lost if roles[i] in ("T", "S")]  # each of size 1
+    for i, j in _reinstated(lost, homeless, free, in_shape, out_shape).items():
+        out[j] = roles[i]  # the size-1 query or key axis, moved by the reshape
+        used.add(i)
+    for i in lost:
+        if i not in used and not _droppable(roles[i]) and roles[i] != "T":
             return f"removes the {_name(roles[i])} axis"
     return out
+
+
+def _reinstated(lost: list, homeless: list, free: list, in_shape, out_shape) -> dict:
+    """``input axis -> output axis`` for the ``homeless`` among the size-1 input
+    axes a reshape does not carry (``lost``), onto the size-1 output axes it
+    makes (``free``).
+
+    A size-1 axis holds no data: wherever a row-major reshape puts it, every
+    value keeps its place.  Its natural place is the one at the same offset in
+    the flattened layout (the product of the sizes before it): the k-th lost
+    axis of an offset pairs with the k-th free axis there; a homeless axis left
+    over takes a free axis left over, in order."""
+
+    def offset(shape, i):
+        return math.prod(shape[:i])
+
+    pairs: dict = {}
+    rest = list(free)
+    for at in dict.fromkeys(offset(in_shape, i) for i in lost):
+        ins = [i for i in lost if offset(in_shape, i) == at]
+        outs = [j for j in free if offset(out_shape, j) == at]
+        for i, j in zip(ins, outs, strict=False):
+            if i in homeless:
+                pairs[i] = j
+                rest.remove(j)
+    for i, j in zip([i for i in homeless if i not in pairs], rest, strict=False):
+        pairs[i] = j
+    return pairs
 
 
 def resolve_units(roles: list, want: list, batch_axes) -> list | str:
@@ -186,7 +239,10 @@ def resolve_units(roles: list, want: list, batch_axes) -> list | str:
         # and the output carry too; a lost role P·V never gets back (squeezed
         # for P·V only) is absent from v and the output (match.py checks that
         # it has size 1).
-        if len(units) != len(lost) and not in_batch:
+        # A lost query axis or group (size 1) P·V has no unit axis for stays absent
+        # from P and the output, like a batch role; a unit axis left over is not
+        # the scores'.
+        if len(units) > len(lost) and not in_batch:
             return "the probabilities reach P·V with unit axes that are not the score product's"
         for t, r in zip(units, lost, strict=False):
             out[t] = r
@@ -215,9 +271,32 @@ class Regroup(Step):
         return None
 
 
+def product_axes(scope, atom):
+    """``(product, n_batch, origins)``: the score product ``atom`` is read
+    back to (through the score chain's rules, `patterns.chain`), its number of
+    batch axes, and for each axis of ``atom`` the product's output axis it is
+    or is a factor of (None: an axis a merge made); None when no reading
+    reaches a product."""
+    chain = walk_chain(scope, atom)
+    if not chain:
+        return None
+    origins = list(range(len(scope.shape(chain.dot.out))))
+    for step in chain.steps:
+        perm = step.permutation()
+        if isinstance(step, Regroup):
+            perm = axis_origins(step.node, step.in_shape, step.out_shape)
+        if perm is not None:
+            origins = [None if p is None or p >= len(origins) else origins[p] for p in perm]
+    if len(origins) != len(scope.shape(atom)):
+        return None
+    return chain.dot, len(chain.dot.params["dimension_numbers"][1][0]), origins
+
+
 @rule(*PRIMS)
 def _regroup(scope, node, out):
     if node.prim == "reshape" and len(node.ins) != 1:
         return Miss(f"`reshape` of the scores with dynamic shape{where(node)}", node)
     src = node.ins[0]
-    return [Regroup(node, src, tuple(scope.shape(src)), tuple(scope.shape(node.out)))]
+    # Terms added while a query or key axis is split (patterns/factored.py) first.
+    split = split_readings(scope, node, _moves, product_axes)
+    return [*split, Regroup(node, src, tuple(scope.shape(src)), tuple(scope.shape(node.out)))]

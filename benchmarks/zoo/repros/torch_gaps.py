@@ -158,21 +158,23 @@ def _matmul4(x, y):
 
 
 def decode_step_one_query(q, k_cache, v_cache, position):
-    """**Kept site** (generate): "`reshape` between the score product and the
-    softmax removes the query axis".
+    """**Closed** (was a kept site in generate: "`reshape` between the score
+    product and the softmax removes the query axis").
 
     One greedy decoding step of a Hugging Face eager attention over a static
     KV cache: a single query (``T = 1``) against ``S`` cached keys, GQA keys
     repeated to the query heads, ``torch.matmul`` decomposed to a ``bmm`` on
     ``[B*H, 1, D] x [B*H, D, S]`` and the ``[B*H, 1, S]`` scores viewed back as
     ``[B, H, 1, S]``; the causal mask at the cache position hides the empty
-    slots.  The prefill (``T`` = the prompt) through the same code is
-    rewritten; with one query the view back is read as removing the query
-    axis (a size-1 axis the regrouping proof does not follow).
+    slots.  A row-major reshape ignores size-1 axes, so the view back was read
+    as removing the query axis and making a new unit axis.
 
     Hit by every ``hf_torch`` causal LM whose ``generate`` runs (each layer's
-    decode-step site).  Fix: let the regrouping of a merged ``B*H`` axis keep a
-    size-1 query axis.
+    decode-step site).  The rule now (patterns/regroup.py): a query or key
+    axis of size 1 that a reshape moves keeps its role on the unit axis the
+    reshape makes at the same flattened offset, and a size-1 query axis a
+    reshape removes is given back at P·V (or stays absent from the output);
+    real axes are regrouped by roles only, as before.
     """
     b, kv, s, d = k_cache.shape
     rep = q.shape[1] // kv
@@ -186,10 +188,8 @@ def decode_step_one_query(q, k_cache, v_cache, position):
 
 
 def class_attention_one_query(x, wq, wk, wv):
-    """**Kept site**: in the model "key operand of the score product has 3 free
-    axes, expected one" (the issue's CaiT case, still open); this repro, the
-    same one-query shape, is kept with `decode_step_one_query`'s reason ("`reshape`
-    between the score product and the softmax removes the query axis").
+    """**Closed** (was a kept site: "`reshape` between the score product and
+    the softmax removes the query axis", `decode_step_one_query`'s reason).
 
     timm's ``ClassAttn`` (CaiT, and the class-attention blocks of XCiT and
     VOLO): the class token alone is the query, ``q = (x[:, 0] @ Wq)`` viewed
@@ -197,10 +197,13 @@ def class_attention_one_query(x, wq, wk, wv):
     reference (``zeros(1, N)`` bias), its 4-D matmul decomposed to a ``bmm``
     of ``[B*H, 1, D] x [B*H, D, N]`` and the scores viewed ``[B, H, 1, N]``.
     One query row: a kernel computes it exactly (flash-decoding's shape).
+    Closed by the same size-1 query axis rule as `decode_step_one_query`.
 
-    Hit by ``cait_xxs24_224`` (both class-attention blocks, every mode).  Fix:
-    the same as `decode_step_one_query` (a size-1 query axis through the
-    merged-heads regrouping).
+    Hit by ``cait_xxs24_224`` (both class-attention blocks, every mode).
+
+    ``cait_xxs24_224``'s other kept reason ("key operand of the score product
+    has 3 free axes") is not this block's: it is CaiT's ``TalkingHeadAttn``
+    (`talking_heads_mixes_scores`), a genuine keep.
     """
     b, n, c = x.shape
     q = (x[:, 0] @ wq)[:, None].reshape(b, 1, H, c // H).transpose(0, 2, 1, 3)
@@ -209,6 +212,80 @@ def class_attention_one_query(x, wq, wk, wv):
     bias = jnp.zeros((1, n), x.dtype)
     w = _matmul4(q, jnp.swapaxes(k, -1, -2)) * (c // H) ** -0.5 + bias
     return _matmul4(jax.nn.softmax(w, axis=-1), v)
+
+
+def talking_heads_mixes_scores(x, wqkv, wl, ww):
+    """**Kept site, correctly; the reason is now precise** (was "key operand
+    of the score product has 3 free axes, expected one").
+
+    CaiT's ``TalkingHeadAttn`` projects the scores across heads with a linear
+    layer before the softmax (``proj_l`` on ``attn.permute(0, 2, 3, 1)``) and
+    the weights again after it (``proj_w``): each softmax row reads every
+    head's scores, which no attention kernel computes from its own head's q
+    and k.  The matcher walked back from the softmax to ``proj_l``'s product
+    and read that as the score product.  It now reads ``proj_l``'s operand
+    back to the real score product and says "the scores of the product ...
+    are mixed across heads before the softmax ... (talking-heads
+    attention)".
+
+    Hit by ``cait_xxs24_224`` (its two self-attention blocks, every mode).
+    """
+    b, n, c = x.shape
+    qkv = (x @ wqkv).reshape(b, n, 3, H, c // H).transpose(2, 0, 3, 1, 4)
+    q, k, v = qkv[0] * (c // H) ** -0.5, qkv[1], qkv[2]
+    attn = _matmul4(q, jnp.swapaxes(k, -1, -2))
+    attn = jnp.einsum("...a,ba->...b", attn.transpose(0, 2, 3, 1), wl).transpose(0, 3, 1, 2)
+    attn = jax.nn.softmax(attn, axis=-1)
+    attn = jnp.einsum("...a,ba->...b", attn.transpose(0, 2, 3, 1), ww).transpose(0, 3, 1, 2)
+    return _matmul4(attn, v).transpose(0, 2, 1, 3).reshape(b, n, c)
+
+
+def _talking():
+    rng = np.random.default_rng(10)
+    x = jnp.asarray(rng.standard_normal((B, T, H * D)), jnp.float32)
+    wqkv = jnp.asarray(rng.standard_normal((H * D, 3 * H * D)) / 8, jnp.float32)
+    return x, wqkv, *(jnp.asarray(rng.standard_normal((H, H)), jnp.float32) for _ in range(2))
+
+
+_GRID = 16  # T = S = 16 x 16 patches
+
+
+def decomposed_relpos_on_split_scores(q, k, v, rh, rw):
+    """**Closed** (was a kept site: "the softmax is over an axis `reshape`
+    made out of several score axes (or a new one), not the key axis").
+
+    SAM's and ViTDet's decomposed relative positions as segment-anything,
+    detectron2 and keras-hub write them (``add_decomposed_rel_pos``): on
+    merged ``[B*H, T, D]`` heads, the ``[B*H, T, S]`` scores viewed as
+    ``[B*H, qh, qw, kh, kw]``, ``rel_h[..., None]`` and ``rel_w[..., None,
+    :]`` (einsums of q with the gathered tables) added, the sum viewed back
+    as ``[B*H, T, S]`` before the softmax.  (timm's ``samvit`` builds the
+    same sum outside the scores and passes it as an ``attn_mask``: a bias
+    read before.)
+
+    Hit by keras-hub's ``SAM`` (every mode).  The rule now
+    (patterns/factored.py): additive terms between a reshape that splits the
+    query or key axis into factors and its exact inverse are each a dense bias
+    of the merged shape, built from the term (its gradient reaches the
+    terms); anything else between the two reshapes stays kept.
+    """
+    bh = q.shape[0]
+    s = (q * D**-0.5) @ jnp.swapaxes(k, 1, 2)
+    r_q = q.reshape(bh, _GRID, _GRID, D)
+    rel_h = jnp.einsum("bhwc,hkc->bhwk", r_q, rh)
+    rel_w = jnp.einsum("bhwc,wkc->bhwk", r_q, rw)
+    s = s.reshape(bh, _GRID, _GRID, _GRID, _GRID)
+    s = s + rel_h[..., :, None]
+    s = s + rel_w[..., None, :]
+    s = s.reshape(bh, _GRID * _GRID, _GRID * _GRID)
+    return jax.nn.softmax(s, axis=-1) @ v
+
+
+def _decomposed():
+    rng = np.random.default_rng(11)
+    q, k, v = (jnp.asarray(rng.standard_normal((B * H, T, D)), jnp.float32) for _ in range(3))
+    tables = [jnp.asarray(rng.standard_normal((_GRID, _GRID, D)) / 4, jnp.float32) for _ in "hw"]
+    return q, k, v, *tables
 
 
 def _class_tokens():
@@ -326,6 +403,8 @@ REPROS = {
     "clamp_scores_to_finfo_min": (clamp_scores_to_finfo_min, _padded),
     "decode_step_one_query": (decode_step_one_query, _decode),
     "class_attention_one_query": (class_attention_one_query, _class_tokens),
+    "talking_heads_mixes_scores": (talking_heads_mixes_scores, _talking),
+    "decomposed_relpos_on_split_scores": (decomposed_relpos_on_split_scores, _decomposed),
     "relpos_added_by_slice_assignment": (relpos_added_by_slice_assignment, _relpos),
     "factor_attention_softmax_over_keys": (factor_attention_softmax_over_keys, _factor),
 }

@@ -189,3 +189,56 @@ def test_merged_head_bias_with_sharded_heads_is_kept():
         got = run(opt, [q, k, v, bias], (0, 1, 2, 3))
     want = run(gemma_head_bias, unsharded([q, k, v, bias]), (0, 1, 2, 3))
     assert_close(got.out, want.out)
+
+
+def split_terms(q, k, v, rel_h):
+    """Decomposed relative positions: a term added while the query and key
+    axes are split into 8 x 8 grids (patterns/factored.py)."""
+    b, h, t, _ = q.shape
+    s = jnp.einsum("bhtd,bhsd->bhts", q, k) * 0.25
+    spec = jax.typeof(s).sharding.spec  # (an Explicit mesh: the reshape says it)
+    s = jax.lax.reshape(s, (b, h, 8, 8, 8, 8), out_sharding=spec) + rel_h[..., None]
+    s = jax.lax.reshape(s, (b, h, t, t), out_sharding=spec)
+    return jnp.einsum("bhts,bhsd->bhtd", jax.nn.softmax(s, -1), v)
+
+
+def test_split_terms_with_sharded_operands_are_kept():
+    """The bias is built from its term whole (an `Unsplit` extra), not per
+    shard: with batch-sharded operands the site is kept, and says why."""
+    m = mesh((8,), ("data",))
+    args = [put(m, P("data"), normal(i, (8, 2, 64, 16))) for i in range(3)]
+    args.append(put(m, P("data"), normal(3, (8, 2, 8, 8, 8))))
+    opt = flashpass.optimize(split_terms, kernel="blockwise")
+    with jax.set_mesh(m):
+        report = opt.explain(*args)
+        assert not report.rewrites, str(report)
+        assert "split into factors" in report.fallbacks[0].reason, str(report)
+        got = run(opt, args, (0, 1, 2, 3))
+        want = run(split_terms, unsharded(args), (0, 1, 2, 3))
+    assert_close(got.out, want.out)
+    for a, b in zip(got.grads, want.grads, strict=True):
+        assert_close(a, b)
+
+
+def test_split_terms_on_auto_axes_compute_the_original():
+    """On Auto axes the decision waits for XLA's shardings; at partitioning the
+    site with an `Unsplit` extra runs on whole arrays (gathered), exactly."""
+    m = mesh((8,), ("data",), explicit=False)
+
+    def fn(q, k, v, rel_h):  # (Auto axes: the plain reshapes need no sharding)
+        b, h, t, _ = q.shape
+        s = jnp.einsum("bhtd,bhsd->bhts", q, k) * 0.25
+        s = (s.reshape(b, h, 8, 8, 8, 8) + rel_h[..., None]).reshape(b, h, t, t)
+        return jnp.einsum("bhts,bhsd->bhtd", jax.nn.softmax(s, -1), v)
+
+    args = [put(m, P("data"), normal(i, (8, 2, 64, 16))) for i in range(3)]
+    args.append(put(m, P("data"), normal(3, (8, 2, 8, 8, 8))))
+    opt = flashpass.optimize(fn, kernel="blockwise")
+    with jax.set_mesh(m):
+        report = opt.explain(*args)
+        assert len(report.rewrites) == 1 and not report.fallbacks, str(report)
+        got = run(opt, args, (0, 1, 2, 3))
+        want = run(fn, unsharded(args), (0, 1, 2, 3))
+    assert_close(got.out, want.out)
+    for a, b in zip(got.grads, want.grads, strict=True):
+        assert_close(a, b)
