@@ -33,10 +33,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from flashpass.patterns.common import Miss, profile, where
+from flashpass import compat, errors
+from flashpass.graph import Const, Node, Scope
 
-from . import compat, errors
-from .graph import Const, Node, Scope
+from .common import Miss, profile, where
 
 #: Most subsets of differentiated inputs tried per site.
 MAX_TEMPLATES = 16

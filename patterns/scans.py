@@ -26,11 +26,11 @@ from __future__ import annotations
 
 import dataclasses
 
-from flashpass.patterns.common import Miss
+from flashpass import compat
+from flashpass.graph import Const, Scope
 
-from . import compat
 from .backward import _const_key, match_backward
-from .graph import Const, Scope
+from .common import Miss
 
 
 @dataclasses.dataclass(frozen=True)
