@@ -6,6 +6,7 @@ the near misses.  ``match`` finds the sites of a scope, ``builder`` assembles a
 site's score ops from its recognised steps, ``backward`` proves a site's
 backward in its own scope and ``scans`` in a remat body or a loop's backward
 loop; the piece modules (``chain``, ``masks``, ``softmax``...) read the parts.
+Helpers shared between the modules are public in ``common``.
 """
 
 from .match import match_scopes

@@ -60,6 +60,14 @@ class SiteBuilder:
         self.ops.append(op)
         self._causal.append((op, source))
 
+    def add_descriptor(self, op, factor, keep_when: bool, fill) -> bool:
+        """Add a structured mask op (a window, chunks, segments...) proven equal
+        to the mask ``factor``, as a causal op is added: if a later op undoes
+        its fill's exclusion, the literal dense mask is put back.  True (a mask
+        recogniser's answer)."""
+        self.add_causal(op, CausalSource("mask", factor, keep_when, fill, roles=tuple(self.roles)))
+        return True
+
     # ------------------------------------------------------------------ the loop
 
     def build_ops(self, steps) -> Miss | None:

@@ -23,7 +23,16 @@ from flashpass.spec import EXCLUDING_FILL, Bias, Causal, Mask, excludes
 
 from .additive import add_additive, add_filled
 from .chain import Step, rule
-from .common import Miss, Profile, profile, scalar_value, uniform_value, where
+from .common import (
+    Miss,
+    Profile,
+    affine,
+    broadcast_affine,
+    profile,
+    scalar_value,
+    uniform_value,
+    where,
+)
 from .indicators import COMPARISONS, boolean_factors, compose
 
 
@@ -360,7 +369,7 @@ def and_factors(scope, prof):
     return [prof]
 
 
-_CMP_VALUE = COMPARISONS  # (also `structured`'s diagonal reader)
+_CMP_VALUE = COMPARISONS
 
 
 def _compared_select(scope, node):
@@ -448,59 +457,6 @@ def causal_offset(keep: np.ndarray) -> int | None:
 _CMP = {"ge": (1, 0), "gt": (1, -1), "le": (-1, 0), "lt": (-1, -1)}
 
 
-def _affine(scope, atom, depth=0):
-    """(coef tuple, const) of an int value affine in its indices, else None."""
-    from flashpass.graph import Const
-
-    if depth > 32:
-        return None
-    atom = scope.resolve(atom)
-    shape = scope.shape(atom)
-    if isinstance(atom, Const):
-        value = np.asarray(atom.value)
-        if value.size == 1 and np.issubdtype(value.dtype, np.integer):
-            return (0,) * len(shape), int(value.reshape(-1)[0])
-        return None
-    node = scope.producer(atom)
-    if node is None:
-        return None
-    prim = node.prim
-    if prim == "iota":
-        coef = [0] * len(shape)
-        coef[node.params["dimension"]] = 1
-        return tuple(coef), 0
-    if prim == "convert_element_type" and np.issubdtype(scope.dtype(atom), np.integer):
-        return _affine(scope, node.ins[0], depth + 1)
-    if prim == "broadcast_in_dim":
-        src = _affine(scope, node.ins[0], depth + 1)
-        if src is None:
-            return None
-        coef = [0] * len(shape)
-        src_shape = scope.shape(node.ins[0])
-        for k, d in enumerate(node.params["broadcast_dimensions"]):
-            coef[d] = src[0][k] if src_shape[k] == shape[d] else 0
-        return tuple(coef), src[1]
-    if prim in ("add", "sub", "mul"):
-        a, b = (_affine(scope, x, depth + 1) for x in node.ins)
-        if a is None or b is None:
-            return None
-        a, b = _broadcast_affine(a, len(shape)), _broadcast_affine(b, len(shape))
-        if prim == "add":
-            return tuple(x + y for x, y in zip(a[0], b[0], strict=True)), a[1] + b[1]
-        if prim == "sub":
-            return tuple(x - y for x, y in zip(a[0], b[0], strict=True)), a[1] - b[1]
-        if not any(b[0]):
-            return tuple(x * b[1] for x in a[0]), a[1] * b[1]
-        if not any(a[0]):
-            return tuple(x * a[1] for x in b[0]), b[1] * a[1]
-    return None
-
-
-def _broadcast_affine(value, rank):
-    coef, const = value
-    return (coef if len(coef) == rank else (0,) * rank), const
-
-
 def halfspaces(scope, atom, depth=0):
     """Conjunction of ``(coef, const)`` half-spaces (keep iff coef·idx + const >= 0)
     equal to the boolean ``atom``, [] for all-True, or None if not affine."""
@@ -516,10 +472,10 @@ def halfspaces(scope, atom, depth=0):
         return None
     prim = node.prim
     if prim in _CMP:
-        a, b = (_affine(scope, x, depth + 1) for x in node.ins)
+        a, b = (affine(scope, x, depth + 1) for x in node.ins)
         if a is None or b is None:
             return None
-        a, b = _broadcast_affine(a, len(shape)), _broadcast_affine(b, len(shape))
+        a, b = broadcast_affine(a, len(shape)), broadcast_affine(b, len(shape))
         sign, shift = _CMP[prim]
         coef = tuple(sign * (x - y) for x, y in zip(a[0], b[0], strict=True))
         return [(coef, sign * (a[1] - b[1]) + shift)]
