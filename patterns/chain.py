@@ -117,7 +117,12 @@ def _walk(scope: Scope, atom, steps: list) -> Chain | Miss:
 
 
 def ensure_loaded() -> None:
-    """Import the piece modules so their rules are registered."""
+    """Import the piece modules so their rules and recognisers are registered.
+
+    The order of these imports decides nothing: a primitive has one chain rule
+    (`rule` refuses a second), and the mask and bias recognisers take their
+    places from the orders `masks` declares (`masks.MASK_RECOGNISER_ORDER`).
+    """
     from . import (  # noqa: F401
         alibi,
         bias,

@@ -139,25 +139,62 @@ class CausalSource:
 #: returns True after adding its descriptor op(s) to ``build`` (a window, kv
 #: lengths, segment ids...), or False to leave the factor to the next one and,
 #: last, to a dense `Mask`.  A recogniser must prove its descriptor equals the
-#: factor for every index (by value or symbolically), never assume it.
+#: factor for every index (by value or symbolically), never assume it.  The
+#: order is `MASK_RECOGNISER_ORDER`'s, whatever order the modules load in.
 MASK_RECOGNISERS: list = []
+
+#: The order the structured-mask recognisers are tried in (``module.function``),
+#: declared here rather than left to the order their modules are imported in
+#: (it is the order that import order gave).  It matters where readings
+#: overlap: the first recogniser that proves a factor decides the op the site
+#: gets, and so which kernels can run it and what the report (and a golden)
+#: says.  A constant sink-window mask whose window spans every query is also a
+#: prefix-LM mask: it is a `Prefix` because ``recognise_prefix`` comes before
+#: ``recognise_sink_window``.
+MASK_RECOGNISER_ORDER = (
+    "lengths.kv_lengths",
+    "positions.prefix_lengths",
+    "positions.position_mask",
+    "structured.recognise_diagonal",
+    "structured.recognise_prefix",
+    "structured.recognise_chunk_or_segments",
+    "sink_window.recognise_sink_window",
+)
 
 
 #: Position-bias recognisers (ALiBi...), tried on an additive bias that is not
 #: an additive mask: ``recognise(build, bias, sign)`` returns True after adding
-#: its op(s) to ``build``, or False; it must prove its op equals the bias.
+#: its op(s) to ``build``, or False; it must prove its op equals the bias.  The
+#: order is `BIAS_RECOGNISER_ORDER`'s.
 BIAS_RECOGNISERS: list = []
+
+BIAS_RECOGNISER_ORDER = ("alibi.alibi",)
+
+
+def _register(registry: list, order: tuple, fn) -> None:
+    """Put ``fn`` in ``registry`` at its declared place in ``order`` (a module
+    loaded again replaces its recogniser); one with no place is an error."""
+    name = recogniser_name(fn)
+    if name not in order:
+        raise ValueError(f"recogniser {name} has no place in the declared order {order}")
+    kept = [f for f in registry if recogniser_name(f) != name]
+    registry[:] = sorted([*kept, fn], key=lambda f: order.index(recogniser_name(f)))
+
+
+def recogniser_name(fn) -> str:
+    """``module.function`` of a recogniser, as the declared orders name it."""
+    return f"{fn.__module__.rpartition('.')[2]}.{fn.__name__}"
 
 
 def bias_recogniser(fn):
     """Register a position-bias recogniser (see `BIAS_RECOGNISERS`)."""
-    BIAS_RECOGNISERS.append(fn)
+    _register(BIAS_RECOGNISERS, BIAS_RECOGNISER_ORDER, fn)
     return fn
 
 
 def mask_recogniser(fn):
     """Register a structured-mask recogniser (see `MASK_RECOGNISERS`)."""
-    MASK_RECOGNISERS.append(fn)
+    _register(MASK_RECOGNISERS, MASK_RECOGNISER_ORDER, fn)
     return fn
 
 
