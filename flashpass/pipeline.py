@@ -26,11 +26,10 @@ import jax
 import numpy as np
 
 from flashpass.kernels import CheckContext
-from flashpass.patterns.softmax_like import SoftmaxLike
+from flashpass.patterns import SoftmaxLike, match_scopes
 
 from . import compat, errors, layers
 from .graph import build_scopes
-from .match import match_scopes
 from .ops import KINDS
 from .placement import PLACED_AT_PARTITIONING as PLACED_AT_PARTITIONING  # (the report's word)
 from .placement import Placed, place

@@ -54,7 +54,7 @@ class Plan:
             self.skip |= p.site.paths - {p.site.root.path} - self.by_anchor.keys()
             self.inline |= p.site.inline_calls
         self.site_prefixes = {p.site.scope_prefix for p in planned}
-        # A site whose backward is in another scope (scans.py): the scan equations of
+        # A site whose backward is in another scope (patterns/scans.py): the scan equations of
         # the forward and backward loops, or the remat that is the backward, are
         # re-emitted passing the kernel's residuals.
         self.pairs: dict = {}  # scan or remat path -> planned sites
@@ -230,7 +230,7 @@ class _Evaluator:
                 self.write(key, grad)
 
     def _scan(self, eqn, path, planned: list) -> list:
-        """Re-emit a scan of a forward/backward loop pair (see scans.py) with
+        """Re-emit a scan of a forward/backward loop pair (see patterns/scans.py) with
         ``lax.scan``: the forward loop returns the kernel's residuals instead
         of the dropped ones; the backward loop receives them."""
         forward = planned[0].site.backward.pair.forward.path == path

@@ -307,14 +307,14 @@ class AttentionSite:
     spec: AttentionSpec
     pattern: str
     location: str | None
-    #: In a differentiated program: the site's backward (`flashpass.backward`),
+    #: In a differentiated program: the site's backward (`flashpass.patterns.backward`),
     #: replaced by the kernel's backward; None for a forward-only site.
     backward: object = None
     #: Why a mask written into the scores stays a dense array (`Rewrite.dense`).
     dense: tuple = ()
     #: A differentiated site whose k or v is gathered: the site reading them
     #: from before the gathers, its backward proven with those reads (what a
-    #: ring runs, `flashpass.backward.match_ungathered`); else None.
+    #: ring runs, `flashpass.patterns.backward.match_ungathered`); else None.
     ungathered: object = None
 
     @property

@@ -6,7 +6,7 @@ such as ``2 ** (-8 h / H)`` or an input), and the *distance*, a float value
 affine in the query and key indices with key coefficient ±1 and query
 coefficient 0 or ∓1 (``j - i``, ``i - j``, ``j``; any constant offset).
 The distance is proven affine symbolically (integer iotas converted to
-float, `masks._affine`) or, when the program captured it as a constant, by
+float, `common.affine`) or, when the program captured it as a constant, by
 value.  The slopes become an O(H) extra; the kernel computes the distance
 per tile.  Near misses stay a dense `Bias`: slopes that vary over queries or
 keys, a distance that is not affine (``|j - i|``, clipped), a key
@@ -21,8 +21,8 @@ import numpy as np
 from flashpass.site import Transform
 from flashpass.spec import Alibi
 
-from .common import Profile
-from .masks import _affine, bias_recogniser, compose
+from .common import Profile, affine
+from .masks import bias_recogniser, compose
 
 #: Distances a float32 holds exactly (and the kernel then computes exactly).
 _EXACT = 1 << 24
@@ -86,14 +86,14 @@ def distance(scope, prof: Profile, roles) -> tuple[int, int, int] | None:
 
 
 def _symbolic(scope, atom, rank):
-    """`masks._affine` of an integer value seen through float conversions."""
+    """`common.affine` of an integer value seen through float conversions."""
     while True:
         node = scope.producer(scope.resolve(atom))
         if node is None or node.prim != "convert_element_type":
             break
         atom = node.ins[0]
         if np.issubdtype(np.dtype(scope.dtype(atom)), np.integer):
-            found = _affine(scope, atom)
+            found = affine(scope, atom)
             if found is None or len(found[0]) != rank:
                 return None
             return found

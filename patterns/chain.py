@@ -24,7 +24,7 @@ class Step:
 
     Each piece module defines its own subclasses with typed fields (a scale
     value, a side-operand `Profile`, a fill...).  ``chain_in`` is the operand
-    carrying the scores.  The site builder (flashpass/builder.py) is a loop:
+    carrying the scores.  The site builder (patterns/builder.py) is a loop:
     it calls every step's `apply`, which adds the step's score ops, extras or
     axis permutation to the site being built, or returns a `Miss`.
     """
@@ -49,7 +49,7 @@ class Step:
         return None
 
     def apply(self, build) -> Miss | None:
-        """Add this step to ``build`` (a `flashpass.builder.SiteBuilder`)."""
+        """Add this step to ``build`` (a `builder.SiteBuilder`)."""
         return None
 
 
@@ -117,7 +117,12 @@ def _walk(scope: Scope, atom, steps: list) -> Chain | Miss:
 
 
 def ensure_loaded() -> None:
-    """Import the piece modules so their rules are registered."""
+    """Import the piece modules so their rules and recognisers are registered.
+
+    The order of these imports decides nothing: a primitive has one chain rule
+    (`rule` refuses a second), and the mask and bias recognisers take their
+    places from the orders `masks` declares (`masks.MASK_RECOGNISER_ORDER`).
+    """
     from . import (  # noqa: F401
         alibi,
         bias,

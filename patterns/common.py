@@ -1,4 +1,6 @@
-"""Shared vocabulary of the pattern modules: `Miss` and operand `Profile`s."""
+"""Shared vocabulary of the pattern modules: `Miss`, operand `Profile`s, and the
+helpers more than one pattern module reads with (affine index arithmetic, a
+mask factor's query and key axes, constant keys)."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ import numpy as np
 
 from flashpass import compat
 from flashpass.graph import Const, Node, Scope
+from flashpass.spec import excludes
 
 ESCAPE_HINT = (
     "; to rewrite it, do not return or reuse the attention weights (autodiff's own "
@@ -132,13 +135,13 @@ def profile(scope: Scope, atom, target: tuple[int, ...]) -> Profile:
 def _unit_reshape_source(scope: Scope, node, dst: tuple):
     """``(mapping, source)`` for the reshape ``node`` (to ``dst``) or a chain of
     reshapes ending in it, where the chain from ``source`` only adds or removes
-    size-1 axes (`_unit_reshape_map`), nearest source first.  A chain of
+    size-1 axes (`unit_reshape_map`), nearest source first.  A chain of
     row-major reshapes is one reshape from its first input, so a merge undone
     (torch's ``[B, H, 1, S]`` viewed as ``[B·H, 1, S]`` and back) is read
     through; else None."""
     while True:
         src = scope.resolve(node.ins[0])
-        mapped = _unit_reshape_map(scope.shape(src), dst)
+        mapped = unit_reshape_map(scope.shape(src), dst)
         if mapped is not None:
             return mapped, src
         node = scope.producer(src)
@@ -146,7 +149,7 @@ def _unit_reshape_source(scope: Scope, node, dst: tuple):
             return None
 
 
-def _unit_reshape_map(src: tuple, dst: tuple) -> dict | None:
+def unit_reshape_map(src: tuple, dst: tuple) -> dict | None:
     """For a reshape that only adds/removes size-1 axes: dst axis -> src axis."""
     if [d for d in src if d != 1] != [d for d in dst if d != 1]:
         return None
@@ -187,3 +190,95 @@ def uniform_value(scope: Scope, atom) -> float | None:
         return None
     parent, outer_atom = found
     return uniform_value(parent, outer_atom)
+
+
+def const_key(c: Const):
+    """A hashable key of a constant's value (by identity above 1024 elements),
+    for signatures that must tell constants apart."""
+    value = np.asarray(c.value)
+    if value.size > 1024:
+        return ("const", id(c.value))
+    return ("const", value.dtype.str, value.shape, value.tobytes(), str(c.aval))
+
+
+# --------------------------------------------------------------------------- mask factors
+
+
+def role_axes(build, factor: Profile) -> dict:
+    """``{role: base axis}`` of a factor profile (carried axes only)."""
+    return {build.roles[t]: a for t, a in enumerate(factor.axes) if a is not None}
+
+
+def query_key_axes(build, factor: Profile, fill):
+    """`role_axes` of a factor that varies along both the query and key axes
+    and is filled with an excluding value, else None (not a position mask)."""
+    if not excludes(fill):
+        return None
+    axes = role_axes(build, factor)
+    return axes if "T" in axes and "S" in axes else None
+
+
+def score_sizes(build) -> tuple[int, int]:
+    """The query and key lengths ``(T, S)`` of the site being built."""
+    return build.layout.sizes["T"], build.layout.sizes["S"]
+
+
+# --------------------------------------------------------------------------- affine indices
+#
+# Masks built from iotas (``jnp.tril``, ``arange`` comparisons,
+# ``make_causal_mask``) are affine in the indices: an int value is
+# ``sum(coef[a] * idx[a]) + const``, read symbolically at any size.
+
+
+def affine(scope, atom, depth=0):
+    """``(coef tuple, const)`` of an int value affine in its indices, read from
+    iotas, integer constants and integer arithmetic, else None."""
+    if depth > 32:
+        return None
+    atom = scope.resolve(atom)
+    shape = scope.shape(atom)
+    if isinstance(atom, Const):
+        value = np.asarray(atom.value)
+        if value.size == 1 and np.issubdtype(value.dtype, np.integer):
+            return (0,) * len(shape), int(value.reshape(-1)[0])
+        return None
+    node = scope.producer(atom)
+    if node is None:
+        return None
+    prim = node.prim
+    if prim == "iota":
+        coef = [0] * len(shape)
+        coef[node.params["dimension"]] = 1
+        return tuple(coef), 0
+    if prim == "convert_element_type" and np.issubdtype(scope.dtype(atom), np.integer):
+        return affine(scope, node.ins[0], depth + 1)
+    if prim == "broadcast_in_dim":
+        src = affine(scope, node.ins[0], depth + 1)
+        if src is None:
+            return None
+        coef = [0] * len(shape)
+        src_shape = scope.shape(node.ins[0])
+        for k, d in enumerate(node.params["broadcast_dimensions"]):
+            coef[d] = src[0][k] if src_shape[k] == shape[d] else 0
+        return tuple(coef), src[1]
+    if prim in ("add", "sub", "mul"):
+        a, b = (affine(scope, x, depth + 1) for x in node.ins)
+        if a is None or b is None:
+            return None
+        a, b = broadcast_affine(a, len(shape)), broadcast_affine(b, len(shape))
+        if prim == "add":
+            return tuple(x + y for x, y in zip(a[0], b[0], strict=True)), a[1] + b[1]
+        if prim == "sub":
+            return tuple(x - y for x, y in zip(a[0], b[0], strict=True)), a[1] - b[1]
+        if not any(b[0]):
+            return tuple(x * b[1] for x in a[0]), a[1] * b[1]
+        if not any(a[0]):
+            return tuple(x * a[1] for x in b[0]), b[1] * a[1]
+    return None
+
+
+def broadcast_affine(value, rank):
+    """An `affine` value at ``rank`` axes: a rank-0 operand's has no
+    coefficients, and broadcasts with all of them 0."""
+    coef, const = value
+    return (coef if len(coef) == rank else (0,) * rank), const

@@ -18,7 +18,7 @@ is kept as the program's ``[B, T]`` array (O(T), never ``T x S``).
 
 The proof is structural: one operand must be affine in the indices with
 coefficient exactly 1 along the key axis and 0 elsewhere (``j + c``, from
-iotas; `masks._affine`), the other an integer array that is broadcast along
+iotas; `common.affine`), the other an integer array that is broadcast along
 the key axis (it varies over batch rows, heads and queries only).
 Then ``keep == (j + c < L)`` (or ``<=``) for every index, which is
 ``KvLengths(shift=-c)`` (or ``1 - c``).  Near misses stay dense masks: a
@@ -33,8 +33,8 @@ import numpy as np
 
 from flashpass.spec import KvLengths, excludes
 
-from .common import Profile
-from .masks import _affine, _broadcast_affine, compose, mask_recogniser
+from .common import Profile, affine, broadcast_affine
+from .masks import compose, mask_recogniser
 
 _COMPARISONS = ("lt", "le", "gt", "ge")
 
@@ -104,9 +104,9 @@ def _key_offset(scope, atom, rank: int, key_axis: int) -> int | None:
     at every index, proven from iotas or from its folded value; else None."""
     if not np.issubdtype(np.dtype(scope.dtype(atom)), np.signedinteger):
         return None
-    found = _affine(scope, atom)
+    found = affine(scope, atom)
     if found is not None:
-        coef, const = _broadcast_affine(found, rank)
+        coef, const = broadcast_affine(found, rank)
         want = tuple(1 if a == key_axis else 0 for a in range(rank))
         return const if coef == want else None
     value = scope.fold(atom)

@@ -23,7 +23,16 @@ from flashpass.spec import EXCLUDING_FILL, Bias, Causal, Mask, excludes
 
 from .additive import add_additive, add_filled
 from .chain import Step, rule
-from .common import Miss, Profile, profile, scalar_value, uniform_value, where
+from .common import (
+    Miss,
+    Profile,
+    affine,
+    broadcast_affine,
+    profile,
+    scalar_value,
+    uniform_value,
+    where,
+)
 from .indicators import COMPARISONS, boolean_factors, compose
 
 
@@ -130,25 +139,62 @@ class CausalSource:
 #: returns True after adding its descriptor op(s) to ``build`` (a window, kv
 #: lengths, segment ids...), or False to leave the factor to the next one and,
 #: last, to a dense `Mask`.  A recogniser must prove its descriptor equals the
-#: factor for every index (by value or symbolically), never assume it.
+#: factor for every index (by value or symbolically), never assume it.  The
+#: order is `MASK_RECOGNISER_ORDER`'s, whatever order the modules load in.
 MASK_RECOGNISERS: list = []
+
+#: The order the structured-mask recognisers are tried in (``module.function``),
+#: declared here rather than left to the order their modules are imported in
+#: (it is the order that import order gave).  It matters where readings
+#: overlap: the first recogniser that proves a factor decides the op the site
+#: gets, and so which kernels can run it and what the report (and a golden)
+#: says.  A constant sink-window mask whose window spans every query is also a
+#: prefix-LM mask: it is a `Prefix` because ``recognise_prefix`` comes before
+#: ``recognise_sink_window``.
+MASK_RECOGNISER_ORDER = (
+    "lengths.kv_lengths",
+    "positions.prefix_lengths",
+    "positions.position_mask",
+    "structured.recognise_diagonal",
+    "structured.recognise_prefix",
+    "structured.recognise_chunk_or_segments",
+    "sink_window.recognise_sink_window",
+)
 
 
 #: Position-bias recognisers (ALiBi...), tried on an additive bias that is not
 #: an additive mask: ``recognise(build, bias, sign)`` returns True after adding
-#: its op(s) to ``build``, or False; it must prove its op equals the bias.
+#: its op(s) to ``build``, or False; it must prove its op equals the bias.  The
+#: order is `BIAS_RECOGNISER_ORDER`'s.
 BIAS_RECOGNISERS: list = []
+
+BIAS_RECOGNISER_ORDER = ("alibi.alibi",)
+
+
+def _register(registry: list, order: tuple, fn) -> None:
+    """Put ``fn`` in ``registry`` at its declared place in ``order`` (a module
+    loaded again replaces its recogniser); one with no place is an error."""
+    name = recogniser_name(fn)
+    if name not in order:
+        raise ValueError(f"recogniser {name} has no place in the declared order {order}")
+    kept = [f for f in registry if recogniser_name(f) != name]
+    registry[:] = sorted([*kept, fn], key=lambda f: order.index(recogniser_name(f)))
+
+
+def recogniser_name(fn) -> str:
+    """``module.function`` of a recogniser, as the declared orders name it."""
+    return f"{fn.__module__.rpartition('.')[2]}.{fn.__name__}"
 
 
 def bias_recogniser(fn):
     """Register a position-bias recogniser (see `BIAS_RECOGNISERS`)."""
-    BIAS_RECOGNISERS.append(fn)
+    _register(BIAS_RECOGNISERS, BIAS_RECOGNISER_ORDER, fn)
     return fn
 
 
 def mask_recogniser(fn):
     """Register a structured-mask recogniser (see `MASK_RECOGNISERS`)."""
-    MASK_RECOGNISERS.append(fn)
+    _register(MASK_RECOGNISERS, MASK_RECOGNISER_ORDER, fn)
     return fn
 
 
@@ -360,7 +406,7 @@ def and_factors(scope, prof):
     return [prof]
 
 
-_CMP_VALUE = COMPARISONS  # (also `structured`'s diagonal reader)
+_CMP_VALUE = COMPARISONS
 
 
 def _compared_select(scope, node):
@@ -448,59 +494,6 @@ def causal_offset(keep: np.ndarray) -> int | None:
 _CMP = {"ge": (1, 0), "gt": (1, -1), "le": (-1, 0), "lt": (-1, -1)}
 
 
-def _affine(scope, atom, depth=0):
-    """(coef tuple, const) of an int value affine in its indices, else None."""
-    from flashpass.graph import Const
-
-    if depth > 32:
-        return None
-    atom = scope.resolve(atom)
-    shape = scope.shape(atom)
-    if isinstance(atom, Const):
-        value = np.asarray(atom.value)
-        if value.size == 1 and np.issubdtype(value.dtype, np.integer):
-            return (0,) * len(shape), int(value.reshape(-1)[0])
-        return None
-    node = scope.producer(atom)
-    if node is None:
-        return None
-    prim = node.prim
-    if prim == "iota":
-        coef = [0] * len(shape)
-        coef[node.params["dimension"]] = 1
-        return tuple(coef), 0
-    if prim == "convert_element_type" and np.issubdtype(scope.dtype(atom), np.integer):
-        return _affine(scope, node.ins[0], depth + 1)
-    if prim == "broadcast_in_dim":
-        src = _affine(scope, node.ins[0], depth + 1)
-        if src is None:
-            return None
-        coef = [0] * len(shape)
-        src_shape = scope.shape(node.ins[0])
-        for k, d in enumerate(node.params["broadcast_dimensions"]):
-            coef[d] = src[0][k] if src_shape[k] == shape[d] else 0
-        return tuple(coef), src[1]
-    if prim in ("add", "sub", "mul"):
-        a, b = (_affine(scope, x, depth + 1) for x in node.ins)
-        if a is None or b is None:
-            return None
-        a, b = _broadcast_affine(a, len(shape)), _broadcast_affine(b, len(shape))
-        if prim == "add":
-            return tuple(x + y for x, y in zip(a[0], b[0], strict=True)), a[1] + b[1]
-        if prim == "sub":
-            return tuple(x - y for x, y in zip(a[0], b[0], strict=True)), a[1] - b[1]
-        if not any(b[0]):
-            return tuple(x * b[1] for x in a[0]), a[1] * b[1]
-        if not any(a[0]):
-            return tuple(x * a[1] for x in b[0]), b[1] * a[1]
-    return None
-
-
-def _broadcast_affine(value, rank):
-    coef, const = value
-    return (coef if len(coef) == rank else (0,) * rank), const
-
-
 def halfspaces(scope, atom, depth=0):
     """Conjunction of ``(coef, const)`` half-spaces (keep iff coef·idx + const >= 0)
     equal to the boolean ``atom``, [] for all-True, or None if not affine."""
@@ -516,10 +509,10 @@ def halfspaces(scope, atom, depth=0):
         return None
     prim = node.prim
     if prim in _CMP:
-        a, b = (_affine(scope, x, depth + 1) for x in node.ins)
+        a, b = (affine(scope, x, depth + 1) for x in node.ins)
         if a is None or b is None:
             return None
-        a, b = _broadcast_affine(a, len(shape)), _broadcast_affine(b, len(shape))
+        a, b = broadcast_affine(a, len(shape)), broadcast_affine(b, len(shape))
         sign, shift = _CMP[prim]
         coef = tuple(sign * (x - y) for x, y in zip(a[0], b[0], strict=True))
         return [(coef, sign * (a[1] - b[1]) + shift)]

@@ -13,24 +13,24 @@ from __future__ import annotations
 
 from flashpass.ops.sink_window import SinkWindow
 
+from .common import query_key_axes, score_sizes
 from .masks import halfspaces, mask_recogniser
-from .structured import _emit, _query_key_axes, _sizes
 
 
 @mask_recogniser
 def recognise_sink_window(build, factor, keep_when, fill) -> bool:
     """``(j < n) | ((j <= i) & (j > i - W))`` with static ``n`` and ``W``."""
-    axes = _query_key_axes(build, factor, fill)
+    axes = query_key_axes(build, factor, fill)
     if axes is None or not keep_when:
         return False
     found = _sinks_and_window(build.scope, factor.base, axes["T"], axes["S"])
     if found is None:
         return False
     sinks, window = found
-    _, s_len = _sizes(build)
+    _, s_len = score_sizes(build)
     if not (1 <= sinks < s_len and window >= 1):
         return False  # no sink key, or every key one: other readings take it
-    return _emit(build, SinkWindow(sinks, window, fill), factor, keep_when, fill)
+    return build.add_descriptor(SinkWindow(sinks, window, fill), factor, keep_when, fill)
 
 
 def _sinks_and_window(scope, base, t, s):

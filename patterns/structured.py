@@ -30,39 +30,15 @@ import numpy as np
 from flashpass.graph import Const
 from flashpass.spec import Causal, Chunk, Prefix, Segments, Window, excludes
 
-from .common import _unit_reshape_map, scalar_value
-from .masks import _CMP_VALUE as _CMP
-from .masks import CausalSource, _affine, compose, halfspaces, mask_recogniser
+from .common import affine, query_key_axes, scalar_value, score_sizes, unit_reshape_map
+from .indicators import COMPARISONS as _CMP
+from .masks import compose, halfspaces, mask_recogniser
 
 _LOGIC = {"and": np.bitwise_and, "or": np.bitwise_or, "xor": np.bitwise_xor}
 _ARITH = {"add": np.add, "sub": np.subtract, "mul": np.multiply, "max": np.maximum}
 _ARITH["min"] = np.minimum
 _UNARY = {"not": lambda x: ~x if x.dtype == np.bool_ else np.invert(x), "neg": np.negative}
 _UNARY["abs"] = np.abs
-
-
-def _emit(build, op, factor, keep_when, fill) -> bool:
-    source = CausalSource("mask", factor, keep_when, fill, roles=tuple(build.roles))
-    build.add_causal(op, source)
-    return True
-
-
-def _role_axes(build, factor):
-    """``{role: base axis}`` of a factor profile (carried axes only)."""
-    return {build.roles[t]: a for t, a in enumerate(factor.axes) if a is not None}
-
-
-def _query_key_axes(build, factor, fill):
-    """`_role_axes` of a factor that varies along both the query and key axes
-    and is filled with an excluding value, else None (not a position mask)."""
-    if not excludes(fill):
-        return None
-    axes = _role_axes(build, factor)
-    return axes if "T" in axes and "S" in axes else None
-
-
-def _sizes(build) -> tuple[int, int]:
-    return build.layout.sizes["T"], build.layout.sizes["S"]
 
 
 # --------------------------------------------------------------------------- diagonals
@@ -87,7 +63,7 @@ def diagonal(scope, atom, tax, sax, t_len, s_len, depth=0):
             return None
         return np.full(n, value, dtype)
     if np.issubdtype(dtype, np.integer):
-        aff = _affine(scope, atom)
+        aff = affine(scope, atom)
         if aff is not None:
             coef, const = aff
             others = [c for a, c in enumerate(coef) if a not in (tax, sax)]
@@ -138,7 +114,7 @@ def diagonal(scope, atom, tax, sax, t_len, s_len, depth=0):
 
         return sub(src, back(tax), back(sax))
     if prim == "reshape" and node.params.get("dimensions") is None:
-        mapped = _unit_reshape_map(scope.shape(node.ins[0]), shape)
+        mapped = unit_reshape_map(scope.shape(node.ins[0]), shape)
         if mapped is None:
             return None
         return sub(node.ins[0], mapped.get(tax), mapped.get(sax))
@@ -147,7 +123,7 @@ def diagonal(scope, atom, tax, sax, t_len, s_len, depth=0):
 
 def _affine_diff(scope, ins, tax, sax, rank):
     """``(const, cs)`` with ``a - b == const + cs * d`` for affine int operands."""
-    parts = [_affine(scope, x) for x in ins]
+    parts = [affine(scope, x) for x in ins]
     if any(p is None for p in parts):
         return None
     coefs = []
@@ -192,10 +168,10 @@ def band_op(keep: np.ndarray, t_len: int, s_len: int, fill: float):
 @mask_recogniser
 def recognise_diagonal(build, factor, keep_when, fill) -> bool:
     """A mask that depends on ``j - i`` only, as `Window` (or `Causal`)."""
-    axes = _query_key_axes(build, factor, fill)
+    axes = query_key_axes(build, factor, fill)
     if axes is None:
         return False
-    t_len, s_len = _sizes(build)
+    t_len, s_len = score_sizes(build)
     scope = build.scope
     vec = diagonal(scope, factor.base, axes["T"], axes["S"], t_len, s_len)
     if vec is not None:
@@ -210,7 +186,7 @@ def recognise_diagonal(build, factor, keep_when, fill) -> bool:
     op = band_op(keep, t_len, s_len, fill)
     if op is None or op == "all":
         return op == "all"
-    return _emit(build, op, factor, keep_when, fill)
+    return build.add_descriptor(op, factor, keep_when, fill)
 
 
 def _folded_matrix(scope, factor, axes):
@@ -245,10 +221,10 @@ def _toeplitz(keep: np.ndarray) -> np.ndarray | None:
 @mask_recogniser
 def recognise_prefix(build, factor, keep_when, fill) -> bool:
     """``(j <= i) | (j < L)`` with a static ``L`` (symbolic or by value)."""
-    axes = _query_key_axes(build, factor, fill)
+    axes = query_key_axes(build, factor, fill)
     if axes is None or not keep_when:
         return False
-    t_len, s_len = _sizes(build)
+    t_len, s_len = score_sizes(build)
     scope = build.scope
     length = _symbolic_prefix(scope, factor.base, axes)
     if length is None:
@@ -262,7 +238,7 @@ def recognise_prefix(build, factor, keep_when, fill) -> bool:
             return False
     if length <= 1 or length >= s_len:
         return False  # plain causal or everything: other readings take it
-    return _emit(build, Prefix(length, fill), factor, keep_when, fill)
+    return build.add_descriptor(Prefix(length, fill), factor, keep_when, fill)
 
 
 def _symbolic_prefix(scope, base, axes) -> int | None:
@@ -355,7 +331,7 @@ def recognise_chunk_or_segments(build, factor, keep_when, fill) -> bool:
         np.issubdtype(dtype, np.integer) or dtype == np.bool_
     ):
         return False
-    t_len, s_len = _sizes(build)
+    t_len, s_len = score_sizes(build)
     f, g = _vector(scope, q_side, roles, "T"), _vector(scope, kv_side, roles, "S")
     if f is not None and g is not None:
         size = chunk_size(f, g)
@@ -363,11 +339,11 @@ def recognise_chunk_or_segments(build, factor, keep_when, fill) -> bool:
         if size is not None and (t_len - 1) // size <= (s_len - 1) // size:
             if size >= max(t_len, s_len):
                 return True  # one chunk: keeps everything
-            return _emit(build, Chunk(size, fill), factor, keep_when, fill)
+            return build.add_descriptor(Chunk(size, fill), factor, keep_when, fill)
     q_index, _ = build.add_extra(q_side, None, dtype)
     kv_index, _ = build.add_extra(kv_side, None, dtype)
     same = t_len == s_len and _one_array(scope, q_side, kv_side, roles)
-    return _emit(build, Segments(q_index, kv_index, fill, same), factor, keep_when, fill)
+    return build.add_descriptor(Segments(q_index, kv_index, fill, same), factor, keep_when, fill)
 
 
 def _one_array(scope, q_side, kv_side, roles) -> bool:

@@ -163,7 +163,7 @@ def _crash(*args, **kwargs):
 
 
 def test_internal_error_is_reported_and_warned(monkeypatch, rng, caplog):
-    monkeypatch.setattr("flashpass.match.match_site", _crash)
+    monkeypatch.setattr("flashpass.patterns.match.match_site", _crash)
     args = spellings.bnth(rng)
     opt = flashpass.optimize(spellings.matmul_bnth, kernel="blockwise", strict=False)
     with caplog.at_level(logging.WARNING, logger="flashpass"):
@@ -180,7 +180,7 @@ def test_internal_error_is_reported_and_warned(monkeypatch, rng, caplog):
 
 
 def test_strict_reraises(monkeypatch, rng):
-    monkeypatch.setattr("flashpass.match.match_site", _crash)
+    monkeypatch.setattr("flashpass.patterns.match.match_site", _crash)
     args = spellings.bnth(rng)
     with pytest.raises(RuntimeError, match="injected matcher bug"):
         flashpass.optimize(spellings.matmul_bnth, kernel="blockwise", strict=True)(*args)

@@ -90,7 +90,7 @@ def test_decode_step_gradient_in_layout(layout):
 def test_site_layout():
     """`AttentionSite.kv_layout`: the program's order of (batch, key, head)."""
     from flashpass.graph import build_scopes
-    from flashpass.match import match_scopes
+    from flashpass.patterns import match_scopes
     from flashpass.pipeline import trace
 
     def layouts(fn, args):

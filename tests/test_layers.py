@@ -2,15 +2,18 @@
 
 ::
 
-    engine (api, pipeline, match, select, placement, ring, rewrite, export, ...)
-       |-> patterns/  (program -> sites)
+    engine (api, pipeline, select, placement, ring, rewrite, export, ...)
+       |-> patterns/  (program -> sites: the matcher, match/builder/backward/scans
+       |               and the piece modules)
        |-> kernels/   (spec -> kernel call)
               |-> base (ops, spec, site, roles, graph, compat, errors)
 
 * base imports base only (and JAX, numpy, the standard library);
 * patterns/ and kernels/ import base and themselves, never the engine, and never
   each other;
-* the engine may import anything.
+* the engine may import anything, but enters patterns/ through its package alone
+  (`flashpass.patterns.match_scopes`, the one entry point, and its result types),
+  never a module inside it.
 
 Every import counts, module level or inside a function (a lazy import is still a
 dependency).  The check reads the source with `ast`: nothing is imported.
@@ -120,6 +123,28 @@ def violations() -> list[str]:
 def test_layers_import_only_downwards():
     bad = violations()
     assert not bad, "imports against the layer contract:\n" + "\n".join(bad)
+
+
+def test_the_engine_enters_patterns_through_its_package():
+    """The matcher has one entry point: the engine imports ``flashpass.patterns``
+    (which re-exports `match_scopes`), never one of its modules."""
+    files = sources()
+    known = {module_name(p) for p in files}
+    inside = [
+        f"{path.relative_to(ROOT)}:{line}: {target}"
+        for path in files
+        if layer(module_name(path)) == "engine"
+        for target, line in sorted(imported(path, known))
+        if layer(target) == "patterns" and target != "flashpass.patterns"
+    ]
+    assert not inside, "the engine imports inside patterns/:\n" + "\n".join(inside)
+    entering = [
+        path
+        for path in files
+        if layer(module_name(path)) == "engine"
+        and any(t == "flashpass.patterns" for t, _ in imported(path, known))
+    ]
+    assert entering, "no engine module imports flashpass.patterns: the check is vacuous"
 
 
 def test_every_layer_is_populated():

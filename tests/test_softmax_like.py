@@ -79,7 +79,7 @@ def test_softmax_like_inside_a_scan_body(rng):
 def test_the_check_sees_a_silent_miss(rng, monkeypatch):
     # Positive control of tests/no_silent.py: with the detector off, the exp
     # left in the program has no report entry and the check fails.
-    monkeypatch.setattr("flashpass.match.softmax_like", lambda *a: None)
+    monkeypatch.setattr("flashpass.patterns.match.softmax_like", lambda *a: None)
     args = _qkv(rng)
     opt = flashpass.optimize(unnormalised, kernel="blockwise")
     report = opt.explain(*args)

@@ -493,3 +493,52 @@ def test_mask_with_scalar_operands_is_read_without_error(rng):
     (rewrite,) = opt.explain(q, k, v).rewrites
     assert "dense" in rewrite.mask, rewrite.spec
     _assert_close(opt(q, k, v), fn(q, k, v))
+
+
+# --------------------------------------------------------------------------- recogniser order
+
+
+def _sink_window_spanning_every_query(q, k, v):
+    # a window as long as the sequence: ``(j < 2) | (j <= i)``, a prefix-LM mask
+    pos = jnp.arange(q.shape[2])
+    i, j = pos[:, None], pos[None, :]
+    keep = (j < 2) | ((j <= i) & (j > i - q.shape[2]))
+    return jax.nn.softmax(jnp.where(keep, q @ k.swapaxes(-1, -2), -1e9), -1) @ v
+
+
+def test_recognisers_are_tried_in_the_declared_order():
+    """The registries hold every declared recogniser in the declared order,
+    whatever order their modules were imported in; one with no declared place
+    is refused."""
+    from flashpass.patterns import chain, masks
+
+    chain.ensure_loaded()
+    names = [masks.recogniser_name(f) for f in masks.MASK_RECOGNISERS]
+    assert names == list(masks.MASK_RECOGNISER_ORDER)
+    names = [masks.recogniser_name(f) for f in masks.BIAS_RECOGNISERS]
+    assert names == list(masks.BIAS_RECOGNISER_ORDER)
+    before = list(masks.MASK_RECOGNISERS)
+
+    def undeclared(build, factor, keep_when, fill):
+        return False
+
+    with pytest.raises(ValueError, match="no place in the declared order"):
+        masks.mask_recogniser(undeclared)
+    assert masks.MASK_RECOGNISERS == before
+
+
+def test_overlapping_readings_follow_the_declared_order(rng, monkeypatch):
+    """A sink window whose window spans every query is also a prefix-LM mask:
+    in the declared order it is a `Prefix`; tried the other way round, the same
+    factor would be a `SinkWindow` (the order decides the op)."""
+    from flashpass.patterns import masks
+
+    args = bnth(rng)
+    fn = _sink_window_spanning_every_query
+    report = flashpass.optimize(fn, kernel="blockwise").explain(*args)
+    assert [d.split("(")[0] for d in _described(report.rewrites[0].spec)] == ["Prefix"]
+    monkeypatch.setattr(masks, "MASK_RECOGNISERS", masks.MASK_RECOGNISERS[::-1])
+    opt = flashpass.optimize(fn, kernel="blockwise")
+    report = opt.explain(*args)
+    assert [d.split("(")[0] for d in _described(report.rewrites[0].spec)] == ["SinkWindow"]
+    _assert_close(opt(*args), fn(*args))

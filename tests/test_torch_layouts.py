@@ -238,7 +238,7 @@ def test_torch_layout_is_rewritten(name, rng):
 @pytest.mark.parametrize("name", ["hf_eager_matmul", "hf_eager_softcap", "diffusers_baddbmm_mask"])
 def test_training_step_leaves_no_t_by_s(name, rng):
     # value_and_grad inside the traced step: autodiff's backward through the
-    # merged layout is the kernel's (flashpass/backward.py), no T×S array left.
+    # merged layout is the kernel's (patterns/backward.py), no T×S array left.
     fn, make, _ = POSITIVE[name]
     args = make(rng)
 

@@ -22,7 +22,7 @@ import numpy as np
 from flashpass import compat
 from flashpass.api import Optimized
 from flashpass.graph import build_scopes
-from flashpass.match import match_scopes
+from flashpass.patterns import match_scopes
 from flashpass.placement import trace_time_only
 from flashpass.report import Report
 

@@ -33,10 +33,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from flashpass.patterns.common import Miss, profile, where
+from flashpass import compat, errors
+from flashpass.graph import Const, Node, Scope
 
-from . import compat, errors
-from .graph import Const, Node, Scope
+from .common import Miss, const_key, profile, where
 
 #: Most subsets of differentiated inputs tried per site.
 MAX_TEMPLATES = 16
@@ -194,7 +194,7 @@ def _signature(scope: Scope, forward: list[Node], inputs: list, diff: tuple, out
     nodes = []
     for i, n in enumerate(forward):
         refs = tuple(
-            _const_key(a) if isinstance(a, Const) else where_is.get(a, ("?", id(a))) for a in n.ins
+            const_key(a) if isinstance(a, Const) else where_is.get(a, ("?", id(a))) for a in n.ins
         )
         nodes.append((n.prim, str(n.params), refs))
         for j, o in enumerate(n.outs):
@@ -205,13 +205,6 @@ def _signature(scope: Scope, forward: list[Node], inputs: list, diff: tuple, out
     avals = tuple(compat.aval_key(scope.aval(a)) for a in inputs)
     out = compat.aval_key(scope.aval(out_key))
     return (tuple(nodes), avals, diff, where_is.get(out_key), out, str(compat.context_mesh()))
-
-
-def _const_key(c: Const):
-    value = np.asarray(c.value)
-    if value.size > 1024:
-        return ("const", id(c.value))
-    return ("const", value.dtype.str, value.shape, value.tobytes(), str(c.aval))
 
 
 def _trace_template(scope: Scope, forward: list[Node], inputs: list, diff: tuple, out_key):

@@ -21,30 +21,38 @@ import dataclasses
 
 import jax.numpy as jnp
 
-from flashpass.patterns import chain as chain_mod
-from flashpass.patterns.common import ESCAPE_HINT, Miss, profile, where
-from flashpass.patterns.dropout import dropout_op
-from flashpass.patterns.products import output_product, score_products
-from flashpass.patterns.regroup import PRIMS as REGROUP_PRIMS
-from flashpass.patterns.regroup import batch_splits, product_axes, regroup
-from flashpass.patterns.softmax import match_softmax
-from flashpass.patterns.softmax_like import softmax_like
+from flashpass import errors
+from flashpass.graph import Const, Scope
+from flashpass.roles import UNIT, Merged, flat
+from flashpass.site import (
+    AttentionSite,
+    ExtraSource,
+    Layout,
+    Operand,
+    OutputScale,
+    RowKeep,
+    present_roles,
+)
+from flashpass.spec import AttentionSpec, ExtraSpec
 
-from . import errors
+from . import chain as chain_mod
 from .backward import match_backward, match_ungathered
 from .builder import SiteBuilder
-from .graph import Const, Scope
-from .roles import UNIT, Merged, flat
+from .common import ESCAPE_HINT, Miss, profile, where
+from .dropout import dropout_op
+from .products import output_product, score_products
+from .regroup import PRIMS as REGROUP_PRIMS
+from .regroup import batch_splits, product_axes, regroup
 from .scans import match_pair, match_remat
-from .site import AttentionSite, ExtraSource, Layout, Operand, OutputScale, RowKeep, present_roles
-from .spec import AttentionSpec, ExtraSpec
+from .softmax import match_softmax
+from .softmax_like import softmax_like
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Escaped:
     """A site whose intermediates are read outside it, where no backward in
     its own scope reads them: a loop body's or a remat's pairing with its
-    backward (flashpass/scans.py) may still prove one; else ``miss`` is why
+    backward (patterns/scans.py) may still prove one; else ``miss`` is why
     the site is kept.  Falsy, like a `Miss`."""
 
     site: AttentionSite
@@ -58,7 +66,7 @@ class Escaped:
 def match_scopes(scopes) -> tuple[list, list]:
     """Stage 3: ``(sites, misses)`` of every scope, each a ``(scope, site or
     Miss)`` pair; an escaped site is paired with its backward in a remat body
-    or, from a loop body, in the backward loop (flashpass/scans.py)."""
+    or, from a loop body, in the backward loop (patterns/scans.py)."""
     found, kept = [], []
     by_prefix = {s.prefix: s for s in scopes}
     children = {c.prefix: (s, c) for s in scopes for c in s.children}
@@ -344,7 +352,7 @@ def _with_backward(scope: Scope, site: AttentionSite, root, escape):
     of it (a training step), or not (`Escaped`, or a plain miss)."""
     nodes = site.nodes
     # A returned intermediate rules out a backward in this scope (a loop body's
-    # may still be read by the backward loop: flashpass/scans.py takes ``site``).
+    # may still be read by the backward loop: patterns/scans.py takes ``site``).
     returned = any(
         scope.is_output(o) for n in nodes if n is not root for o in n.outs if o is not None
     )

@@ -11,16 +11,16 @@ a step class and a rule in one pattern module; this loop stays as it is.
 
 from __future__ import annotations
 
-from flashpass.patterns.additive import settle as settle_additive
-from flashpass.patterns.common import Miss, where
-from flashpass.patterns.masks import CausalSource, MaskStep
-from flashpass.patterns.probabilities import ScoreMasks
-from flashpass.patterns.softcap import fold_softcap
+from flashpass.graph import Scope
+from flashpass.roles import UNIT
+from flashpass.site import ExtraSource, Layout, present_roles
+from flashpass.spec import Bias, Causal, excludes, fill_after
 
-from .graph import Scope
-from .roles import UNIT
-from .site import ExtraSource, Layout, present_roles
-from .spec import Bias, Causal, excludes, fill_after
+from .additive import settle as settle_additive
+from .common import Miss, where
+from .masks import CausalSource, MaskStep
+from .probabilities import ScoreMasks
+from .softcap import fold_softcap
 
 
 class SiteBuilder:
@@ -59,6 +59,14 @@ class SiteBuilder:
     def add_causal(self, op: Causal, source: CausalSource) -> None:
         self.ops.append(op)
         self._causal.append((op, source))
+
+    def add_descriptor(self, op, factor, keep_when: bool, fill) -> bool:
+        """Add a structured mask op (a window, chunks, segments...) proven equal
+        to the mask ``factor``, as a causal op is added: if a later op undoes
+        its fill's exclusion, the literal dense mask is put back.  True (a mask
+        recogniser's answer)."""
+        self.add_causal(op, CausalSource("mask", factor, keep_when, fill, roles=tuple(self.roles)))
+        return True
 
     # ------------------------------------------------------------------ the loop
 

@@ -26,11 +26,11 @@ from __future__ import annotations
 
 import dataclasses
 
-from flashpass.patterns.common import Miss
+from flashpass import compat
+from flashpass.graph import Const, Scope
 
-from . import compat
-from .backward import _const_key, match_backward
-from .graph import Const, Scope
+from .backward import match_backward
+from .common import Miss, const_key
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,7 +130,7 @@ def _signature(node, canon=None):
     ins = []
     for a in node.ins:
         a = canon(a) if canon is not None and not isinstance(a, Const) else a
-        ins.append(_const_key(a) if isinstance(a, Const) else a)
+        ins.append(const_key(a) if isinstance(a, Const) else a)
     return (node.prim, str(node.params), tuple(ins))
 
 
