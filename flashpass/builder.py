@@ -22,6 +22,12 @@ from .roles import UNIT
 from .site import ExtraSource, Layout, present_roles
 from .spec import Bias, Causal, excludes, fill_after
 
+#: The report's note for a causal mask passed as the array it was written as.
+CAUSAL_LITERAL = (
+    "a causal mask is passed as the T x S array it was written as: a later score "
+    "operation undoes its fill's exclusion"
+)
+
 
 class SiteBuilder:
     """Score ops, extras and q scales of one site, built step by step."""
@@ -96,7 +102,10 @@ class SiteBuilder:
             if excludes(fill_after(op.fill, self.ops[i + 1 :])):
                 kept.append((op, source))
             else:
-                self.ops[i] = source.literal(self)  # None: one op of a group, dropped
+                literal = source.literal(self)  # None: one op of a group, dropped
+                self.ops[i] = literal
+                if literal is not None and literal.shape[2] != 1 and literal.shape[3] != 1:
+                    self.dense_notes.append(CAUSAL_LITERAL)
         self.ops = [op for op in self.ops if op is not None]
         self._causal = kept
         return None

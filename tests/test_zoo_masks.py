@@ -1,0 +1,173 @@
+"""Mask spellings the model zoo found (benchmarks/zoo/repros/torch_gaps.py).
+
+* PyTorch's boolean ``attn_mask`` made additive (torchax's SDPA reference:
+  ``zeros(T, S).masked_fill_(~mask, -inf)`` added to the scores) is read like
+  ``where(mask, s, -inf)``: causal and key-mask descriptors, no ``T x S``
+  operand;
+* keras-hub's decoder mask, ``minimum(int(expand_dims(padding)), int(causal))``
+  cast to bool: read as causal + key mask when the padding vector is boolean;
+  an int padding input (whose values are not known to be 0 or 1) stays a
+  dense operand, and the report says so.
+
+Each: rewritten with the expected descriptors, forward and gradient equal to
+the original's, nothing ``T x S`` outside the kernel; near misses say why.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import test_structured_masks
+from t_by_s import assert_no_t_by_s, jaxpr_shapes
+from test_library_masks import _outside_kernels
+
+import flashpass
+from flashpass.testing import assert_same_function
+
+B, H, T, D = 2, 2, 256, 16
+F32_MIN = float(np.finfo(np.float32).min)
+DENSE = "a mask factor no descriptor reads is passed as a dense T x S array"
+
+
+def _qkv(rng):
+    return tuple(jnp.asarray(rng.standard_normal((B, H, T, D)), jnp.float32) for _ in range(3))
+
+
+def _padding(left: bool, dtype=jnp.int32):
+    """``[B, T]`` 0/1: row 1 padded, at the end (or, ``left``, at the start:
+    under causality its first rows keep no key)."""
+    keep = np.ones((B, T), bool)
+    if left:
+        keep[1, :40] = False
+    else:
+        keep[1, T - 37 :] = False
+    return jnp.asarray(keep, dtype)
+
+
+def _scores(q, k):
+    return jnp.matmul(q, jnp.swapaxes(k, -1, -2)) * D**-0.5
+
+
+def _out(s, v):
+    return jnp.matmul(jax.nn.softmax(s, axis=-1), v)
+
+
+def _hf_mask(padding, causal=True):
+    """transformers' ``sdpa_mask``: ``[B, 1, T, S]`` from index vectors,
+    ``kv <= q`` and ``padding[b, kv]`` (a gather), and-ed."""
+    b = jnp.arange(B)[:, None, None, None]
+    q_idx = jnp.arange(T)[None, None, :, None]
+    kv_idx = jnp.arange(T)[None, None, None, :]
+    pad = padding.astype(bool)[b, kv_idx]
+    return (kv_idx <= q_idx) & pad if causal else jnp.broadcast_to(pad, (B, 1, T, T))
+
+
+def _check(fn, args, want, rng_argnums=(0, 1, 2)):
+    opt = flashpass.optimize(fn, kernel="blockwise")
+    assert_same_function(fn, jax.jit(opt), *args, argnums=rng_argnums)
+    report = opt.explain(*args)
+    assert len(report.rewrites) == 1 and not report.fallbacks, str(report)
+    got = sorted(test_structured_masks._described(report.rewrites[0].spec))
+    assert got == sorted(want), str(report)
+    assert not report.rewrites[0].dense, str(report)
+    control = jaxpr_shapes(jax.make_jaxpr(fn)(*args))
+    assert_no_t_by_s(_outside_kernels(opt.rewritten_jaxpr(*args)), T, T, control=control)
+    return report
+
+
+# --------------------------------------------------------------------------- -inf bias
+
+
+def sdpa_bool_as_inf_bias(q, k, v, padding):
+    bias = jnp.where(jnp.logical_not(_hf_mask(padding)), -jnp.inf, jnp.zeros((T, T), q.dtype))
+    return _out(_scores(q, k) + bias, v)
+
+
+def sdpa_encoder_as_inf_bias(q, k, v, padding):
+    mask = _hf_mask(padding, causal=False)
+    bias = jnp.where(jnp.logical_not(mask), -jnp.inf, jnp.zeros((T, T), q.dtype))
+    return _out(_scores(q, k) + bias, v)
+
+
+def test_sdpa_bool_mask_as_inf_bias(rng):
+    report = _check(
+        sdpa_bool_as_inf_bias, (*_qkv(rng), _padding(left=False)), ["Causal(0)", "Mask"]
+    )
+    assert report.rewrites[0].mask == "causal+key mask", str(report)
+
+
+def test_sdpa_encoder_mask_as_inf_bias(rng):
+    report = _check(sdpa_encoder_as_inf_bias, (*_qkv(rng), _padding(left=False)), ["Mask"])
+    assert report.rewrites[0].mask == "key mask", str(report)
+
+
+def scores_masked_fill(q, k, v, padding):
+    """``s.masked_fill(~mask, -inf)``: the scores kept where ``~mask`` is False."""
+    return _out(jnp.where(jnp.logical_not(_hf_mask(padding)), -jnp.inf, _scores(q, k)), v)
+
+
+def test_masked_fill_of_negated_mask(rng):
+    _check(scores_masked_fill, (*_qkv(rng), _padding(left=False)), ["Causal(0)", "Mask"])
+
+
+def _dense_inf_bias(q, k, v, keep):
+    bias = jnp.where(~keep, -jnp.inf, jnp.zeros((T, T), q.dtype))
+    return _out(_scores(q, k) + bias, v)
+
+
+def test_dense_inf_bias_is_reported(rng):
+    """A ``T x S`` boolean input made additive: nothing to read, a dense
+    operand, and the report says so."""
+    keep = jnp.asarray(rng.random((T, T)) < 0.9).at[:, 0].set(True)
+    args = (*_qkv(rng), keep)
+    opt = flashpass.optimize(_dense_inf_bias, kernel="blockwise")
+    assert_same_function(_dense_inf_bias, jax.jit(opt), *args, argnums=(0, 1, 2))
+    report = opt.explain(*args)
+    assert len(report.rewrites) == 1, str(report)
+    assert report.rewrites[0].mask == "dense", str(report)
+    notes = report.rewrites[0].dense
+    assert len(notes) == 1 and notes[0].startswith(DENSE) and " at " in notes[0], notes
+    assert "masks kept as dense arrays" in str(report)
+
+
+# --------------------------------------------------------------------------- keras-hub
+
+
+def keras_hub_decoder(q, k, v, padding_mask):
+    """keras-hub ``TransformerDecoder``: ``merge_padding_and_attention_mask``
+    (``int32(expand_dims(padding, 1))``) ``minimum`` the int32 cast of
+    ``compute_causal_mask`` (float iotas), cast to bool by
+    ``MultiHeadAttention`` and applied by keras' ``dot_product_attention``
+    (``where(ones & mask, s, large_negative)``)."""
+    pad = jnp.expand_dims(padding_mask, axis=1).astype(jnp.int32)  # [B, 1, S]
+    i = jnp.arange(T, dtype=jnp.float32)[:, None]
+    j = jnp.arange(T, dtype=jnp.float32)
+    causal = jnp.broadcast_to(jnp.expand_dims(i >= j, 0), (B, T, T)).astype(jnp.int32)
+    mask = jnp.expand_dims(jnp.minimum(pad, causal), 1).astype(bool)  # [B, 1, T, S]
+    logits = _scores(q, k)
+    combined = jnp.logical_and(jnp.ones_like(logits, dtype=bool), mask)
+    return _out(jnp.where(combined, logits, -0.7 * float(np.finfo(np.float32).max)), v)
+
+
+def test_keras_hub_bool_padding_is_a_key_mask(rng):
+    args = (*_qkv(rng), _padding(left=True, dtype=jnp.bool_))
+    report = _check(keras_hub_decoder, args, ["Causal(0)", "Mask"])
+    assert report.rewrites[0].mask == "causal+key mask", str(report)
+
+
+def test_keras_hub_int_padding_is_reported_dense(rng):
+    """An int32 padding input may hold -1 (``minimum(-1, 0) != 0`` keeps a
+    masked key) or 2: no conjunction of causal and key mask is exact, so the
+    merged mask is passed dense, and the report says so."""
+    args = (*_qkv(rng), _padding(left=True))
+    opt = flashpass.optimize(keras_hub_decoder, kernel="blockwise")
+    assert_same_function(keras_hub_decoder, jax.jit(opt), *args, argnums=(0, 1, 2))
+    report = opt.explain(*args)
+    assert len(report.rewrites) == 1, str(report)
+    assert "dense" in report.rewrites[0].mask, str(report)
+    notes = report.rewrites[0].dense
+    assert len(notes) == 1 and notes[0].startswith(DENSE), notes
+    # with a negative entry the original keeps a masked key: still computed exactly
+    odd = args[3].at[0, 5].set(-1)
+    np.testing.assert_allclose(opt(*args[:3], odd), keras_hub_decoder(*args[:3], odd), atol=2e-5)
