@@ -46,6 +46,7 @@ class SiteBuilder:
         self.problem: Miss | None = None  # set by a step's side array the layout can't take
         self.dense_notes: list = []  # why a mask-like operand stays a dense array
         self.additive: list = []  # AdditiveGroups: additive masks read as descriptors
+        self.floors: list = []  # nodes of `max(s, c)` floors read into the ops before
 
     # ------------------------------------------------------------------ for steps
 
@@ -108,6 +109,13 @@ class SiteBuilder:
                     self.dense_notes.append(CAUSAL_LITERAL)
         self.ops = [op for op in self.ops if op is not None]
         self._causal = kept
+        if self.floors and any(isinstance(op, Bias) for op in self.ops):
+            node = self.floors[0]
+            return Miss(
+                "a floor max(scores, c) on a site with a bias that stays an array (the kernel "
+                f"adds it without the floor){where(node)}",
+                node,
+            )
         return None
 
     def score_masks(self):

@@ -4,6 +4,10 @@
   ``zeros(T, S).masked_fill_(~mask, -inf)`` added to the scores) is read like
   ``where(mask, s, -inf)``: causal and key-mask descriptors, no ``T x S``
   operand;
+* a floor ``max(s, c)`` on the scores (XGLM's ``max(s + mask, finfo.min)``)
+  is read into the masks before it when the kernels' semantics reproduce it,
+  value and gradient, also in the rows a padding mask leaves with no key;
+  a floor that may clip a real score keeps the site;
 * keras-hub's decoder mask, ``minimum(int(expand_dims(padding)), int(causal))``
   cast to bool: read as causal + key mask when the padding vector is boolean;
   an int padding input (whose values are not known to be 0 or 1) stays a
@@ -18,6 +22,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 import test_structured_masks
 from t_by_s import assert_no_t_by_s, jaxpr_shapes
 from test_library_masks import _outside_kernels
@@ -129,6 +134,121 @@ def test_dense_inf_bias_is_reported(rng):
     notes = report.rewrites[0].dense
     assert len(notes) == 1 and notes[0].startswith(DENSE) and " at " in notes[0], notes
     assert "masks kept as dense arrays" in str(report)
+
+
+# --------------------------------------------------------------------------- floors
+
+
+def xglm_clamp(q, k, v, padding):
+    """XGLM: the additive mask, then ``max(s, finfo.min)``."""
+    mask = jnp.where(_hf_mask(padding), 0.0, F32_MIN)
+    s = jnp.maximum(_scores(q, k) + mask, jnp.asarray(F32_MIN, jnp.float32))
+    return _out(s, v)
+
+
+def clamp_after_inf_mask(q, k, v, padding):
+    """A floor after a ``-inf`` mask lifts its fill: fully masked rows are
+    then uniform, not NaN."""
+    s = jnp.where(_hf_mask(padding), _scores(q, k), -jnp.inf)
+    return _out(jnp.maximum(jnp.float32(F32_MIN), s), v)
+
+
+def clamp_below_fill(q, k, v, padding):
+    """A floor far below a moderate additive fill never binds."""
+    mask = jnp.where(_hf_mask(padding), 0.0, -1e9)
+    return _out(jnp.maximum(_scores(q, k) + mask, F32_MIN), v)
+
+
+def _empty(grad=None, fill=F32_MIN, count=2):
+    tail = "" if grad is None else f", {grad}"
+    return f"EmptyRows({count}, {fill}, float32{tail})"
+
+
+FLOORS = {
+    # name: (fn, left padding, descriptors)
+    "xglm_right_padded": (xglm_clamp, False, ["Causal(0)", _empty(0.5), "Mask"]),
+    # rows 0..39 of example 1 keep no key: the tie halves their gradient
+    "xglm_left_padded": (xglm_clamp, True, ["Causal(0)", _empty(0.5), "Mask"]),
+    "after_inf_mask": (clamp_after_inf_mask, True, ["Causal(0)", "Mask"]),
+    "below_fill": (clamp_below_fill, True, ["Causal(0)", _empty(fill=-1e9), "Mask"]),
+}
+
+
+@pytest.mark.parametrize("name", sorted(FLOORS))
+def test_floor_is_read_into_the_masks(name, rng):
+    fn, left, want = FLOORS[name]
+    q, k, v = _qkv(rng)
+    _check(fn, (q * 4.0, k, v, _padding(left)), want)
+
+
+def test_tied_floor_gradient_in_empty_rows(rng):
+    """The rows left with no key: JAX's ``max`` gives a tie half the
+    gradient, and so must the rewrite (unclamped, it would be twice the
+    original's)."""
+    q, k, v = _qkv(rng)
+    args = (q, k, v, _padding(left=True))
+    opt = flashpass.optimize(xglm_clamp, kernel="blockwise")
+
+    def dq(f):
+        return jax.grad(lambda q: jnp.sum(jnp.sin(f(q, *args[1:]))))(q)
+
+    want, got = dq(xglm_clamp), dq(opt)
+    assert float(jnp.max(jnp.abs(want[1, :, :40]))) > 1e-3  # the empty rows have a gradient
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+
+
+def _relu_scores(q, k, v):
+    return _out(jnp.maximum(_scores(q, k), 0.0), v)
+
+
+def _clip_at_moderate(q, k, v, padding):
+    mask = jnp.where(_hf_mask(padding), 0.0, F32_MIN)
+    return _out(jnp.maximum(_scores(q, k) + mask, -1e4), v)
+
+
+def _clip_by_tensor(q, k, v, padding):
+    floor = jnp.where(padding[:, None, None, :] > 0, -1.0, F32_MIN)
+    return _out(jnp.maximum(_scores(q, k), floor), v)
+
+
+def _floor_over_dense_bias(q, k, v, bias):
+    return _out(jnp.maximum(_scores(q, k) + bias, F32_MIN), v)
+
+
+def _floor_lifting_a_moderate_fill(q, k, v, padding):
+    # a floor of -1e30 over a fill of -1e31 that leaves rows empty: s + fill
+    # is no constant there (it does not swallow the scores)
+    mask = jnp.where(_hf_mask(padding), 0.0, -1e31)
+    return _out(jnp.maximum(_scores(q, k) + mask, -1e30), v)
+
+
+CLAMP_MISSES = {
+    # name: (fn, extra args, words of the reason)
+    "relu": (_relu_scores, lambda r: (), "max(scores, 0) may clip a kept score"),
+    "moderate_floor": (_clip_at_moderate, lambda r: (_padding(True),), "may clip a kept score"),
+    "tensor_floor": (_clip_by_tensor, lambda r: (_padding(True),), "traced value or a tensor"),
+    "dense_bias": (
+        _floor_over_dense_bias,
+        lambda r: (jnp.asarray(r.standard_normal((1, H, T, T)), jnp.float32),),
+        "bias that stays an array",
+    ),
+    "unswallowed_fill": (
+        _floor_lifting_a_moderate_fill,
+        lambda r: (_padding(True),),
+        "only a fill that swallows",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CLAMP_MISSES))
+def test_floor_near_miss_keeps_the_site(name, rng):
+    fn, make, words = CLAMP_MISSES[name]
+    args = (*_qkv(rng), *make(rng))
+    opt = flashpass.optimize(fn, kernel="blockwise")
+    report = opt.explain(*args)
+    assert not report.rewrites and len(report.fallbacks) == 1, str(report)
+    assert words in report.fallbacks[0].reason, str(report)
+    np.testing.assert_allclose(opt(*args), fn(*args), rtol=1e-6, atol=1e-6)
 
 
 # --------------------------------------------------------------------------- keras-hub

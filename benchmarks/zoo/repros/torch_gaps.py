@@ -135,15 +135,21 @@ def local_window_from_buffer_slice(q, k, v):
 
 
 def clamp_scores_to_finfo_min(q, k, v, padding):
-    """**Kept site**: "`max` between the score product and the softmax is not
-    a recognised score operation".
+    """**Gap closed**: rewritten as causal + key mask + `EmptyRows` with the
+    floor's gradient (tests/test_zoo_masks.py).  It was kept: "`max` between
+    the score product and the softmax is not a recognised score operation".
 
     XGLM (and other fairseq ports) add the additive mask and then clamp:
     ``torch.max(scores + mask, tensor(finfo.min))``, so that ``min + min``
-    does not overflow to ``-inf``.  The clamp is the identity wherever the
-    scores are finite, and maps a masked entry to ``finfo.min`` (still
-    excluded).  Fix: accept ``maximum(s, finfo.min)`` after an additive
-    mask as part of the mask's fill.
+    does not overflow to ``-inf``.  The clamp is the identity on every real
+    score, and maps a masked entry to ``finfo.min`` (still excluded).  In a
+    row the padding leaves with no key every score is ``finfo.min + s ==
+    finfo.min``, a tie with the floor, where JAX's ``max`` passes half the
+    gradient: the `EmptyRows` op carries that factor.  The general rule
+    (`patterns.clamp`): a floor ``max(s, c)`` with ``c <= -1e30`` is read
+    into the masks before it (a fill below it is lifted to it); a floor
+    that may clip a real score (``max(s, 0)``), or one over a dense bias,
+    keeps the site with the reason.
 
     Hit by ``XGLMForCausalLM[eager]`` (both of its sites).
     """
