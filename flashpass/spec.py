@@ -240,6 +240,8 @@ def _op_to_dict(op) -> dict:
     d = {"op": type(op).__name__.lower()}
     for f in dataclasses.fields(op):
         value = getattr(op, f.name)
+        if f.metadata.get("reported") == "unless default" and value == f.default:
+            continue
         if f.name == "dtype":
             value = np.dtype(value).name
         elif isinstance(value, tuple):

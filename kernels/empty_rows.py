@@ -108,6 +108,8 @@ def apply(
     out = kernel.apply(parts.masked, q, k, v, extras, interpret=interpret)
     empty = empty_rows(spec, parts.group, extras)
     fill = jnp.full((1, 1, 1, 1), parts.op.added, parts.op.dtype)
+    if parts.op.grad != 1.0:
+        q, k, extras = _scores_grad_scaled(spec, parts.op, q, k, extras)
     if rows_apart(kernel, parts.filled, extras):
         return _empty_rows_gathered(kernel, parts, q, k, v, (*extras, fill), empty, out, interpret)
 
@@ -116,6 +118,28 @@ def apply(
         return jnp.where(empty[..., None], every, out)
 
     return lax.cond(jnp.any(empty), with_empty_rows, lambda: out)
+
+
+def _scores_grad_scaled(spec: AttentionSpec, op: EmptyRows, q, k, extras):
+    """q, k and the float extras the ops before the mask read, their values
+    unchanged and their gradients scaled by ``op.grad``: an empty row's
+    scores are constant there, with that derivative in the scores before
+    the mask (`EmptyRows.grad`), so every gradient reaching the filled call's
+    scores, and through them q, k and those extras, is scaled by it (v's is
+    not: it does not flow through the scores)."""
+    g = op.grad
+    at = next(i for i, o in enumerate(spec.score_ops) if o is op)
+    before = {i for o in spec.score_ops[: at - op.count] for i in o.extras_read()}
+
+    def scaled(x):
+        still = lax.stop_gradient(x)
+        return still + jnp.asarray(g, x.dtype) * (x - still)
+
+    extras = tuple(
+        scaled(x) if i in before and jnp.issubdtype(x.dtype, jnp.floating) else x
+        for i, x in enumerate(extras)
+    )
+    return scaled(q), scaled(k), extras
 
 
 #: Query rows per call of the empty rows' pass (`_empty_rows_gathered`).

@@ -166,15 +166,16 @@ def add_filled(build, pred, keep_when: bool, fill: float, dtype, at: str = "") -
 def _add_factors(build, factors, keep_when, fill, prof, sign, filled, at) -> str | None:
     from .masks import add_mask  # masks imports this module's caller
 
-    before = (len(build.ops), len(build.extras), len(build._causal))
+    before = (len(build.ops), len(build.extras), len(build._causal), len(build.dense_notes))
     for factor in factors:
-        add_mask(build, factor, keep_when, fill)
+        add_mask(build, factor, keep_when, fill, at)
     new_ops = build.ops[before[0] :]
     why = None if fill == float("-inf") else _rows_keep_a_key(build, new_ops)
     if why is not None:
         dense = _dense_factor(build, new_ops)
         if dense is not None:
             del build.ops[before[0] :], build.extras[before[1] :], build._causal[before[2] :]
+            del build.dense_notes[before[3] :]  # the bias's own note replaces the factor's
             return dense
         # Rows may be empty: the original's s + fill there is run as such.
         dtype = filled.dtype if filled is not None else build.scope.dtype(prof.base)

@@ -22,6 +22,12 @@ from .masks import CausalSource, MaskStep
 from .probabilities import ScoreMasks
 from .softcap import fold_softcap
 
+#: The report's note for a causal mask passed as the array it was written as.
+CAUSAL_LITERAL = (
+    "a causal mask is passed as the T x S array it was written as: a later score "
+    "operation undoes its fill's exclusion"
+)
+
 
 class SiteBuilder:
     """Score ops, extras and q scales of one site, built step by step."""
@@ -40,6 +46,7 @@ class SiteBuilder:
         self.problem: Miss | None = None  # set by a step's side array the layout can't take
         self.dense_notes: list = []  # why a mask-like operand stays a dense array
         self.additive: list = []  # AdditiveGroups: additive masks read as descriptors
+        self.floors: list = []  # nodes of `max(s, c)` floors read into the ops before
 
     # ------------------------------------------------------------------ for steps
 
@@ -104,9 +111,19 @@ class SiteBuilder:
             if excludes(fill_after(op.fill, self.ops[i + 1 :])):
                 kept.append((op, source))
             else:
-                self.ops[i] = source.literal(self)  # None: one op of a group, dropped
+                literal = source.literal(self)  # None: one op of a group, dropped
+                self.ops[i] = literal
+                if literal is not None and literal.shape[2] != 1 and literal.shape[3] != 1:
+                    self.dense_notes.append(CAUSAL_LITERAL)
         self.ops = [op for op in self.ops if op is not None]
         self._causal = kept
+        if self.floors and any(isinstance(op, Bias) for op in self.ops):
+            node = self.floors[0]
+            return Miss(
+                "a floor max(scores, c) on a site with a bias that stays an array (the kernel "
+                f"adds it without the floor){where(node)}",
+                node,
+            )
         return None
 
     def score_masks(self):

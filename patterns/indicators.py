@@ -104,10 +104,16 @@ def two_valued(scope, prof: Profile, depth: int = 0) -> TwoValued | None:
         if inner is None:
             return leaf
         return TwoValued(inner.factors, *(np.asarray(v).astype(dtype) for v in _values(inner)))
-    if prim == "neg" or (prim == "not" and dtype != np.bool_):
+    if prim in ("neg", "not"):
+        # A boolean ``~m`` of a two-valued ``m`` swaps its two values, so
+        # ``where(~(a & b), NEG, 0)`` (PyTorch's ``masked_fill(~mask, -inf)``)
+        # is read through to the factors of ``a & b``; one read through
+        # nothing is its own factor.
         inner = sub(node.ins[0])
+        if inner is None:
+            return leaf
         fn = np.negative if prim == "neg" else np.invert
-        return None if inner is None else TwoValued(inner.factors, *map(fn, _values(inner)))
+        return TwoValued(inner.factors, *map(fn, _values(inner)))
     if prim == "select_n" and len(node.ins) == 3:
         cases = [_scalar(scope, compose(scope, prof, x), dtype) for x in node.ins[1:]]
         pred = sub(node.ins[0])

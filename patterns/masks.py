@@ -33,7 +33,7 @@ from .common import (
     uniform_value,
     where,
 )
-from .indicators import COMPARISONS, boolean_factors, compose
+from .indicators import COMPARISONS, boolean_factors, compose, two_valued
 
 
 @dataclasses.dataclass
@@ -46,7 +46,7 @@ class MaskStep(Step):
     fill: float
 
     def apply(self, build) -> None:
-        add_mask(build, self.profile, self.keep_when, self.fill)
+        add_mask(build, self.profile, self.keep_when, self.fill, where(self.node))
 
 
 @dataclasses.dataclass
@@ -92,7 +92,7 @@ class BiasStep(Step):
             return None
         found = additive_mask(scope, self.profile, self.sign, build.roles)
         if found is not None:
-            add_mask(build, *found)
+            add_mask(build, *found, at=where(self.node))
             return None
         prof, sign = self.profile, self.sign
         if any(recognise(build, prof, sign) for recognise in BIAS_RECOGNISERS):
@@ -198,10 +198,26 @@ def mask_recogniser(fn):
     return fn
 
 
-def add_mask(build, pred: Profile, keep_when: bool, fill: float) -> None:
+#: The report's note for a boolean factor passed to the kernel as a ``T x S``
+#: array (`add_mask`).
+DENSE_FACTOR = "a mask factor no descriptor reads is passed as a dense T x S array"
+
+
+def add_mask(build, pred: Profile, keep_when: bool, fill: float, at: str = "") -> None:
     """One score op per factor of ``pred``: `Causal` when the factor is a
     constant causal mask, nothing when it keeps everything, a descriptor when a
-    registered recogniser proves one, else a dense `Mask`."""
+    registered recogniser proves one, else a `Mask` of the factor's array (as
+    broadcast as it is); one that varies over both queries and keys is noted
+    for the report (`SiteBuilder.dense_notes`, ``at``: where it is applied).
+    A mask that keeps where ``pred`` is False and ``pred`` is ``~(a & b)``
+    (``s.masked_fill(~mask, -inf)``) keeps where ``a`` and ``b`` are True."""
+    if not keep_when:
+        found = two_valued(build.scope, pred)
+        if found is not None and len(found.factors) > 1 and not found.when_true:
+            if found.when_false:  # pred == ~(a & b & ...)
+                for part in found.factors:
+                    add_mask(build, part, True, fill, at)
+                return
     for factor in and_factors(build.scope, pred):
         causal = classify(build.scope, factor, build.roles, keep_when=keep_when, fill=fill)
         if causal == "all":
@@ -215,7 +231,7 @@ def add_mask(build, pred: Profile, keep_when: bool, fill: float) -> None:
         parts = boolean_factors(build.scope, factor) if keep_when else None
         if parts is not None:  # int masks combined arithmetically: one op per operand
             for part in parts:
-                add_mask(build, part, keep_when, fill)
+                add_mask(build, part, keep_when, fill, at)
             continue
         narrowed = compared_broadcast(build.scope, factor)
         if narrowed is not None:
@@ -225,6 +241,8 @@ def add_mask(build, pred: Profile, keep_when: bool, fill: float) -> None:
             transform = None if keep_when else Transform.NOT
         index, shape4 = build.add_extra(factor, transform, np.bool_)
         build.ops.append(Mask(index, shape4, fill))
+        if shape4[2] != 1 and shape4[3] != 1 and DENSE_FACTOR + at not in build.dense_notes:
+            build.dense_notes.append(DENSE_FACTOR + at)
 
 
 #: A comparison with its operands swapped (``c < x`` is ``x > c``).

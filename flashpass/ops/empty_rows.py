@@ -29,6 +29,11 @@ class EmptyRows(ScoreOp):
     (every key), as the original computes; in every other row the op changes
     nothing.
 
+    ``grad`` is the derivative of an empty row's scores in the scores before
+    the mask: 1, or, under a floor ``max(s + added, c)`` that ties the
+    constant scores there, JAX's ``max``'s, 1/2 (`patterns.clamp`; it is 0
+    where the floor lifts them, and then ``added`` is the floor).
+
     No kernel sees it: `flashpass.kernels.empty_rows` runs a spec holding it
     as two kernel calls (the mask's descriptors, and, only when some row is
     empty, the mask's fill added to every score), selected per row.
@@ -37,6 +42,8 @@ class EmptyRows(ScoreOp):
     count: int
     added: float
     dtype: Any
+    #: Reported only when it is not 1 (`flashpass.spec`'s ``describe``).
+    grad: float = dataclasses.field(default=1.0, metadata={"reported": "unless default"})
 
     def __post_init__(self):
         object.__setattr__(self, "dtype", np.dtype(self.dtype))

@@ -49,20 +49,24 @@ def _hf_mask(padding, t=T):
 
 
 def sdpa_bool_mask_as_inf_bias(q, k, v, padding):
-    """**Dense mask operand** (no dense reason in the report).
+    """**Gap closed**: rewritten as causal + an O(B*S) key mask, no dense
+    operand (tests/test_zoo_masks.py).
 
     torchax's SDPA reference (``jtorch._sdpa_reference``) turns a boolean
     ``attn_mask`` into a bias with ``zeros(L, S).masked_fill_(~mask, -inf)``,
     which broadcasts to the mask's ``[B, 1, T, S]``, and adds it to the
     scores.  The same causal-and-padding mask that eager attention adds as
-    ``where(mask, 0, finfo.min)`` is read as causal + an O(B*S) key mask; here
-    it reaches the kernel as a dense ``[B, 1, T, S]`` array, and the report's
-    mask column says only "boolean".
+    ``where(mask, 0, finfo.min)`` is read as causal + an O(B*S) key mask;
+    this one reached the kernel as a dense ``[B, 1, T, S]`` array, with no
+    dense reason in the report.
 
     Hit by every ``hf_torch`` ``[sdpa]`` entry with a padding mask (the causal
-    LMs, BERT-likes, BART-likes, CLIP/SigLIP text): the same models' ``[eager]``
-    entries are rewritten with no dense operand.  Fix: read a ``where(~m,
-    -inf, 0)`` bias over a zeros constant like ``where(m, 0, fill)``.
+    LMs, BERT-likes, BART-likes, CLIP/SigLIP text).  The rule now: a boolean
+    ``~m`` of a two-valued ``m`` swaps its two values
+    (`patterns.indicators.two_valued`), so ``where(~(a & b), -inf, 0)`` is
+    ``where(a & b, 0, -inf)`` and its factors go to the mask readers; and a
+    boolean factor that does reach a kernel as a ``T x S`` array is always
+    named in the report's dense reasons.
     """
     mask = _hf_mask(padding, q.shape[2])
     bias = jnp.where(jnp.logical_not(mask), -jnp.inf, jnp.zeros((q.shape[2], k.shape[2]), q.dtype))
@@ -131,15 +135,21 @@ def local_window_from_buffer_slice(q, k, v):
 
 
 def clamp_scores_to_finfo_min(q, k, v, padding):
-    """**Kept site**: "`max` between the score product and the softmax is not
-    a recognised score operation".
+    """**Gap closed**: rewritten as causal + key mask + `EmptyRows` with the
+    floor's gradient (tests/test_zoo_masks.py).  It was kept: "`max` between
+    the score product and the softmax is not a recognised score operation".
 
     XGLM (and other fairseq ports) add the additive mask and then clamp:
     ``torch.max(scores + mask, tensor(finfo.min))``, so that ``min + min``
-    does not overflow to ``-inf``.  The clamp is the identity wherever the
-    scores are finite, and maps a masked entry to ``finfo.min`` (still
-    excluded).  Fix: accept ``maximum(s, finfo.min)`` after an additive
-    mask as part of the mask's fill.
+    does not overflow to ``-inf``.  The clamp is the identity on every real
+    score, and maps a masked entry to ``finfo.min`` (still excluded).  In a
+    row the padding leaves with no key every score is ``finfo.min + s ==
+    finfo.min``, a tie with the floor, where JAX's ``max`` passes half the
+    gradient: the `EmptyRows` op carries that factor.  The general rule
+    (`patterns.clamp`): a floor ``max(s, c)`` with ``c <= -1e30`` is read
+    into the masks before it (a fill below it is lifted to it); a floor
+    that may clip a real score (``max(s, 0)``), or one over a dense bias,
+    keeps the site with the reason.
 
     Hit by ``XGLMForCausalLM[eager]`` (both of its sites).
     """
