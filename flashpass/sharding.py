@@ -231,9 +231,9 @@ def analyze(site: AttentionSite, aval_of, sharding_of=None) -> ShardPlan | str |
             in_specs.append(spec)
         elif in_specs[index] != spec:
             return "one array is both a q/k/v and a bias/mask operand in two layouts"
-    for atom, _ in site.q_scales:
-        if find(atoms, atom) is None:
-            atoms.append(atom)
+    for scale in site.q_scales:  # a scalar (a per-head one is an operand above)
+        if find(atoms, scale.atom) is None:
+            atoms.append(scale.atom)
             in_specs.append(PartitionSpec())
     out_spec = partition_spec([None if r == "Dv" else axes.get(r) for r in site.out_roles])
     root = compat.named_sharding_of(site.root.eqn.outvars[0].aval)
@@ -312,6 +312,10 @@ def operands(site: AttentionSite) -> list:
         # An `Unsplit` term's axes are not the score roles' (it is read whole).
         axes = {} if isinstance(e.transform, Unsplit) else e.axes
         out.append((f"bias/mask #{i}", e.atom, {r: a for r, a in axes.items() if a is not None}))
+    for scale in site.q_scales:  # a per-batch or per-head multiplier folded into q
+        roles = scale.operand_roles()
+        if roles:
+            out.append((scale.name, scale.atom, roles))
     for op in site.post_ops:  # what sits after the softmax and reads an array
         roles = op.operand_roles()
         if roles is not None:

@@ -274,6 +274,39 @@ class OutputScale:
 
 
 @dataclasses.dataclass(frozen=True)
+class QScale:
+    """A multiplier of the scores (``invert``: divisor) constant along the
+    keys: a traced scalar (a learned temperature, ``scale=`` passed as an
+    array), or one value per batch row, head or query (XCiT's and Swin V2's
+    per-head temperatures).  Folded into q, as ``(q * t) @ kᵀ == t * (q @
+    kᵀ)`` for a ``t`` constant along the keys and the contracted axis."""
+
+    source: ExtraSource  # axes {} for a scalar
+    invert: bool
+
+    #: The operand's name in reasons.
+    name = "score scale"
+
+    @property
+    def atom(self):
+        return self.source.atom
+
+    def operand_roles(self) -> dict:
+        """Role -> axis of the array this step reads ({} for a scalar)."""
+        return {r: a for r, a in self.source.axes.items() if a is not None}
+
+    def apply(self, site: AttentionSite, q, read):
+        """``q`` (``[B, H, T, D]``) times (or over) the scale."""
+        x = read(self.source.atom)
+        if self.operand_roles():
+            t = site._extra(x, self.source)  # [B|1, H|1, T|1, 1]
+        else:
+            t = jnp.reshape(jnp.asarray(x), ())
+        t = t.astype(q.dtype)
+        return q / t if self.invert else q * t
+
+
+@dataclasses.dataclass(frozen=True)
 class RowKeep:
     """Zero the rows the score masks exclude entirely (the program zeroed
     the weights of rows whose every score a mask excluded)."""
@@ -302,7 +335,7 @@ class AttentionSite:
     extras: tuple  # ExtraSource, in the order of the spec's extras
     layout: Layout
     out_roles: tuple  # role of each axis of the root output
-    q_scales: tuple  # (atom, invert): traced scalars folded into q
+    q_scales: tuple  # QScale: multipliers of the scores folded into q
     post_ops: tuple  # OutputScale | RowKeep, in program order
     spec: AttentionSpec
     pattern: str
@@ -325,7 +358,7 @@ class AttentionSite:
     def atoms(self) -> list:
         """Every value of the original program the kernel call reads."""
         out = [self.q.atom, self.k.atom, self.v.atom, *(e.atom for e in self.extras)]
-        out += [atom for atom, _ in self.q_scales]
+        out += [qs.atom for qs in self.q_scales]
         out += [atom for op in self.post_ops for atom in op.atoms()]
         if self.backward is not None:
             out.append(self.backward.cotangent)
@@ -376,9 +409,8 @@ class AttentionSite:
         program's arrays, never a transpose, where it is the site's own)."""
         b, h, hkv = self.layout.groups
         q = _gather(read(self.q.atom), self.q.axes, [b, h, ["T"], ["D"]])
-        for atom, invert in self.q_scales:
-            t = jnp.reshape(jnp.asarray(read(atom)), ()).astype(q.dtype)
-            q = q / t if invert else q * t
+        for scale in self.q_scales:
+            q = scale.apply(self, q, read)
         if kv_layout == "bshd":
             k = _gather(read(self.k.atom), self.k.axes, [b, ["S"], hkv, ["D"]])
             v = _gather(read(self.v.atom), self.v.axes, [b, ["S"], hkv, ["Dv"]])

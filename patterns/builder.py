@@ -4,7 +4,7 @@
 piece, defined in its pattern module) and reads the score product's axis
 roles.  `SiteBuilder.build_ops` is then a loop: every step's ``apply`` adds
 its score ops (`Scale`, `Bias`, `Mask`, `Causal`...), the side arrays they
-read (extras, kept un-broadcast), traced scalars folded into q, or an axis
+read (extras, kept un-broadcast), multipliers folded into q, or an axis
 permutation.  Adding a spelling of the score chain (before the softmax) is
 a step class and a rule in one pattern module; this loop stays as it is.
 """
@@ -38,7 +38,7 @@ class SiteBuilder:
         self.layout = layout
         self.ops: list = []  # score ops in program order
         self.extras: list = []  # ExtraSource per Bias/Mask index
-        self.q_scales: list = []  # traced scalars folded into q: (atom, invert)
+        self.q_scales: list = []  # QScale: multipliers of the scores folded into q
         self._causal: list = []  # (Causal op, CausalSource) in program order
         self.mask_steps: list = []  # MaskSteps, to prove a re-mask of the probabilities
         self.other_exclusions = False  # a key-excluding op not from a MaskStep

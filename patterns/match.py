@@ -296,7 +296,7 @@ def _build_site(scope: Scope, soft, chain, sp) -> AttentionSite | Miss:
         return problem
     # A side operand computed from the scores (hidden inside a shift's cone
     # above, which may read anything) cannot be a kernel input.
-    for atom in [e.atom for e in extras] + [atom for atom, _ in build.q_scales]:
+    for atom in [e.atom for e in extras] + [scale.atom for scale in build.q_scales]:
         node = scope.producer(atom)
         if node is not None and node in cone:
             return Miss(

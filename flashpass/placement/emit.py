@@ -148,7 +148,7 @@ def atoms_of(site: AttentionSite) -> list:
     """Every value the site's forward reads, once."""
     atoms: list = []
     operands = [atom for _, atom, _ in sharding.operands(site)]
-    for atom in operands + [atom for atom, _ in site.q_scales]:
+    for atom in operands + [scale.atom for scale in site.q_scales]:
         if sharding.find(atoms, atom) is None:
             atoms.append(atom)
     return atoms
