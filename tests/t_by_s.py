@@ -49,18 +49,20 @@ def jaxpr_shapes(jaxpr, outside_kernels: bool = False) -> list[tuple[int, ...]]:
     return shapes
 
 
-def kernel_operand_shapes(jaxpr, constants: bool = True) -> list[tuple[int, ...]]:
+def kernel_operand_shapes(jaxpr, constants: bool = True, qkv: bool = True) -> list[tuple[int, ...]]:
     """The shapes of every flashpass kernel call's operands in a rewritten
-    jaxpr (recursively) and, with ``constants``, of its captured constants."""
+    jaxpr (recursively) and, with ``constants``, of its captured constants.
+    Without ``qkv``: the extras only (a kernel call reads ``q, k, v, *extras``),
+    for programs whose head dimension is not below the sequence lengths."""
     jaxpr, _ = compat.closed_parts(jaxpr)
     shapes = [tuple(v.aval.shape) for v in jaxpr.constvars] if constants else []
     for eqn in jaxpr.eqns:
         name = eqn.params.get("name")
         if isinstance(name, str) and name.startswith("flashpass_"):
-            shapes += [tuple(v.aval.shape) for v in eqn.invars]
+            shapes += [tuple(v.aval.shape) for v in eqn.invars[0 if qkv else 3 :]]
             continue
         for sub in compat.subjaxprs_of_params(eqn.params):
-            shapes += kernel_operand_shapes(sub, constants)
+            shapes += kernel_operand_shapes(sub, constants, qkv)
     return shapes
 
 

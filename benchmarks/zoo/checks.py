@@ -40,8 +40,9 @@ def independent_sites(closed) -> int:
 def dense_kernel_operands(rewritten, t: int, s: int) -> list[tuple[int, ...]]:
     """Kernel-call operands of a rewritten program that could hold a ``T x S``
     matrix: a mask handed to the kernel densely (captured constants a kernel
-    does not read are not operands)."""
-    shapes = kernel_operand_shapes(rewritten, constants=False)
+    does not read are not operands, and q, k and v are no mask: XCiT's
+    attention over channels has a head dimension, the tokens, above T)."""
+    shapes = kernel_operand_shapes(rewritten, constants=False, qkv=False)
     return sorted({x for x in shapes if is_t_by_s(x, t, s)})
 
 
