@@ -127,6 +127,7 @@ def ensure_loaded() -> None:
         alibi,
         bias,
         clamp,
+        convolution,
         layout,
         lengths,
         masks,

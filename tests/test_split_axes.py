@@ -299,7 +299,32 @@ def _talking(rng):
     )
 
 
+def conv_talking_heads(q, k, v, w):
+    # EfficientFormerV2: the [B, H, T, S] scores through a 1x1 convolution whose
+    # channels are the heads (NCHW), before the softmax.
+    s = jnp.einsum("bhtd,bhsd->bhts", q, k) * D**-0.5
+    s = jax.lax.conv_general_dilated(s, w, (1, 1), "VALID")
+    return jnp.einsum("bhts,bhsd->bhtd", jax.nn.softmax(s, axis=-1), v)
+
+
+def conv_neighbours(q, k, v, w):
+    # A depthwise 3x3 convolution: each score mixes its neighbours'.
+    s = jnp.einsum("bhtd,bhsd->bhts", q, k) * D**-0.5
+    s = jax.lax.conv_general_dilated(s, w, (1, 1), "SAME", feature_group_count=H)
+    return jnp.einsum("bhts,bhsd->bhtd", jax.nn.softmax(s, axis=-1), v)
+
+
 NEGATIVE = {
+    "conv_talking_heads": (
+        conv_talking_heads,
+        lambda r: (*_bhsd(r, 4), _normal(r, H, H, 1, 1)),
+        "mixes the scores of other heads",
+    ),
+    "conv_neighbours": (
+        conv_neighbours,
+        lambda r: (*_bhsd(r, 4), _normal(r, H, 1, 3, 3)),
+        "mixes the scores of other neighbouring queries and keys",
+    ),
     "one_query_keys_merged_with_heads": (
         one_query_keys_merged_with_heads,
         _bhsd,
@@ -312,7 +337,7 @@ NEGATIVE = {
     ),
     "split_factors_transposed": (split_factors_transposed, _terms, "several score axes"),
     "split_not_merged_back": (split_not_merged_back, _terms, "several score axes"),
-    "split_scaled_by_a_term": (split_scaled_by_a_term, _terms, "multiplied elementwise"),
+    "split_scaled_by_a_term": (split_scaled_by_a_term, _terms, "several score axes"),
     "split_term_from_the_scores": (split_term_from_the_scores, _terms, "computed from the scores"),
     "talking_heads": (talking_heads, _talking, "mixed across heads before the softmax"),
 }

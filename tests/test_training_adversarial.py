@@ -213,6 +213,10 @@ POSITIVE = {
         _vg(lambda q, k, v, t: _sq(_att(q, k, v, scale=t)), (0, 1, 2, 3)),
         (_Q, _K, _V, jnp.float32(0.7)),
     ),
+    "per_head_learned_temperature": (
+        _vg(lambda q, k, v, t: _sq(_att(q, k, v, scale=t[None, :, None, None])), (0, 1, 2, 3)),
+        (_Q, _K, _V, _normal(13, (H,)) * 0.1 + 0.3),
+    ),
     "gqa_repeat": (_vg(_gqa), (_Q, _KG, _VG)),
     "bf16_mixed_f32_softmax": (_vg(_mixed_bf16), (_QB, _KB, _VB), None, 2e-2),
     "hand_softmax_stop_gradient_max": (_vg(_hand_softmax(True)), (_Q, _K, _V)),
@@ -290,11 +294,6 @@ KEPT = {
         _vg(_k_v_one_array_with_residual, (0, 1)),
         (_Q, _W),
         "backward pass",
-    ),
-    "per_head_learned_temperature": (
-        _vg(lambda q, k, v, t: _sq(_att(q, k, v, scale=t[None, :, None, None])), (0, 1, 2, 3)),
-        (_Q, _K, _V, _normal(13, (H,)) * 0.1 + 0.3),
-        "multiplied elementwise",
     ),
 }
 
