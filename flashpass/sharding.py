@@ -189,6 +189,11 @@ def analyze(site: AttentionSite, aval_of, sharding_of=None) -> ShardPlan | str |
         specs.append((atom, roles, ndim))
     if not axes:
         return None
+    if any(getattr(e.transform, "reads_whole", False) for e in site.extras):
+        return (
+            "a mask is computed from a causal pattern and key-side data whole (not per "
+            "shard) and the operands are sharded; kept as written"
+        )
     if any(isinstance(e.transform, Unsplit) for e in site.extras):
         return (
             "a bias is added to the scores while their axes are split into factors (it is "
@@ -309,8 +314,9 @@ def operands(site: AttentionSite) -> list:
         ("v", site.v.atom, dict(site.v.axes)),
     ]
     for i, e in enumerate(site.extras):
-        # An `Unsplit` term's axes are not the score roles' (it is read whole).
-        axes = {} if isinstance(e.transform, Unsplit) else e.axes
+        # An `Unsplit` term's or a `Replayed` mask's axes are not its atom's (read whole).
+        whole = isinstance(e.transform, Unsplit) or getattr(e.transform, "reads_whole", False)
+        axes = {} if whole else e.axes
         out.append((f"bias/mask #{i}", e.atom, {r: a for r, a in axes.items() if a is not None}))
     for scale in site.q_scales:  # a per-batch or per-head multiplier folded into q
         roles = scale.operand_roles()

@@ -239,13 +239,14 @@ class ExtraSource:
 
     ``axes[r]`` is the axis of the (un-broadcast) ``atom`` holding role ``r``
     of the score layout, or None where it is broadcast.  ``transform`` (a
-    `Transform`, a `Compared`, a `Filled`, an `Unsplit`, or None) is applied
-    first; ``axes`` are those of its result (an `Unsplit` changes the axes).
+    `Transform`, a `Compared`, a `Filled`, an `Unsplit`, a `flashpass.replay.Replayed`,
+    or None) is applied first; ``axes`` are those of its result (an `Unsplit` and a
+    `Replayed` change the axes).
     """
 
     atom: object
     axes: dict
-    transform: Transform | Compared | Filled | Unsplit | None
+    transform: object  # Transform | Compared | Filled | Unsplit | Replayed | None
     dtype: object
 
 

@@ -234,6 +234,8 @@ def add_mask(build, pred: Profile, keep_when: bool, fill: float, at: str = "") -
                 add_mask(build, part, keep_when, fill, at)
             continue
         narrowed = compared_broadcast(build.scope, factor)
+        if narrowed is None and _causal_select(build, factor, keep_when, fill):
+            continue  # (last: plainer descriptors first)
         if narrowed is not None:
             factor, compared = narrowed
             transform = dataclasses.replace(compared, negate=not keep_when)
@@ -243,6 +245,12 @@ def add_mask(build, pred: Profile, keep_when: bool, fill: float, at: str = "") -
         build.ops.append(Mask(index, shape4, fill))
         if shape4[2] != 1 and shape4[3] != 1 and DENSE_FACTOR + at not in build.dense_notes:
             build.dense_notes.append(DENSE_FACTOR + at)
+
+
+def _causal_select(build, factor, keep_when, fill) -> bool:
+    from .causal_select import causal_select  # (it reads `causal_offset` from here)
+
+    return causal_select(build, factor, keep_when, fill)
 
 
 #: A comparison with its operands swapped (``c < x`` is ``x > c``).

@@ -228,12 +228,6 @@ def distance_scaled(q, k, v, valid):
     return _attend(q, k, v, (j <= i), bias=_slopes()[None, :, None, None] * (2 * j - i))
 
 
-def lengths_over_keys(q, k, v, lengths):
-    i, j = _ij()
-    extra = lengths[:, None, None, None] + j[None, None] // 512
-    return _attend(q, k, v, (j <= i)[None, None] | (j[None, None] < extra))
-
-
 def float_positions(q, k, v, positions):
     p = positions.astype(jnp.float32)
     return _attend(q, k, v, (p[:, None, :] > p[:, :, None] - 128)[:, None])
@@ -247,7 +241,6 @@ NEAR_MISSES = {
     ),
     "distance_not_affine": (distance_not_affine, _valid, "bias"),
     "distance_scaled": (distance_scaled, _valid, "bias"),
-    "lengths_over_keys": (lengths_over_keys, lambda: jnp.asarray([100, 0]), "mask"),
     "float_positions": (float_positions, _positions, "mask"),
 }
 

@@ -12,6 +12,7 @@ from .alibi import Alibi
 from .base import EXCLUDED, KeepOp, Positional, Positions, ScoreOp, apply_score_ops
 from .bias_mask import Bias, Mask, step_shape
 from .causal import Causal
+from .causal_select import CausalSelect
 from .chunk import Chunk
 from .dropout import Dropout
 from .empty_rows import EmptyRows
@@ -28,7 +29,8 @@ from .window import Window
 #: Every score-op kind, in the order reports name their words and docs their
 #: descriptors.
 KINDS = (Scale, Bias, Causal, Window, Chunk, Prefix, Segments, KvLengths, Sink, Mask)
-KINDS += (Softcap, Dropout, SinkWindow, PrefixLengths, PositionMask, Alibi, EmptyRows)
+KINDS += (Softcap, Dropout, SinkWindow, PrefixLengths, PositionMask, Alibi, CausalSelect)
+KINDS += (EmptyRows,)
 
 #: Score ops that exclude keys by position or segment id, so kernels may skip
 #: whole blocks (`Causal` is one of them).
@@ -52,6 +54,7 @@ __all__ = [
     "STRUCTURED",
     "Bias",
     "Causal",
+    "CausalSelect",
     "Chunk",
     "Dropout",
     "EmptyRows",
