@@ -125,6 +125,10 @@ DEAD_FORWARD_HINT = (
 )
 
 
+#: Consumers that select from a softmax's weights rather than average by them.
+SELECTIONS = ("top_k", "approx_top_k", "argmax", "argmin", "sort")
+
+
 def output_product(
     scope: Scope,
     p,
@@ -156,6 +160,10 @@ def output_product(
         return path
     node, pos = path.consumer
     atom, p_roles = path.atom, path.roles
+    if node.prim in SELECTIONS:
+        # A softmax whose weights only pick (a mixture-of-experts router's
+        # top_k): no P·V to rewrite, not an attention site, nothing to report.
+        return Miss(f"softmax weights selected by `{node.prim}`{where(node)}", node, False)
     if node.prim != "dot_general":
         return Miss(
             f"the attention probabilities feed `{node.prim}`, not a P·V product{where(node)}",

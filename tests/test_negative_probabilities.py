@@ -69,3 +69,41 @@ def test_probabilities_cast_to_int_are_not_a_layout_op():
         return (p * 100).astype(jnp.int32).astype(jnp.float32) @ v
 
     _assert_not_rewritten(fn, spellings.bnth(np.random.default_rng(0)), "")
+
+
+def test_a_softmax_that_top_k_selects_from_is_no_site():
+    # A mixture-of-experts router: softmax over experts of x·W, then top_k.
+    # No P·V: not rewritten, and not reported as a kept attention site.
+    def router(x, w):
+        probs = jax.nn.softmax(jnp.einsum("btd,de->bte", x, w), axis=-1)
+        weights, experts = jax.lax.top_k(probs, 2)
+        return weights, experts
+
+    rng = np.random.default_rng(0)
+    args = (
+        jnp.asarray(rng.standard_normal((2, 64, 16)), jnp.float32),
+        jnp.asarray(rng.standard_normal((16, 64)), jnp.float32),
+    )
+    opt = flashpass.optimize(router, kernel="reference")
+    report = opt.explain(*args)
+    assert not report.rewrites and not report.fallbacks, str(report)
+    got, want = opt(*args), router(*args)
+    np.testing.assert_allclose(np.asarray(got[0]), np.asarray(want[0]), rtol=1e-6)
+
+
+def test_attention_weights_also_read_by_top_k_keep_the_site():
+    # Token selection by attention weight (EViT-style): P feeds P·V and top_k;
+    # the weights escape, so the site is kept, and the report says so.
+    def fn(q, k, v):
+        p = jax.nn.softmax(_scores(q, k), -1)
+        _, keep = jax.lax.top_k(p[:, :, 0, :].mean(1), 4)
+        return jnp.einsum("bhqk,bkhd->bqhd", p, v), keep
+
+    rng = np.random.default_rng(1)
+    q, k, v = (jnp.asarray(rng.standard_normal((2, 64, 2, 8)), jnp.float32) for _ in range(3))
+    opt = flashpass.optimize(fn, kernel="reference")
+    report = opt.explain(q, k, v)
+    assert not report.rewrites and report.fallbacks, str(report)
+    got, want = opt(q, k, v), fn(q, k, v)
+    np.testing.assert_allclose(np.asarray(got[0]), np.asarray(want[0]), rtol=1e-5, atol=1e-6)
+    assert np.array_equal(np.asarray(got[1]), np.asarray(want[1]))

@@ -296,8 +296,9 @@ def test_moe_router_not_rewritten(record_coverage):
     )
     assert len(report.rewrites) == 1 and not report.errors, str(report)
     assert _ops(report.rewrites[0]) == ["segments", "causal"]
-    (kept,) = report.fallbacks
-    assert "feed `top_k`, not a P·V product" in kept.reason, kept.reason
+    # A softmax whose weights top_k only selects from is no attention site:
+    # nothing to rewrite and nothing reported as kept (patterns/products.py).
+    assert not report.fallbacks, str(report)
     out_ref = jax.jit(fn)(params, *batch)
     assert_close(opt(params, *batch), out_ref, F32_TOL, "output")
 
