@@ -597,7 +597,7 @@ _ENTRIES = [
         _BOTH, False),
     ("SwinModel", "vision", lambda i: vision(
         "SwinModel", "SwinConfig", i, image_size=IMAGE, patch_size=2, embed_dim=32,
-        depths=[1, 1], num_heads=[2, 4], window_size=8, seq=(64, 64)), _BOTH, False),
+        depths=[1, 1], num_heads=[2, 4], window_size=8, seq=64), _BOTH, False),
     ("CLIPModel", "multimodal", lambda i: dual(
         "CLIPModel", "CLIPConfig", i,
         dict(vocab_size=VOCAB, hidden_size=W, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
