@@ -6,6 +6,9 @@ For each (model, mode) in both the expected file and the new run:
 * an error (an exception, an internal error in the report) where none was;
 * a numerics mismatch (forward or gradient) where there was none;
 * more silent misses than expected;
+* more dense ``T x S`` kernel operands (a mask a descriptor read before, now
+  handed to the kernel whole), or more ``T x S`` arrays left in a training
+  step, than expected;
 * a model that built before and no longer does.
 
 Improvements (more rewritten, an error gone) are not failures; the sweep
@@ -45,6 +48,13 @@ def regressions(expected: list[dict], actual: list[dict]) -> list[str]:
             )
         if rec["silent"] > old["silent"]:
             out.append(f"{name}: {rec['silent']} silent miss(es), {old['silent']} before")
+        for field, what in (
+            ("dense_operands", "dense T x S kernel operand(s)"),
+            ("t_by_s_left", "T x S array(s) left in the step"),
+        ):
+            now, before = len(rec.get(field) or []), len(old.get(field) or [])
+            if now > before:
+                out.append(f"{name}: {now} {what}, {before} before: {rec.get(field)}")
         if rec["numerics_ok"] is False and old["numerics_ok"] is not False:
             out.append(
                 f"{name}: numerics mismatch (forward {rec['fwd_err']}, gradient {rec['grad_err']})"
