@@ -23,6 +23,7 @@ import enum
 import math
 
 import jax.numpy as jnp
+from jax import lax
 
 from . import compat
 from .graph import Const, Node
@@ -490,15 +491,47 @@ class AttentionSite:
         return out.reshape(shape).astype(self.root.eqn.outvars[0].aval.dtype)
 
 
+#: Keys per block when finding the rows a mask empties: the check never holds
+#: a ``T x S`` array (a block is ``[.., T, ROWS_BLOCK]``).
+ROWS_BLOCK = 64
+
+
 def _rows_kept(spec, extras, q_len: int):
     """``[B|1, H|1, T, 1]``: whether the spec's key-excluding ops keep any key
-    of a query row (each op's fill made -inf, applied to zero scores)."""
+    of a query row (each op's fill made -inf, applied to zero scores), read
+    over blocks of `ROWS_BLOCK` keys, so no ``T x S`` array is built."""
     ops = tuple(
         dataclasses.replace(op, fill=float("-inf")) for op in spec.score_ops if hasattr(op, "fill")
     )
-    s = jnp.zeros((1, 1, q_len, spec.kv_len), jnp.float32)
-    s = apply_score_ops(dataclasses.replace(spec, score_ops=ops), s, extras)
-    return jnp.any(s > float("-inf"), axis=-1, keepdims=True)
+    spec = dataclasses.replace(spec, score_ops=ops)
+    kv_len = spec.kv_len
+    block = min(ROWS_BLOCK, kv_len)
+    q_pos = jnp.arange(q_len)
+
+    def kept_in(start):
+        # The block's keys [start, start + block); extras along the keys sliced to it.
+        k_pos = start + jnp.arange(block)
+        sliced = [
+            lax.dynamic_slice_in_dim(x, start, block, axis=3)
+            if x is not None and jnp.ndim(x) == 4 and x.shape[3] == kv_len and kv_len > 1
+            else x
+            for x in extras
+        ]
+        s = jnp.zeros((1, 1, q_len, block), jnp.float32)
+        s = apply_score_ops(spec, s, sliced, q_pos=q_pos, k_pos=k_pos)
+        return jnp.any(s > float("-inf"), axis=-1, keepdims=True)
+
+    # The last block starts at kv_len - block: blocks may overlap, which an OR allows.
+    starts = [min(i * block, kv_len - block) for i in range(-(-kv_len // block))]
+    if len(starts) == 1:
+        return kept_in(0)
+
+    def body(i, kept):
+        start = jnp.minimum(i * block, kv_len - block)
+        return kept | kept_in(start)
+
+    first = kept_in(0)
+    return lax.fori_loop(1, len(starts), body, first)
 
 
 def _role_order(axes: dict) -> list:

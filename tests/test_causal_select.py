@@ -184,3 +184,37 @@ def test_near_misses_stay_dense_and_exact(fn, rng):
     report = opt.reports[-1]
     assert all(r.mask != "causal-select" for r in report.rewrites), str(report)
     np.testing.assert_allclose(got, fn(*args), rtol=2e-5, atol=2e-5)
+
+
+def remasked_int_padding(q, k, v, pad):
+    # keras' masked Softmax over keras-hub's int-merged mask: the probabilities
+    # re-masked by the same mask; rows it empties are zeroed on the output.
+    m = keras_mask(pad)
+    s = jnp.where(m, _scores(q, k), NEG)
+    return jnp.einsum("bhts,bhsd->bhtd", jnp.where(m, jax.nn.softmax(s, axis=-1), 0.0), v)
+
+
+def keras_mask(pad):
+    return jnp.minimum(pad[:, None, None, :], _causal_int()) != 0
+
+
+def test_a_remasked_training_step_leaves_no_t_by_s(rng):
+    # The rows the mask empties are found over blocks of keys (site.ROWS_BLOCK):
+    # nothing T x S outside the kernel, forward or backward.
+    args = (*_qkv(rng), _padding(rng, odd=True))
+
+    def loss(q, k, v, pad):
+        return jnp.sum(remasked_int_padding(q, k, v, pad) ** 2)
+
+    step = jax.value_and_grad(loss, argnums=(0, 1, 2))
+    opt = flashpass.optimize(step, kernel="blockwise")
+    value, grads = jax.jit(opt)(*args)
+    report = opt.reports[-1]
+    assert [r.mask for r in report.rewrites] == ["causal-select"], str(report)
+    want_value, want = step(*args)
+    np.testing.assert_allclose(value, want_value, rtol=2e-5)
+    for g, w in zip(grads, want, strict=True):
+        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5)
+    original = jax.make_jaxpr(step)(*args)
+    rewritten = jaxpr_shapes(opt.rewritten_jaxpr(*args), outside_kernels=True)
+    assert_no_t_by_s(rewritten, T, T, control=jaxpr_shapes(original))
