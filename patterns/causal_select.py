@@ -37,11 +37,17 @@ from .common import Profile
 MAX_NODES = 64
 
 
-def causal_select(build, factor: Profile, keep_when: bool, fill: float) -> bool:
+def causal_select(build, factor: Profile, keep_when: bool, fill: float, operand=None) -> bool:
     """Add a `CausalSelect` equal to the mask ``factor`` (keeping where it is
-    ``keep_when``) and return True, or return False and add nothing."""
+    ``keep_when``) and return True, or return False and add nothing.
+    ``operand``: the array the mask would otherwise be read from (a
+    comparison's operand before its broadcast); tried only when that one
+    varies along the queries and the keys."""
     scope, roles = build.scope, build.roles
     if not excludes(fill) or "T" not in roles or "S" not in roles:
+        return False
+    operand = factor if operand is None else operand
+    if any(operand.axes[roles.index(r)] is None for r in ("T", "S")):
         return False
     t_axis, s_axis = factor.axes[roles.index("T")], factor.axes[roles.index("S")]
     if t_axis is None or s_axis is None:

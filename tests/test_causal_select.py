@@ -86,8 +86,17 @@ def causal_or_computed_lengths(q, k, v, pad):
     return _out(jnp.where(mask, _scores(q, k), NEG), v)
 
 
+def compared_after_broadcast(q, k, v, pad):
+    # keras-hub Gemma: the merged int mask broadcast over the heads, then
+    # compared (`> 0`): the comparison's operand is still T x S.
+    merged = jnp.minimum(pad[:, None, :], _causal_int())
+    mask = jnp.broadcast_to(merged[:, None], (B, H, T, T)) > 0
+    return _out(jnp.where(mask, _scores(q, k), NEG), v)
+
+
 POSITIVE = {
     "causal_or_computed_lengths": causal_or_computed_lengths,
+    "compared_after_broadcast": compared_after_broadcast,
     "keras_hub_decoder": keras_hub_decoder,
     "max_merged": max_merged,
     "product_merged": product_merged,
