@@ -1,12 +1,12 @@
 """`Replayed`: an extra computed by replaying a few elementwise equations of the program.
 
-A mask the program computes elementwise from a causal pattern and a key-side
-array (keras-hub's ``minimum(int(padding)[:, None], int(causal))``) is, entry
-by entry, that arithmetic with the causal pattern replaced by one of its two
-values.  With the pattern held constant nothing varies along the queries any
-more, so the arithmetic runs with the query axis of every value at size 1:
+A mask the program computes elementwise from positional patterns and a
+key-side array (keras-hub's ``minimum(int(padding)[:, None], int(causal))``)
+is, on each band of diagonals, that arithmetic with every pattern replaced by
+its value there.  With the patterns held constant nothing varies along the
+queries any more, so the arithmetic runs with the query axis of every value at size 1:
 the result is ``[.., 1, S]``, O(B·S), and no ``T x S`` array is built.
-`patterns.causal_select` proves the reading and records the equations as
+`patterns.band_select` proves the reading and records the equations as
 `Step`s; `Replayed.apply` runs them on the key-side array, in the program's
 own dtypes (so ``minimum(-1, 0)`` is what the program computes).
 """
@@ -119,7 +119,7 @@ def _run(step: Step, ins: list):
         shape = [x.shape[dims.index(o)] if o in dims else 1 for o in range(len(step.out_shape))]
         return lax.broadcast_in_dim(x, tuple(shape), dims)
     # reshape / squeeze / expand_dims that only add or remove unit axes
-    # (`patterns.causal_select` checks): drop the program's unit input axes,
+    # (`patterns.band_select` checks): drop the program's unit input axes,
     # add its unit output axes.
     drop = tuple(a for a, d in enumerate(step.in_shape) if d == 1)
     x = jnp.squeeze(x, drop) if drop else x

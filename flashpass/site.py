@@ -505,7 +505,10 @@ def _rows_kept(spec, extras, q_len: int):
     )
     spec = dataclasses.replace(spec, score_ops=ops)
     kv_len = spec.kv_len
-    block = min(ROWS_BLOCK, kv_len)
+    if kv_len <= ROWS_BLOCK:
+        s = apply_score_ops(spec, jnp.zeros((1, 1, q_len, kv_len), jnp.float32), extras)
+        return jnp.any(s > float("-inf"), axis=-1, keepdims=True)
+    block = ROWS_BLOCK
     q_pos = jnp.arange(q_len)
 
     def kept_in(start):
@@ -513,7 +516,7 @@ def _rows_kept(spec, extras, q_len: int):
         k_pos = start + jnp.arange(block)
         sliced = [
             lax.dynamic_slice_in_dim(x, start, block, axis=3)
-            if x is not None and jnp.ndim(x) == 4 and x.shape[3] == kv_len and kv_len > 1
+            if x is not None and jnp.ndim(x) == 4 and x.shape[3] == kv_len
             else x
             for x in extras
         ]
@@ -522,16 +525,10 @@ def _rows_kept(spec, extras, q_len: int):
         return jnp.any(s > float("-inf"), axis=-1, keepdims=True)
 
     # The last block starts at kv_len - block: blocks may overlap, which an OR allows.
-    starts = [min(i * block, kv_len - block) for i in range(-(-kv_len // block))]
-    if len(starts) == 1:
-        return kept_in(0)
-
     def body(i, kept):
-        start = jnp.minimum(i * block, kv_len - block)
-        return kept | kept_in(start)
+        return kept | kept_in(jnp.minimum(i * block, kv_len - block))
 
-    first = kept_in(0)
-    return lax.fori_loop(1, len(starts), body, first)
+    return lax.fori_loop(1, -(-kv_len // block), body, kept_in(0))
 
 
 def _role_order(axes: dict) -> list:

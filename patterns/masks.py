@@ -234,7 +234,7 @@ def add_mask(build, pred: Profile, keep_when: bool, fill: float, at: str = "") -
                 add_mask(build, part, keep_when, fill, at)
             continue
         narrowed = compared_broadcast(build.scope, factor)
-        if _causal_select(build, factor, keep_when, fill, narrowed):
+        if _band_select(build, factor, keep_when, fill, narrowed):
             continue  # (last: plainer descriptors first)
         if narrowed is not None:
             factor, compared = narrowed
@@ -247,10 +247,10 @@ def add_mask(build, pred: Profile, keep_when: bool, fill: float, at: str = "") -
             build.dense_notes.append(DENSE_FACTOR + at)
 
 
-def _causal_select(build, factor, keep_when, fill, narrowed) -> bool:
-    from .causal_select import causal_select  # (it reads `causal_offset` from here)
+def _band_select(build, factor, keep_when, fill, narrowed) -> bool:
+    from .band_select import band_select  # (it reads `causal_offset` from here)
 
-    return causal_select(build, factor, keep_when, fill, narrowed[0] if narrowed else factor)
+    return band_select(build, factor, keep_when, fill, narrowed[0] if narrowed else factor)
 
 
 #: A comparison with its operands swapped (``c < x`` is ``x > c``).

@@ -11,7 +11,7 @@
 * keras-hub's decoder mask, ``minimum(int(expand_dims(padding)), int(causal))``
   cast to bool: read as causal + key mask when the padding vector is boolean;
   from an int padding input (whose values are not known to be 0 or 1), as a
-  `CausalSelect` of two key masks.
+  `BandSelect` of two key masks.
 
 Each: rewritten with the expected descriptors, forward and gradient equal to
 the original's, nothing ``T x S`` outside the kernel; near misses say why.
@@ -276,17 +276,17 @@ def test_keras_hub_bool_padding_is_a_key_mask(rng):
     assert report.rewrites[0].mask == "causal+key mask", str(report)
 
 
-def test_keras_hub_int_padding_is_a_causal_select(rng):
+def test_keras_hub_int_padding_is_a_band_select(rng):
     """An int32 padding input may hold -1 (``minimum(-1, 0) != 0`` keeps a
     masked key) or 2: no conjunction of causal and key mask is exact, but the
     mask is one key mask below the diagonal and another above it
-    (tests/test_causal_select.py): O(B·S) operands, exact for any values."""
+    (tests/test_band_select.py): O(B·S) operands, exact for any values."""
     args = (*_qkv(rng), _padding(left=True))
     opt = flashpass.optimize(keras_hub_decoder, kernel="blockwise")
     assert_same_function(keras_hub_decoder, jax.jit(opt), *args, argnums=(0, 1, 2))
     report = opt.explain(*args)
     assert len(report.rewrites) == 1, str(report)
-    assert report.rewrites[0].mask == "causal-select" and not report.rewrites[0].dense, str(report)
+    assert report.rewrites[0].mask == "band-select" and not report.rewrites[0].dense, str(report)
     # with a negative entry the original keeps a masked key: still computed exactly
     odd = args[3].at[0, 5].set(-1)
     np.testing.assert_allclose(opt(*args[:3], odd), keras_hub_decoder(*args[:3], odd), atol=2e-5)

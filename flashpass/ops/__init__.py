@@ -9,10 +9,10 @@ A new mask kind is one module here, added to `KINDS`.
 from __future__ import annotations
 
 from .alibi import Alibi
+from .band_select import BandSelect
 from .base import EXCLUDED, KeepOp, Positional, Positions, ScoreOp, apply_score_ops
 from .bias_mask import Bias, Mask, step_shape
 from .causal import Causal
-from .causal_select import CausalSelect
 from .chunk import Chunk
 from .dropout import Dropout
 from .empty_rows import EmptyRows
@@ -29,7 +29,7 @@ from .window import Window
 #: Every score-op kind, in the order reports name their words and docs their
 #: descriptors.
 KINDS = (Scale, Bias, Causal, Window, Chunk, Prefix, Segments, KvLengths, Sink, Mask)
-KINDS += (Softcap, Dropout, SinkWindow, PrefixLengths, PositionMask, Alibi, CausalSelect)
+KINDS += (Softcap, Dropout, SinkWindow, PrefixLengths, PositionMask, Alibi, BandSelect)
 KINDS += (EmptyRows,)
 
 #: Score ops that exclude keys by position or segment id, so kernels may skip
@@ -49,12 +49,12 @@ for _kind in KINDS:
 __all__ = [
     "DESCRIPTORS",
     "Alibi",
+    "BandSelect",
     "EXCLUDED",
     "KINDS",
     "STRUCTURED",
     "Bias",
     "Causal",
-    "CausalSelect",
     "Chunk",
     "Dropout",
     "EmptyRows",

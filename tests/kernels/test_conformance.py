@@ -76,7 +76,7 @@ from flashpass.spec import (
     DESCRIPTORS,
     FLOAT_DTYPES,
     Alibi,
-    CausalSelect,
+    BandSelect,
     Chunk,
     KvLengths,
     PositionMask,
@@ -236,7 +236,7 @@ def _positions(dtype):
     return spec, [jnp.asarray(pos[:, None, :, None]), jnp.asarray(pos[:, None, None, :])]
 
 
-def _causal_select(dtype):
+def _band_select(dtype):
     """keras-hub's int padding merged with a causal mask: below the diagonal
     the keys whose padding is non-zero (example 1 padded by 7 on the left),
     above it the keys whose padding is negative (example 1's key 30)."""
@@ -244,7 +244,7 @@ def _causal_select(dtype):
     below[1, ..., :7] = False
     above = np.zeros((2, 1, 1, 40), bool)
     above[1, ..., 30] = True
-    ops = [Scale(0.25), CausalSelect(0, 1, (2, 1, 1, 40), 0, -1e9)]
+    ops = [Scale(0.25), BandSelect((0, 1), (0,), (2, 1, 1, 40), -1e9)]
     extras = [((2, 1, 1, 40), np.bool_), ((2, 1, 1, 40), np.bool_)]
     spec = spec_of(t=40, dtype=dtype, ops=ops, extras=extras)
     return spec, [jnp.asarray(below), jnp.asarray(above)]
@@ -270,7 +270,7 @@ CASES = {
     "alibi": _alibi,
     "prefix_lengths": _prefix_lengths,
     "positions": _positions,
-    "causal_select": _causal_select,
+    "band_select": _band_select,
 }
 DTYPES = {"f32": F32, "bf16": BF16}
 #: `check` is also asked about these (no numerics).
@@ -376,7 +376,7 @@ WORDS = {
     "alibi": "ALiBi",
     "prefix_lengths": "prefix",
     "positions": "positions",
-    "causal_select": "two key masks",
+    "band_select": "band of diagonals",
 }
 
 

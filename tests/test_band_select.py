@@ -1,10 +1,12 @@
-"""Masks computed elementwise from a causal pattern and an int padding vector.
+"""Masks computed elementwise from diagonal patterns and an int padding vector.
 
 keras-hub's decoders merge masks as ``minimum(int(padding)[:, None],
-int(causal))``; an int32 padding input need not hold only 0 and 1, so the
-mask is no conjunction of descriptors.  It is, exactly, one key mask below
-the diagonal and another above it (`CausalSelect`, patterns/causal_select.py):
-both O(B·S), computed from the padding with the query axis at size 1.
+int(causal))`` (Mistral's also with a sliding window); an int32 padding input
+need not hold only 0 and 1, so the mask is no conjunction of descriptors.
+It is, exactly, one key mask per band of diagonals ``j - i`` (below the
+diagonal and above it; inside and outside the window) (`BandSelect`,
+patterns/band_select.py): each O(B·S), computed from the padding with the
+query axis at size 1.
 
 Every positive case: rewritten on the first call under ``jax.jit``, no
 ``T x S`` kernel operand, forward and gradient equal to the original's, also
@@ -25,7 +27,7 @@ from test_zoo_masks import keras_hub_decoder
 import flashpass
 from flashpass.ops import Positions
 from flashpass.replay import Replayed, Step
-from flashpass.spec import CausalSelect
+from flashpass.spec import BandSelect
 from flashpass.testing import assert_same_function
 
 B, H, T, D = 2, 2, 256, 16
@@ -94,8 +96,18 @@ def compared_after_broadcast(q, k, v, pad):
     return _out(jnp.where(mask, _scores(q, k), NEG), v)
 
 
+def window_and_causal(q, k, v, pad):
+    # keras-hub Mistral: minimum(minimum(padding, causal), window) — three
+    # bands of diagonals (outside the window, inside it, above the diagonal).
+    i, j = jnp.arange(T)[:, None], jnp.arange(T)[None, :]
+    window = (i - j < 64).astype(jnp.int32)
+    mask = jnp.minimum(jnp.minimum(pad[:, None, None, :], _causal_int()), window) > 0
+    return _out(jnp.where(mask, _scores(q, k), NEG), v)
+
+
 POSITIVE = {
     "causal_or_computed_lengths": causal_or_computed_lengths,
+    "window_and_causal": window_and_causal,
     "compared_after_broadcast": compared_after_broadcast,
     "keras_hub_decoder": keras_hub_decoder,
     "max_merged": max_merged,
@@ -113,7 +125,7 @@ def test_rewritten_with_two_key_masks(name, odd, rng):
     got = jax.jit(opt)(*args)  # the first call
     report = opt.reports[-1]
     assert len(report.rewrites) == 1 and not report.fallbacks, str(report)
-    assert report.rewrites[0].mask == "causal-select", str(report)
+    assert report.rewrites[0].mask == "band-select", str(report)
     assert not report.rewrites[0].dense, str(report)
     np.testing.assert_allclose(got, fn(*args), rtol=2e-5, atol=2e-5)
     assert_no_t_by_s(
@@ -145,7 +157,7 @@ def test_training_step_leaves_no_t_by_s(rng):
 def test_the_op_keeps_its_definition_also_transposed():
     below = jnp.asarray(np.random.default_rng(0).random((2, 1, 1, 7)) > 0.5)
     above = jnp.asarray(np.random.default_rng(1).random((2, 1, 1, 7)) > 0.7)
-    op = CausalSelect(0, 1, (2, 1, 1, 7), 1, -1e9)
+    op = BandSelect((0, 1), (1,), (2, 1, 1, 7), -1e9)
     qi, kj = Positions((5, 7)).grid()
     keep = np.asarray(op.keep(qi, kj, [below, above]))
     for b, i, j in np.ndindex(2, 5, 7):
@@ -170,12 +182,11 @@ def test_a_replay_computes_in_the_programs_dtypes():
 # --------------------------------------------------------------------------- near misses
 
 
-def two_patterns(q, k, v, pad):
-    # A causal and a window pattern, both varying along the queries: no one
-    # pattern to split on.
+def not_by_diagonal(q, k, v, pad):
+    # A pattern that is not a function of j - i (query blocks of 64): no bands.
     i, j = jnp.arange(T)[:, None], jnp.arange(T)[None, :]
-    window = (i - j < 64).astype(jnp.int32)
-    mask = jnp.minimum(jnp.minimum(pad[:, None, None, :], _causal_int()), window) > 0
+    blocks = (i // 64 >= j // 64).astype(jnp.int32)
+    mask = jnp.minimum(pad[:, None, None, :], blocks) > 0
     return _out(jnp.where(mask, _scores(q, k), NEG), v)
 
 
@@ -185,13 +196,13 @@ def query_side_data(q, k, v, pad):
     return _out(jnp.where(mask, _scores(q, k), NEG), v)
 
 
-@pytest.mark.parametrize("fn", [two_patterns, query_side_data], ids=lambda f: f.__name__)
+@pytest.mark.parametrize("fn", [not_by_diagonal, query_side_data], ids=lambda f: f.__name__)
 def test_near_misses_stay_dense_and_exact(fn, rng):
     args = (*_qkv(rng), _padding(rng, odd=True))
     opt = flashpass.optimize(fn, kernel="blockwise")
     got = jax.jit(opt)(*args)
     report = opt.reports[-1]
-    assert all(r.mask != "causal-select" for r in report.rewrites), str(report)
+    assert all(r.mask != "band-select" for r in report.rewrites), str(report)
     np.testing.assert_allclose(got, fn(*args), rtol=2e-5, atol=2e-5)
 
 
@@ -219,7 +230,7 @@ def test_a_remasked_training_step_leaves_no_t_by_s(rng):
     opt = flashpass.optimize(step, kernel="blockwise")
     value, grads = jax.jit(opt)(*args)
     report = opt.reports[-1]
-    assert [r.mask for r in report.rewrites] == ["causal-select"], str(report)
+    assert [r.mask for r in report.rewrites] == ["band-select"], str(report)
     want_value, want = step(*args)
     np.testing.assert_allclose(value, want_value, rtol=2e-5)
     for g, w in zip(grads, want, strict=True):

@@ -1,25 +1,29 @@
-"""A mask computed elementwise from one causal pattern and key-side data.
+"""A mask computed elementwise from diagonal patterns and key-side data.
 
 keras-hub merges its padding and causal masks as ``minimum(int(padding)[:,
-None, :], int(causal))`` and casts the result to bool.  The padding input is
+None, :], int(causal))`` and casts the result to bool (Mistral's decoders
+also take the ``minimum`` with a sliding-window mask).  The padding input is
 int32, and nothing says it holds only 0 and 1: ``minimum(-1, 0)`` is -1,
 which is True, so the mask is not ``padding & causal`` (`indicators` proves an
-AND only on two-valued operands).  It is exactly, entry by entry,
+AND only on two-valued operands).  Each positional pattern here depends on
+the diagonal ``d = j - i`` alone, so the diagonals fall into bands on which
+every pattern is constant, and on each band the mask is, exactly,
 
-    where(j <= i + d, F(in, padding[j]), F(out, padding[j]))
+    F(pattern values on the band, padding[j])
 
-where ``F`` is the program's arithmetic and ``in``/``out`` the causal
-pattern's two values (Shannon's expansion on the pattern).  Neither branch
-varies along the queries, so both are computed with the query axis at size 1
-(`flashpass.replay.Replayed`): two O(B·S) key masks and a `CausalSelect`, no
-``T x S`` operand, whatever values the padding holds.
+where ``F`` is the program's arithmetic (Shannon's expansion on the
+patterns).  No band's mask varies along the queries, so each is computed
+with the query axis at size 1 (`flashpass.replay.Replayed`): one O(B·S) key
+mask per band and a `BandSelect`, no ``T x S`` operand, whatever values the
+padding holds.
 
 The reading applies when the mask's equations are elementwise or move axes
-(`flashpass.replay.ELEMENTWISE`, ``STRUCTURAL``), exactly one constant among
-their leaves varies along the queries and is a causal pattern of two values,
-and exactly one traced leaf feeds them, varying along neither the queries
-nor (it is read whole) a sharded axis.  `masks.add_mask` tries it last, after
-every reading that gives kernels plainer descriptors.
+(`flashpass.replay.ELEMENTWISE`, ``STRUCTURAL``), every constant among their
+leaves that varies along the queries depends on ``j - i`` only (at most
+`MAX_BANDS` bands in all), and exactly one traced leaf feeds them, varying
+along neither the queries nor (it is read whole) a sharded axis.
+`masks.add_mask` tries it last, after every reading that gives kernels
+plainer descriptors.
 """
 
 from __future__ import annotations
@@ -29,16 +33,19 @@ import numpy as np
 
 from flashpass.graph import Const
 from flashpass.replay import ELEMENTWISE, STRUCTURAL, Replayed, Step, constant_value, unit_only
-from flashpass.spec import CausalSelect, excludes
+from flashpass.spec import BandSelect, excludes
 
 from .common import Profile
 
 #: The most equations a mask's arithmetic may hold to be read this way.
 MAX_NODES = 64
 
+#: The most bands of diagonals (one key mask each) a mask may split into.
+MAX_BANDS = 4
 
-def causal_select(build, factor: Profile, keep_when: bool, fill: float, operand=None) -> bool:
-    """Add a `CausalSelect` equal to the mask ``factor`` (keeping where it is
+
+def band_select(build, factor: Profile, keep_when: bool, fill: float, operand=None) -> bool:
+    """Add a `BandSelect` equal to the mask ``factor`` (keeping where it is
     ``keep_when``) and return True, or return False and add nothing.
     ``operand``: the array the mask would otherwise be read from (a
     comparison's operand before its broadcast); tried only when that one
@@ -54,35 +61,66 @@ def causal_select(build, factor: Profile, keep_when: bool, fill: float, operand=
         return False
     graph = _Graph(scope)
     root = scope.resolve(factor.base)
-    if not graph.walk(root, t_axis, s_axis) or graph.causal is None or graph.leaf is None:
+    if not graph.walk(root, t_axis, s_axis) or not graph.patterns or graph.leaf is None:
         return False
-    below, above, offset = graph.causal
-    ins = []
-    for value in (below, above):
-        transform = Replayed(graph.steps(value, negate=not keep_when))
-        x = graph.leaf
+    bands = _bands(graph.patterns, scope.shape(root)[t_axis], scope.shape(root)[s_axis])
+    if bands is None:
+        return False
+    x, indices, shape4 = graph.leaf, [], None
+    for values in bands.values:
+        transform = Replayed(graph.steps(values, negate=not keep_when))
         out = jax.eval_shape(
             transform.apply, jax.ShapeDtypeStruct(scope.shape(x), scope.dtype(x))
         ).shape
         axes = tuple(None if a is None or out[a] == 1 else a for a in factor.axes)
-        ins.append(build.add_extra(Profile(x, axes, factor.target), transform, np.bool_))
-    (i_below, shape4), (i_above, _) = ins
-    build.ops.append(CausalSelect(i_below, i_above, shape4, offset, fill))
+        index, shape4 = build.add_extra(Profile(x, axes, factor.target), transform, np.bool_)
+        indices.append(index)
+    build.ops.append(BandSelect(tuple(indices), bands.offsets, shape4, fill))
     return True
+
+
+class _Bands:
+    """Each band's pattern values (``{pattern key: value}``) and the
+    offsets cutting the diagonals ``j - i`` into the bands."""
+
+    def __init__(self, values: list, offsets: tuple):
+        self.values, self.offsets = values, offsets
+
+
+def _bands(patterns: dict, t: int, s: int):
+    """The bands on which every pattern (``key -> [T, S] matrix``) is constant,
+    each pattern a function of ``j - i`` alone; None otherwise."""
+    diagonals = np.arange(-(t - 1), s)
+    labels = []
+    for mat in patterns.values():
+        first = np.array([mat[max(0, -d), max(0, -d) + d] for d in diagonals])
+        i, j = np.arange(t)[:, None], np.arange(s)[None, :]
+        if not np.array_equal(mat, first[(j - i) + (t - 1)]):
+            return None  # not a function of the diagonal
+        labels.append(first)
+    joint = list(zip(*labels, strict=True))
+    values, offsets = [joint[0]], []
+    for d, label in zip(diagonals[1:], joint[1:], strict=True):
+        if label != values[-1]:
+            offsets.append(int(d) - 1)
+            values.append(label)
+    if len(values) > MAX_BANDS or len(values) < 2:
+        return None
+    keys = list(patterns)
+    return _Bands([dict(zip(keys, v, strict=True)) for v in values], tuple(offsets))
 
 
 class _Graph:
     """The mask's equations, walked back from the mask: each value's query
     and key axes, its interior equations in order, the one traced leaf and
-    the causal constant ``(in value, out value, offset)``."""
+    the positional patterns (``key -> [T, S]`` matrix)."""
 
     def __init__(self, scope):
         self.scope = scope
         self.axes: dict = {}  # atom -> (query axis, key axis) in its own shape
         self.order: list = []  # (atom, node) of interior equations, operands first
         self.constants: dict = {}  # atom -> folded value (no query variation)
-        self.pattern = None  # the causal constant's atom
-        self.causal = None
+        self.patterns: dict = {}  # constants varying along the queries: key -> [T, S]
         self.leaf = None
 
     def walk(self, atom, t, s) -> bool:
@@ -118,35 +156,25 @@ class _Graph:
         return True
 
     def _pattern(self, atom, value, t, s) -> bool:
-        """The one constant varying along the queries: a causal pattern."""
-        if self.pattern is not None:
-            return self.pattern == _key(atom)
+        """A constant varying along the queries: a positional pattern, the
+        same at every index of its other axes."""
         if s is None or value is None:
             return False  # (too big to fold)
         arr = np.moveaxis(np.asarray(value), (t, s), (-2, -1))
         arr = arr.reshape(-1, *arr.shape[-2:])
         if not np.all(arr == arr[:1]):
             return False
-        mat = arr[0]
-        values = np.unique(mat)
-        if len(values) != 2:
-            return False
-        from .masks import causal_offset
+        self.patterns[_key(atom)] = arr[0]
+        return True
 
-        for inside, outside in (values, values[::-1]):
-            offset = causal_offset(mat == inside)
-            if offset is not None:
-                self.pattern, self.causal = _key(atom), (inside, outside, offset)
-                return True
-        return False
-
-    def steps(self, pattern_value, negate: bool) -> tuple:
-        """The replay of the mask's equations with the pattern at ``pattern_value``."""
+    def steps(self, pattern_values: dict, negate: bool) -> tuple:
+        """The replay of the mask's equations with each pattern at its value
+        on one band (``pattern_values``: key -> value)."""
         scope, index, out = self.scope, {}, []
         for atom, node in self.order:
             refs = []
             for operand in node.ins:
-                refs.append(self._ref(operand, pattern_value, index))
+                refs.append(self._ref(operand, pattern_values, index))
             out.append(
                 Step(
                     node.prim,
@@ -162,15 +190,16 @@ class _Graph:
             out.append(Step("not", (("step", len(out) - 1),), np.bool_))
         return tuple(out)
 
-    def _ref(self, operand, pattern_value, index):
+    def _ref(self, operand, pattern_values, index):
         scope = self.scope
         atom = scope.resolve(operand)
         key = _key(atom)
         if key in index:
             return ("step", index[key])
         dtype = scope.dtype(atom)
-        if key == self.pattern:
-            return ("value", np.full((1,) * len(scope.shape(atom)), pattern_value, dtype=dtype))
+        if key in pattern_values:
+            value = pattern_values[key]
+            return ("value", np.full((1,) * len(scope.shape(atom)), value, dtype=dtype))
         if isinstance(atom, Const) or key in self.constants:
             value = atom.value if isinstance(atom, Const) else self.constants[key]
             t = self.axes.get(key, (None, None))[0]
