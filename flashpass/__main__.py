@@ -151,6 +151,8 @@ def _main(argv) -> int:
     except (ValueError, TypeError, export.LiftError) as err:
         print(f"error: {path}: {_one_line(err)}", file=sys.stderr)
         return 2
+    except BrokenPipeError:
+        raise  # (an OSError too: the reader went away, `main` stops quietly)
     except OSError as err:  # writing OUT failed after the checks (disk full...)
         print(f"error: {args.output}: cannot write it ({err.strerror or err})", file=sys.stderr)
         return 2
