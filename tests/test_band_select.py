@@ -134,17 +134,18 @@ def test_rewritten_with_two_key_masks(name, odd, rng):
     assert_same_function(fn, flashpass.optimize(fn, kernel="blockwise"), *args, argnums=(0, 1, 2))
 
 
-def test_training_step_leaves_no_t_by_s(rng):
+def _training_step(fn, rng):
+    """Run a value_and_grad step of ``fn`` optimized (first call under jit):
+    value and gradients equal JAX's, nothing ``T x S`` outside the kernel.
+    Returns the report."""
     args = (*_qkv(rng), _padding(rng, odd=True))
 
     def loss(q, k, v, pad):
-        return jnp.sum(keras_hub_decoder(q, k, v, pad) ** 2)
+        return jnp.sum(fn(q, k, v, pad) ** 2)
 
     step = jax.value_and_grad(loss, argnums=(0, 1, 2))
     opt = flashpass.optimize(step, kernel="blockwise")
     value, grads = jax.jit(opt)(*args)
-    report = opt.reports[-1]
-    assert [r.passes for r in report.rewrites] == ["forward+backward"], str(report)
     want_value, want = step(*args)
     np.testing.assert_allclose(value, want_value, rtol=2e-5)
     for g, w in zip(grads, want, strict=True):
@@ -152,6 +153,12 @@ def test_training_step_leaves_no_t_by_s(rng):
     original = jax.make_jaxpr(step)(*args)
     rewritten = jaxpr_shapes(opt.rewritten_jaxpr(*args), outside_kernels=True)
     assert_no_t_by_s(rewritten, T, T, control=jaxpr_shapes(original))
+    return opt.reports[-1]
+
+
+def test_training_step_leaves_no_t_by_s(rng):
+    report = _training_step(keras_hub_decoder, rng)
+    assert [r.passes for r in report.rewrites] == ["forward+backward"], str(report)
 
 
 def test_the_op_keeps_its_definition_also_transposed():
@@ -221,20 +228,5 @@ def keras_mask(pad):
 def test_a_remasked_training_step_leaves_no_t_by_s(rng):
     # The rows the mask empties are found over blocks of keys (site.ROWS_BLOCK):
     # nothing T x S outside the kernel, forward or backward.
-    args = (*_qkv(rng), _padding(rng, odd=True))
-
-    def loss(q, k, v, pad):
-        return jnp.sum(remasked_int_padding(q, k, v, pad) ** 2)
-
-    step = jax.value_and_grad(loss, argnums=(0, 1, 2))
-    opt = flashpass.optimize(step, kernel="blockwise")
-    value, grads = jax.jit(opt)(*args)
-    report = opt.reports[-1]
+    report = _training_step(remasked_int_padding, rng)
     assert [r.mask for r in report.rewrites] == ["band-select"], str(report)
-    want_value, want = step(*args)
-    np.testing.assert_allclose(value, want_value, rtol=2e-5)
-    for g, w in zip(grads, want, strict=True):
-        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5)
-    original = jax.make_jaxpr(step)(*args)
-    rewritten = jaxpr_shapes(opt.rewritten_jaxpr(*args), outside_kernels=True)
-    assert_no_t_by_s(rewritten, T, T, control=jaxpr_shapes(original))
