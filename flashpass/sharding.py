@@ -388,15 +388,14 @@ def localize(site: AttentionSite, counts: dict) -> AttentionSite:
         )
 
     spec = site.spec
-    ops = tuple(op.localized(shape4) for op in spec.score_ops)
-    spec = dataclasses.replace(
-        spec,
+    ops = tuple(op.localized(shape4) for op in spec.ops)
+    spec = spec.with_ops(
+        ops,
         batch=layout.batch,
         heads=layout.heads,
         kv_heads=layout.kv_heads,
         q_len=layout.sizes["T"],
         kv_len=layout.sizes["S"],
-        score_ops=ops,
         extras=tuple(dataclasses.replace(e, shape=shape4(e.shape)) for e in spec.extras),
     )
     return dataclasses.replace(site, layout=layout, spec=spec)

@@ -501,9 +501,9 @@ def _rows_kept(spec, extras, q_len: int):
     of a query row (each op's fill made -inf, applied to zero scores), read
     over blocks of `ROWS_BLOCK` keys, so no ``T x S`` array is built."""
     ops = tuple(
-        dataclasses.replace(op, fill=float("-inf")) for op in spec.score_ops if hasattr(op, "fill")
+        dataclasses.replace(op, fill=float("-inf")) for op in spec.ops if hasattr(op, "fill")
     )
-    spec = dataclasses.replace(spec, score_ops=ops)
+    spec = spec.with_ops(ops)
     kv_len = spec.kv_len
     if kv_len <= ROWS_BLOCK:
         s = apply_score_ops(spec, jnp.zeros((1, 1, q_len, kv_len), jnp.float32), extras)

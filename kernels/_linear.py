@@ -73,7 +73,7 @@ class LinearForm:
 def exclusion_reasons(spec: AttentionSpec, position: int) -> list[str]:
     """Why the Mask or Causal op at ``position`` does not exclude keys the way a
     kernel's own masking does (exactly zero weight), or leaves rows empty."""
-    op = spec.score_ops[position]
+    op = spec.ops[position]
     reasons = []
     value = spec.final_fill(position, op.fill)
     if not excludes(value):
@@ -95,7 +95,7 @@ def exclusion_reasons(spec: AttentionSpec, position: int) -> list[str]:
 def linear_form(
     spec: AttentionSpec, structured: frozenset = frozenset(), *, sinks: bool = False
 ) -> LinearForm:
-    """Rewrite ``spec.score_ops`` as a `LinearForm` (see module doc); the
+    """Rewrite ``spec.ops`` as a `LinearForm` (see module doc); the
     structured op types in ``structured`` are kept (the caller maps them to
     its own masks) instead of rejected; with ``sinks`` the caller applies a
     `Sink` op itself (it is not part of the form)."""
@@ -107,7 +107,7 @@ def linear_form(
     masks: list[int] = []
     offsets: list[int] = []
     kept: list = []
-    for position, op in enumerate(spec.score_ops):
+    for position, op in enumerate(spec.ops):
         if isinstance(op, Scale):
             if cap is None:
                 scale *= op.value
@@ -175,7 +175,7 @@ def structured_reasons(spec: AttentionSpec, accepted: frozenset = frozenset()) -
     not in ``accepted``."""
     found = {
         type(op)
-        for op in spec.score_ops
+        for op in spec.ops
         if getattr(op, "reason_words", None) and type(op) not in accepted
     }
     return [

@@ -8,8 +8,6 @@ no key survives.  The rewrite of a spec into the libraries' one form is
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -44,10 +42,10 @@ def check_arrays(kernel: str, spec: AttentionSpec, q, k, v, extras=None) -> None
             raise ValueError(f"{kernel}: {label} has shape {tuple(x.shape)}, the spec says {want}")
     if extras is None:
         return
-    for op in spec.score_ops:
+    for op in spec.ops:
         if not callable(getattr(op, "extras_read", None)):
             raise TypeError(f"{kernel}: unknown score op {op!r}: not a flashpass.ops score op")
-    used = [i for op in spec.score_ops for i in op.extras_read()]
+    used = [i for op in spec.ops for i in op.extras_read()]
     if used and max(used) >= len(extras):
         raise ValueError(
             f"{kernel}: score ops use extras[{max(used)}] but only {len(extras)} were given"
@@ -70,7 +68,7 @@ def extra_reasons(spec: AttentionSpec) -> list[str]:
     """Bias/Mask ops whose extras are missing, not 4-D broadcastable or not real."""
     reasons: list[str] = []
     full = (spec.batch, spec.heads, spec.q_len, spec.kv_len)
-    for op in spec.score_ops:
+    for op in spec.ops:
         if not isinstance(op, Bias | Mask):
             continue
         kind = "bias" if isinstance(op, Bias) else "mask"
@@ -98,8 +96,8 @@ def without_lengths(spec: AttentionSpec) -> AttentionSpec:
     them; removing a ``where`` changes no other op's final fill)."""
     if not spec.ops_of(KvLengths):
         return spec
-    ops = tuple(op for op in spec.score_ops if not isinstance(op, KvLengths))
-    return dataclasses.replace(spec, score_ops=ops)
+    ops = tuple(op for op in spec.ops if not isinstance(op, KvLengths))
+    return spec.with_ops(ops)
 
 
 def lengths_reasons(spec: AttentionSpec, takes: str) -> list[str]:
@@ -108,7 +106,7 @@ def lengths_reasons(spec: AttentionSpec, takes: str) -> list[str]:
     if not spec.ops_of(KvLengths):
         return []
     reasons = []
-    for position, op in enumerate(spec.score_ops):
+    for position, op in enumerate(spec.ops):
         if not isinstance(op, KvLengths):
             continue
         if not 0 <= op.index < len(spec.extras):
@@ -317,7 +315,7 @@ def shared_fill_reasons(spec: AttentionSpec, what: str) -> list[str]:
     can empty rows the spec's ops do not prove non-empty checks this.
     """
     finals = set()
-    for position, op in enumerate(spec.score_ops):
+    for position, op in enumerate(spec.ops):
         if isinstance(op, KeepOp):
             finals.add(spec.final_fill(position, op.fill))
     if len(finals) <= 1:

@@ -1,4 +1,4 @@
-"""Running a spec with an `EmptyRows` op: any kernel, two calls, one per row.
+"""Running a spec with ``empty_rows``: any kernel, two calls, one per row.
 
 An additive mask ``s + where(keep, 0, fill)`` with a finite ``fill`` reaches
 the kernels as its descriptors (`EmptyRows` says which ops form it).  Rows that
@@ -50,24 +50,21 @@ class Split:
 
 
 def split(spec: AttentionSpec) -> Split | None:
-    """The two specs of ``spec``, or None when it has no `EmptyRows` op."""
-    ops = spec.score_ops
-    marks = [i for i, op in enumerate(ops) if isinstance(op, EmptyRows)]
-    if not marks:
+    """The two specs of ``spec``, or None when it has no ``empty_rows``."""
+    op = spec.empty_rows
+    if op is None:
         return None
-    if len(marks) > 1:
-        raise ValueError("a spec holds at most one EmptyRows op")
-    at = marks[0]
-    op = ops[at]
+    ops, at = spec.score_ops, op.stop
     first = at - op.count
     if first < 0 or any(not hasattr(o, "keep") for o in ops[first:at]):
         raise ValueError(f"EmptyRows({op.count}) does not follow {op.count} key-excluding ops")
-    masked = dataclasses.replace(spec, score_ops=ops[:at] + ops[at + 1 :])
+    masked = dataclasses.replace(spec, empty_rows=None)
     fill = Bias(len(spec.extras), (1, 1, 1, 1), op.dtype)
     filled = dataclasses.replace(
         spec,
-        score_ops=ops[:first] + (fill,) + ops[at + 1 :],
+        score_ops=ops[:first] + (fill,) + ops[at:],
         extras=(*spec.extras, ExtraSpec((1, 1, 1, 1), op.dtype)),
+        empty_rows=None,
     )
     return Split(masked, filled, tuple(ops[first:at]), op)
 
@@ -128,8 +125,7 @@ def _scores_grad_scaled(spec: AttentionSpec, op: EmptyRows, q, k, extras):
     scores, and through them q, k and those extras, is scaled by it (v's is
     not: it does not flow through the scores)."""
     g = op.grad
-    at = next(i for i, o in enumerate(spec.score_ops) if o is op)
-    before = {i for o in spec.score_ops[: at - op.count] for i in o.extras_read()}
+    before = {i for o in spec.score_ops[: op.stop - op.count] for i in o.extras_read()}
 
     def scaled(x):
         still = lax.stop_gradient(x)
@@ -159,7 +155,7 @@ def rows_apart(kernel, filled: AttentionSpec, extras) -> bool:
         return False
     if filled.sink is not None:
         return False
-    if any(not isinstance(op, _ROW_FREE) for op in filled.score_ops):
+    if any(not isinstance(op, _ROW_FREE) for op in filled.ops):
         return False
     # Every extra goes with the gathered rows' call, read or not: none may
     # hold a query axis (the call's query length is the chunk's).

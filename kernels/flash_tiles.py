@@ -74,7 +74,7 @@ def _plan(spec: AttentionSpec, block_q: int, block_k: int, interpret: bool) -> _
     bk = min(_util.round_up(block_k, LANES), _util.round_up(spec.kv_len, LANES))
     special = {id(spec.sink), id(spec.dropout)}
     ops, skips = [], []
-    for at, op in enumerate(spec.score_ops):
+    for at, op in enumerate(spec.ops):
         if id(op) in special:
             continue
         ops.append(op)
@@ -113,7 +113,7 @@ def _fold_score(spec: AttentionSpec, skips) -> float | None:
     sum of their values: O(bk * Dv), no product."""
     if not skips:
         return None
-    ops = spec.score_ops
+    ops = spec.ops
     first = min(ops.index(op) for op in skips)
     finals = set()
     for at in range(first, len(ops)):
@@ -279,7 +279,7 @@ def _extra_cotangent(plan: _Plan, tiles, x):
 def _reasons(spec: AttentionSpec) -> list[str]:
     """Why neither kernel takes ``spec`` (its dtypes, its extras' ranks)."""
     reasons = _util.float_dtype_reasons(spec, "flash_tpu")
-    for i in {i for op in spec.score_ops for i in op.extras_read()}:
+    for i in {i for op in spec.ops for i in op.extras_read()}:
         if not 0 <= i < len(spec.extras):
             reasons.append(f"an op refers to extra #{i}, which the spec lacks")
         elif len(spec.extras[i].shape) != 4:

@@ -165,7 +165,7 @@ def _segment_reasons(spec: AttentionSpec, op: Segments, form) -> list[str]:
     dtype = np.dtype(extra.dtype)
     if dtype.itemsize > 4 or not (np.issubdtype(dtype, np.integer) or dtype == np.bool_):
         reasons.append(f"segment ids of dtype {dtype.name} (the kernel takes int32)")
-    reasons += _linear.exclusion_reasons(spec, spec.score_ops.index(op))
+    reasons += _linear.exclusion_reasons(spec, spec.ops.index(op))
     return reasons
 
 

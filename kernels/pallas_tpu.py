@@ -98,7 +98,7 @@ def _is_power_of_two(x: float) -> bool:
 def _biases_with_scale_before(spec: AttentionSpec) -> list[tuple[Bias, float]]:
     """Each Bias op with the product of the Scale ops before it."""
     out, c_before = [], 1.0
-    for op in spec.score_ops:
+    for op in spec.ops:
         if isinstance(op, Scale):
             c_before *= op.value
         elif isinstance(op, Bias):
@@ -162,7 +162,7 @@ def _spec_reasons(spec: AttentionSpec) -> list[str]:
     """Static reasons this adapter cannot run ``spec`` exactly (platform aside)."""
     reasons = _util.input_reasons(spec, "the TPU flash kernel")
     reasons += _linear.structured_reasons(spec, frozenset({Segments}))
-    for position, op in enumerate(spec.score_ops):
+    for position, op in enumerate(spec.ops):
         if isinstance(op, Softcap):
             reasons.append(
                 f"logit soft-capping (Softcap cap={op.cap}) is not supported by the "

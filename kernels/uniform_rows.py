@@ -38,7 +38,7 @@ def factor(spec, fill_index: int) -> float | None:
     spec's scores are ``(q . k) * c + fill`` (times any later scales): every
     op a `Scale` or the fill's one-element `Bias`.  None otherwise."""
     c, seen = 1.0, False
-    for op in spec.score_ops:
+    for op in spec.ops:
         if isinstance(op, Scale):
             c = c if seen else c * float(op.value)
         elif isinstance(op, Bias) and op.index == fill_index and not seen:

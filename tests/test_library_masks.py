@@ -15,8 +15,6 @@ step runs for a few forms.
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import library_masks as lib
@@ -287,7 +285,7 @@ def test_empty_rows_split_into_two_kernel_specs():
     keys = jnp.asarray([[[[0, 0, 0, 1, 1, 1, 1, 1]]]], bool)
     empty = empty_rows.empty_rows(spec, parts.group, (keys,))
     np.testing.assert_array_equal(np.asarray(empty)[0, 0], [True] * 3 + [False] * 5)
-    bad = dataclasses.replace(spec, score_ops=(Scale(0.5), EmptyRows(1, NEG, "float32")))
+    bad = spec.with_ops((Scale(0.5), EmptyRows(1, NEG, "float32")))
     with pytest.raises(ValueError, match="key-excluding"):
         empty_rows.split(bad)
 

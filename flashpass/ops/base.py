@@ -12,7 +12,11 @@ also answers, for every consumer, what it means:
 * `ScoreOp.extras_read`, `ScoreOp.final_score`, and class attributes for the
   descriptor names, report word and decline-reason words.
 
-Consumers loop over ``spec.score_ops`` and ask; none switches on the kind.
+Each kind names its ``stage``: a score op proper (``"scores"``), the
+softmax's normaliser (`Sink`), an op on the probabilities (`Dropout`), or the
+rows a mask empties (`EmptyRows`, run by combining two kernel calls); the spec
+keeps each stage in a field of its own.  Consumers loop over a spec's ops and
+ask; none switches on the kind.
 """
 
 from __future__ import annotations
@@ -79,6 +83,12 @@ class ScoreOp:
     #: Maps every score alike (Scale, Softcap) or leaves the scores alone
     #: (Dropout, Sink): keys excluded before it still share one final score.
     uniform: ClassVar[bool] = False
+    #: Which `AttentionSpec` stage holds it: "scores" (``score_ops``),
+    #: "rows" (``empty_rows``), "normaliser" (``sink``) or "probabilities"
+    #: (``dropout``).
+    stage: ClassVar[str] = "scores"
+    #: A constant every score is multiplied by (`Scale`), else None.
+    multiplier: ClassVar[float | None] = None
 
     def report_word(self, spec) -> str | None:
         """The word naming this op in a rewrite's ``mask`` field (`word`; a

@@ -13,8 +13,8 @@ from .base import ScoreOp
 class Dropout(ScoreOp):
     """Dropout on the *probabilities*, exactly as ``jax.random.bernoulli`` drew it.
 
-    Not a score op: whatever its position in ``score_ops`` (the matcher puts
-    it last), it applies to the softmax output ``p``::
+    Not a score op: the spec's op on the probabilities (``spec.dropout``), it
+    applies to the softmax output ``p``::
 
         p = where(keep, p * scale, 0)
 
@@ -46,6 +46,7 @@ class Dropout(ScoreOp):
     scale: float = 1.0
 
     uniform = True
+    stage = "probabilities"
 
     @property
     def size(self) -> int:

@@ -23,20 +23,23 @@ from .base import ScoreOp
 
 @dataclasses.dataclass(frozen=True)
 class EmptyRows(ScoreOp):
-    """The ``count`` key-excluding ops just before it are one additive mask
-    ``s + where(all keep, 0, added)``, the bias in ``dtype``.  In a query row
-    they leave no key, the scores are the scores before them plus ``added``
-    (every key), as the original computes; in every other row the op changes
-    nothing.
+    """The ``count`` key-excluding score ops before ``score_ops[stop]`` are one
+    additive mask ``s + where(all keep, 0, added)``, the bias in ``dtype``.  In
+    a query row they leave no key, the scores are the scores before them plus
+    ``added`` (every key), as the original computes; in every other row
+    nothing changes.
 
     ``grad`` is the derivative of an empty row's scores in the scores before
     the mask: 1, or, under a floor ``max(s + added, c)`` that ties the
     constant scores there, JAX's ``max``'s, 1/2 (`patterns.clamp`; it is 0
     where the floor lifts them, and then ``added`` is the floor).
 
-    No kernel sees it: `flashpass.kernels.empty_rows` runs a spec holding it
-    as two kernel calls (the mask's descriptors, and, only when some row is
-    empty, the mask's fill added to every score), selected per row.
+    A combinator, not a score op: the spec holds it apart (``spec.empty_rows``),
+    and `flashpass.kernels.empty_rows` runs a spec holding it as two kernel
+    calls (the mask's descriptors, and, only when some row is empty, the mask's
+    fill added to every score), selected per row.  ``stop`` is set where the
+    spec sorts its ops into stages (`flashpass.spec`), from the op's place in
+    the matcher's sequence.
     """
 
     count: int
@@ -44,14 +47,13 @@ class EmptyRows(ScoreOp):
     dtype: Any
     #: Reported only when it is not 1 (`flashpass.spec`'s ``describe``).
     grad: float = dataclasses.field(default=1.0, metadata={"reported": "unless default"})
+    #: Where the mask's ops end in ``score_ops`` (-1: not yet in a spec).
+    stop: int = dataclasses.field(default=-1, metadata={"reported": "never"})
+
+    stage = "rows"
 
     def __post_init__(self):
         object.__setattr__(self, "dtype", np.dtype(self.dtype))
-
-    def apply(self, s, extras, at):
-        raise NotImplementedError(
-            "EmptyRows is run by flashpass.kernels.empty_rows, not applied to a score block"
-        )
 
     def at_offset(self, d, t, s):
         return "rows an additive mask may leave with no key are not run in ring steps"

@@ -18,6 +18,10 @@ class Scale(ScoreOp):
 
     uniform = True
 
+    @property
+    def multiplier(self) -> float:
+        return self.value
+
     def final_score(self, value):
         return value * self.value
 

@@ -15,16 +15,17 @@ class Sink(ScoreOp):
         p = softmax(concat([s, sink], axis=-1))[..., :S]
 
     ``sink = extras[index]``, 4-D ``[B|1, H|1, T|1, 1]`` (usually one learned
-    logit per head), in the scores' dtype.  Not a score op: whatever its
-    position in ``score_ops`` (the matcher puts it after the score ops), it
-    only enters the softmax.  Rows whose every key is excluded put all their
-    weight on the sink: their output is zero, not the mean of ``v``.
+    logit per head), in the scores' dtype.  Not a score op: the spec's
+    normaliser (``spec.sink``), it only enters the softmax.  Rows whose every
+    key is excluded put all their weight on the sink: their output is zero,
+    not the mean of ``v``.
     """
 
     index: int
     shape: tuple[int, ...]
 
     uniform = True
+    stage = "normaliser"
     descriptors_doc = {"sinks": "attention sinks (a per-row logit in the softmax)"}
     word = "sinks"
 

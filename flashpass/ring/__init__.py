@@ -56,7 +56,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from ..ops import KINDS
+from ..ops import ScoreOp
 from ..spec import AttentionSpec, Causal, KvLengths, Mask, Segments, Window
 from . import backward, cases, forward
 from .step import RingStep
@@ -69,8 +69,9 @@ ROW_CHUNK_SCORES = 1 << 22
 
 def unsupported(spec: AttentionSpec) -> str | None:
     """Why the ring cannot run ``spec`` (None: it can): a step applies every
-    kind of `flashpass.ops.KINDS` (in program order, with global positions)."""
-    other = [type(op).__name__ for op in spec.score_ops if not isinstance(op, KINDS)]
+    op of `flashpass.ops` (in program order, with global positions) through its
+    protocol."""
+    other = [type(op).__name__ for op in spec.ops if not isinstance(op, ScoreOp)]
     if other:
         return "the ring applies the score ops of flashpass.ops, not " + ", ".join(
             sorted(set(other))
@@ -93,7 +94,7 @@ def can_skip(spec: AttentionSpec, q_global: bool) -> bool:
     that all keep the diagonal.  A boolean mask may empty a row too."""
     segments = spec.ops_of(Segments)
     diagonal = all(op.same for op in segments) and any(
-        isinstance(op, Causal) and op.offset >= 0 for op in spec.score_ops
+        isinstance(op, Causal) and op.offset >= 0 for op in spec.ops
     )
     diagonal = diagonal and all(
         op.left >= 0 and (op.right is None or op.right >= 0) for op in spec.ops_of(Window)

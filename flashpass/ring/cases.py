@@ -56,7 +56,7 @@ def local_ops(spec: AttentionSpec, d: int):
     exclude every key, or a string saying why no static spec states them."""
     t, s = spec.q_len, spec.kv_len
     ops, why = [], None  # (an op that excludes the block wins over one not stated)
-    for op in spec.score_ops:
+    for op in spec.ops:
         local = op.at_offset(d, t, s)
         if local is EXCLUDED:
             return EXCLUDED
@@ -81,7 +81,7 @@ def step_spec(spec: AttentionSpec, ops: tuple) -> AttentionSpec:
         else e
         for i, e in enumerate(spec.extras)
     )
-    return dataclasses.replace(spec, score_ops=ops, extras=extras, out_dtype="float32")
+    return spec.with_ops(ops, extras=extras, out_dtype="float32")
 
 
 def plan_steps(

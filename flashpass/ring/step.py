@@ -16,7 +16,7 @@ from flashpass.kernels.dropout import apply_dropout, keep_mask
 from flashpass.ops import valid_lengths
 
 from ..ops import KeepOp, Positional, Positions
-from ..spec import AttentionSpec, Bias, Causal, KvLengths, Scale, Segments, Sink, Softcap
+from ..spec import AttentionSpec, Causal, KvLengths, Scale, Segments, Sink, Softcap
 from . import cases
 
 
@@ -55,16 +55,15 @@ class RingStep:
         # Extras that vary along the keys: read at key positions only and, on a
         # sequence-sharded site, sharded like k (`moving`: they travel with K/V),
         # or whole along the keys (`sliced` at the visiting block).
-        keyed = {
-            i for op in spec.score_ops if isinstance(op, Bias | KeepOp) for i in op.extras_read()
-        }
+        # (Score ops only: the normaliser's and dropout's extras hold no keys.)
+        keyed = {i for op in spec.score_ops for i in op.extras_read()}
         keyed = {i for i in keyed if spec.extras[i].shape[3] > 1}
         self.moving = tuple(sorted(i for i in keyed if q_global and spec.extras[i].shape[2] == 1))
         self.sliced = tuple(sorted(keyed - set(self.moving)))
         # (Their cotangents: biases, ALiBi slopes.)
-        self.biases = tuple(sorted({i for op in spec.score_ops for i in op.grad_extras()}))
+        self.biases = tuple(sorted({i for op in spec.ops for i in op.grad_extras()}))
         self.by_length = bool(self.lengths) and all(
-            isinstance(op, Scale | Softcap | Causal | KvLengths | Sink) for op in spec.score_ops
+            isinstance(op, Scale | Softcap | Causal | KvLengths | Sink) for op in spec.ops
         )
         shifts = (abs(op.shift) for op in self.lengths)
         self.length_bound = spec.kv_len * n + max(shifts, default=0) + 1
@@ -86,7 +85,7 @@ class RingStep:
         for op in self.segments:  # some query id among the block's key ids
             ok &= jnp.any(heads5(extras[op.q_index]) == heads5(extras[op.kv_index]))
         q_last, k_last = q0 + spec.q_len - 1, k0 + spec.kv_len - 1
-        for op in spec.score_ops:
+        for op in spec.ops:
             if isinstance(op, Positional):
                 ok &= op.meets(q0, q_last, k0, k_last)
         if self.by_length:
@@ -112,7 +111,7 @@ class RingStep:
         extras = _Heads5(extras, heads5)
         total = spec.kv_len * self.n
         at = Positions(s.shape, rows[:, 0], cols[0], kv_len=total)
-        for op in spec.score_ops:
+        for op in spec.ops:
             if isinstance(op, KeepOp):  # (kv lengths: the local queries' own limits, or 1)
                 s = jnp.where(op.keep(rows, cols, extras, total), s, op.fill)
             else:  # the row statistics (`sink_rows`) and weights (`dropped`) take the rest

@@ -68,8 +68,8 @@ def reason(spec: AttentionSpec, n: int, q_global: bool) -> str | None:
         return "query and key blocks differ in length or are odd"
     if spec.extras:
         return "the site reads bias, mask or id arrays"
-    causal = [op for op in spec.score_ops if isinstance(op, Causal)]
-    others = [op for op in spec.score_ops if not (isinstance(op, Causal) or op.uniform)]
+    causal = [op for op in spec.ops if isinstance(op, Causal)]
+    others = [op for op in spec.ops if not (isinstance(op, Causal) or op.uniform)]
     if others or len(causal) != 1 or causal[0].offset != 0:
         return "only a causal mask (offset 0) with scales and soft-caps is balanced"
     return None
@@ -85,14 +85,12 @@ def plan(spec: AttentionSpec, n: int, q_global: bool, kernels, ctx: CheckContext
 
     def block(t, s, offset):
         ops = []
-        for op in spec.score_ops:
+        for op in spec.ops:
             if not isinstance(op, Causal):
                 ops.append(op)
             elif offset is not None:
                 ops.append(Causal(offset, op.fill))
-        return dataclasses.replace(
-            spec, q_len=t, kv_len=s, score_ops=tuple(ops), out_dtype="float32"
-        )
+        return spec.with_ops(ops, q_len=t, kv_len=s, out_dtype="float32")
 
     specs = (block(c, c, 0), block(c, 2 * c, c), block(2 * c, c, None), block(c, 2 * c, None))
     for kernel in kernels:

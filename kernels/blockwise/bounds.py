@@ -34,7 +34,7 @@ def skip_run(spec: AttentionSpec) -> tuple[int, int] | None:
     exclude may be skipped: one consecutive run of them, one fill, and only
     Scale/Softcap (or the non-score Dropout/Sink) after it (so every excluded
     key ends with one score)."""
-    ops = spec.score_ops
+    ops = spec.ops
     at = [i for i, op in enumerate(ops) if op.structured]
     if not at:
         return None
@@ -98,7 +98,7 @@ def segment_ops(spec: AttentionSpec, run) -> Segments | None:
     """The `Segments` op whose ids decide run-time tile skipping, if any."""
     if run is None:
         return None
-    found = [op for op in spec.score_ops[run[0] : run[1] + 1] if isinstance(op, Segments)]
+    found = [op for op in spec.ops[run[0] : run[1] + 1] if isinstance(op, Segments)]
     return found[0] if found else None
 
 

@@ -55,20 +55,20 @@ def decode_reasons(spec: AttentionSpec) -> list[str]:
         reasons.append("dropout on the weights")
     if spec.q_len > DECODE_MAX_Q:
         reasons.append(f"q_len={spec.q_len} > {DECODE_MAX_Q}")
-    found = [(i, op) for i, op in enumerate(spec.score_ops) if isinstance(op, KvLengths)]
+    found = [(i, op) for i, op in enumerate(spec.ops) if isinstance(op, KvLengths)]
     if len(found) != 1:
         return [*reasons, "not exactly one KvLengths op"]
     position, op = found[0]
     shape = tuple(spec.extras[op.index].shape)
     if shape[1:] != (1, 1, 1):
         reasons.append(f"kv lengths of shape {shape} vary over heads")
-    if not all(isinstance(o, Scale | Softcap) for o in spec.score_ops[position + 1 :]):
+    if not all(isinstance(o, Scale | Softcap) for o in spec.ops[position + 1 :]):
         reasons.append("a bias or mask follows the kv lengths")
     if not excludes(spec.final_fill(position, op.fill)):
         reasons.append("the kv lengths' fill does not exclude keys after the later ops")
     # Another exclusion (a Mask) could empty a row whose length is not 0, whose
     # original then weighs every key; Causal keeps key 0 (offset >= 0), as does n > 0.
-    others = [o for o in spec.score_ops if not isinstance(o, _DECODE_OPS)]
+    others = [o for o in spec.ops if not isinstance(o, _DECODE_OPS)]
     if others:
         reasons.append(f"a {type(others[0]).__name__} op could leave a row without keys")
     return reasons

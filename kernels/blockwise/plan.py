@@ -214,7 +214,7 @@ def default_blocks(
 
 def require_known(spec: AttentionSpec) -> None:
     """Raise TypeError for a score op that is none of `flashpass.ops.KINDS`."""
-    for op in spec.score_ops:
+    for op in spec.ops:
         if not isinstance(op, KINDS):
             raise TypeError(f"unknown score op {op!r}: the blockwise kernel does not implement it")
 
@@ -228,7 +228,7 @@ def band_width(spec: AttentionSpec) -> int | None:
         return None
     # Each op's band of row 0 (`Positional.band`); an edge it leaves open is
     # the nearest one an op bounding only that side gives (a causal edge).
-    ops = spec.score_ops[run[0] : run[1] + 1]
+    ops = spec.ops[run[0] : run[1] + 1]
     bands = [op.band(0) for op in ops if isinstance(op, Positional)]
     bands = [b for b in bands if b is not None]
     right = min((hi for lo, hi in bands if lo is None and hi is not None), default=None)
@@ -251,7 +251,7 @@ def make_plan(spec: AttentionSpec, block_q: int, block_k: int) -> Plan:
 
     # Skipping is exact only when every skipped key has the same final score,
     # i.e. nothing after the structured ops depends on the key position.
-    ops = spec.score_ops
+    ops = spec.ops
     run = bounds.skip_run(spec)
     skipped = ops[run[0] : run[1] + 1] if run is not None else ()
     static = tuple(op for op in skipped if isinstance(op, Positional))

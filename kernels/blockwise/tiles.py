@@ -8,8 +8,6 @@ the rows): plain 4-D dots and row reductions, which XLA's CPU backend runs
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -198,8 +196,8 @@ def tile_score_fn(
     ops = tuple(
         Mask(op.index, op.shape, op.fill) if isinstance(op, KvLengths) else op for op in ops
     )
-    ops_spec = dataclasses.replace(spec, score_ops=ops)
-    if not ops_spec.score_ops and not (edge and plan.padded_k):
+    ops_spec = spec.with_ops(ops)
+    if not ops_spec.ops and not (edge and plan.padded_k):
         return lambda s, biases: s
 
     def f(s, biases):
@@ -229,15 +227,15 @@ def scaled_q(plan: Plan, q):
 
 
 def bias_indices(spec: AttentionSpec, extras) -> tuple[int, ...]:
-    idx = sorted({i for op in spec.score_ops for i in op.grad_extras()})
+    idx = sorted({i for op in spec.ops for i in op.grad_extras()})
     return tuple(i for i in idx if jnp.issubdtype(extras[i].dtype, jnp.inexact))
 
 
 def skipped_score_of(plan: Plan, cdt):
     """The skipped keys' common score, computed by the same ops as on real tiles."""
-    ops = plan.spec.score_ops
+    ops = plan.spec.ops
     at = plan.skip_at  # the last op of the skipped run (`bounds.skip_run`)
-    spec = dataclasses.replace(plan.spec, score_ops=ops[at + 1 :])
+    spec = plan.spec.with_ops(ops[at + 1 :])
     fill = jnp.full((1, 1), ops[at].fill, cdt)
     return apply_score_ops(spec, fill, [])[0, 0]
 

@@ -12,8 +12,6 @@ against its exact value, far from the uniform row a mask would give.
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -43,7 +41,7 @@ def _keys():
 def _dense_oracle(q, k, v, keys):
     """The additive mask as the dense bias the program adds."""
     bias, extra = bias_op(0, (2, 1, T, T))
-    dense = dataclasses.replace(_spec(), score_ops=(Scale(2.0), bias), extras=(extra,))
+    dense = _spec().with_ops((Scale(2.0), bias), extras=(extra,))
     causal = np.tril(np.ones((T, T), bool))
     values = jnp.where(causal & keys, 0.0, FILL).astype(q.dtype)
     return reference_attention(dense, q, k, v, (values,), dtype=jnp.float64)

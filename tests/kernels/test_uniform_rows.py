@@ -10,8 +10,6 @@ float32 (whose rounding decides which it is), forward and gradient.
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -42,7 +40,7 @@ def _original_f32(spec, fill):
     """The program's own float32 computation: the additive mask as a dense bias."""
     bias, extra = bias_op(0, (2, 1, T, T))
     scale = spec.score_ops[0]
-    dense = dataclasses.replace(spec, score_ops=(scale, bias), extras=(extra,))
+    dense = spec.with_ops((scale, bias), extras=(extra,))
     causal = np.tril(np.ones((T, T), bool))
 
     def original(q, k, v, keys):
