@@ -19,7 +19,9 @@ masks, dropout's keep-mask, constants.  An exp multiplied, divided or
 selected on its way to the product by another elementwise function of its
 own input (`own_values`) is an activation: the erf expansion of an exact
 GELU in a lifted `jax.export` artifact (``exp(-x*x)`` times a rational
-function of ``x``), SiLU written as ``x * exp(x) / (1 + exp(x))``.
+function of ``x``), SiLU written as ``x * exp(x) / (1 + exp(x))``.  A
+select's predicate counts as a mask even when it compares the scores
+(``where(s > t, exp(s), 0)`` is still softmax-like).
 """
 
 from __future__ import annotations
