@@ -43,6 +43,7 @@ from .dropout import dropout_op
 from .products import output_product, score_products
 from .regroup import PRIMS as REGROUP_PRIMS
 from .regroup import batch_splits, product_axes, regroup
+from .row_wipe import absorb_row_wipe
 from .scans import match_pair, match_remat
 from .softmax import match_softmax
 from .softmax_like import softmax_like
@@ -243,7 +244,9 @@ def _users_roles_miss(scope: Scope, soft, chain, key_axis: int) -> Miss | None:
     return None
 
 
-def _build_site(scope: Scope, soft, chain, sp) -> AttentionSite | Miss:
+def _build_site(scope: Scope, soft, chain, sp, wipe: bool = True) -> AttentionSite | Miss:
+    """The site of one reading; ``wipe``: try joining a row wipe after it
+    (`patterns.row_wipe`), and match without it where the site then fails."""
     dot = chain.dot
     nodes = {dot, *soft.nodes, *(n for step in chain.steps for n in (step.node, *step.interior))}
     q_shape, k_shape = scope.shape(sp.q), scope.shape(sp.k)
@@ -287,25 +290,38 @@ def _build_site(scope: Scope, soft, chain, sp) -> AttentionSite | Miss:
         root, division_nodes, out_roles = found
         nodes |= division_nodes
     post, ops, extras = _after_softmax(scope, out.post, layout, ops, extras)
+    masks = build.score_masks()
+    located = root.location  # the product's (or division's) line, not the wipe's
+    wiped = absorb_row_wipe(scope, root, out_roles, masks, post, _layout_roles) if wipe else None
+    if wiped is not None:
+        root, wipe_nodes, out_roles = wiped
+        nodes |= wipe_nodes
+
+    def settled(result):
+        # A wipe the site cannot take (read elsewhere, its backward unproven): without it.
+        if wiped is not None and not isinstance(result, AttentionSite):
+            return _build_site(scope, soft, chain, sp, wipe=False)
+        return result
+
     cone = scope.forward_cone([dot.out], until=root.order)  # what the scores reach
     if soft.shifts:
         nodes |= scope.backward_cone(list(soft.shifts), since=dot.order) & cone
 
     problem = _check_unknown(scope, dot, root, nodes, cone)
     if problem is not None:
-        return problem
+        return settled(problem)
     # A side operand computed from the scores (hidden inside a shift's cone
     # above, which may read anything) cannot be a kernel input.
     for atom in [e.atom for e in extras] + [scale.atom for scale in build.q_scales]:
         node = scope.producer(atom)
         if node is not None and node in cone:
-            return Miss(
-                f"a side operand of the scores is computed from the scores{where(node)}", node
+            return settled(
+                Miss(f"a side operand of the scores is computed from the scores{where(node)}", node)
             )
     escape = _escape(scope, root, nodes)
     operands = _operands(scope, sp, out, sizes["S"], dot, root)
     if isinstance(operands, Miss):
-        return operands
+        return settled(operands)
     q, k, v = operands
     spec = AttentionSpec(
         batch=layout.batch,
@@ -341,10 +357,10 @@ def _build_site(scope: Scope, soft, chain, sp) -> AttentionSite | Miss:
         post_ops=tuple(post),
         spec=spec,
         pattern="softmax(QKᵀ)V" + (f" [{', '.join(pieces)}]" if pieces else ""),
-        location=root.location or soft.exp.location,
+        location=located or soft.exp.location,
         dense=tuple(build.dense_notes),
     )
-    return site if escape is None else _with_backward(scope, site, root, escape)
+    return settled(site if escape is None else _with_backward(scope, site, root, escape))
 
 
 def _with_backward(scope: Scope, site: AttentionSite, root, escape):
