@@ -189,10 +189,14 @@ def analyze(site: AttentionSite, aval_of, sharding_of=None) -> ShardPlan | str |
         specs.append((atom, roles, ndim))
     if not axes:
         return None
-    if any(getattr(e.transform, "reads_whole", False) for e in site.extras):
-        return (
+    whole = [e.transform for e in site.extras if getattr(e.transform, "reads_whole", False)]
+    if whole:
+        # Each such transform may say why in its own words (`site.Padded`).
+        return getattr(
+            whole[0],
+            "sharded_reason",
             "a mask is computed from a causal pattern and key-side data whole (not per "
-            "shard) and the operands are sharded; kept as written"
+            "shard) and the operands are sharded; kept as written",
         )
     if any(isinstance(e.transform, Unsplit) for e in site.extras):
         return (

@@ -224,6 +224,58 @@ class Unsplit:
         return -x if self.negate else x
 
 
+@dataclasses.dataclass(frozen=True)
+class Padded:
+    """An extra that is a term the program adds to one static rectangular
+    block of the scores (``s.at[..., 1:, 1:].add(b)``, MViTv2's relative
+    positions skipping the class token): zero outside the block, so the
+    scores plus it are what the program computes.  ``apply`` reads the
+    term's array (through ``inner``, an `Unsplit` or None, first; ``axes[t]``:
+    the axis feeding block axis ``t``, None where broadcast) and pads it to
+    ``shape``.  The result varies along an axis the term does, or the block
+    does not cover (`carried`); it has size 1 along the others, so a term
+    broadcast over a whole axis stays broadcast.  Its axes are not the
+    atom's: read whole (never sharded: `flashpass.sharding`)."""
+
+    axes: tuple  # per block axis: the term's axis, or None
+    start: tuple  # the block's first index along each score axis
+    block: tuple  # the block's shape
+    shape: tuple  # the scores' shape
+    inner: object = None  # Unsplit | None: applied to the array first
+    negate: bool = False  # a subtracted term
+
+    #: Read whole by every device (its axes are not the atom's).
+    reads_whole = True
+    #: Why a sharded site with such an extra is kept (`flashpass.sharding`).
+    sharded_reason = (
+        "a bias is added to a block of the scores (it is padded to the scores whole, "
+        "not per shard) and the operands are sharded; kept as written"
+    )
+
+    def carried(self) -> tuple:
+        """Per score axis: whether the result varies along it (else size 1)."""
+        sizes = zip(self.axes, self.block, self.shape, strict=True)
+        return tuple(a is not None or b != n for a, b, n in sizes)
+
+    def apply(self, x):
+        x = jnp.asarray(x) if self.inner is None else self.inner.apply(x)
+        used = [a for a in self.axes if a is not None]
+        drop = tuple(a for a in range(x.ndim) if a not in used)  # size 1 (`Profile`)
+        x = jnp.squeeze(x, drop) if drop else x
+        kept = sorted(used)
+        x = jnp.transpose(x, [kept.index(a) for a in used])
+        x = x.reshape([1 if a is None else self.block[t] for t, a in enumerate(self.axes)])
+        carried = self.carried()
+        # A broadcast axis the block covers only in part is zero elsewhere: real.
+        x = jnp.broadcast_to(x, [b if c else 1 for b, c in zip(self.block, carried, strict=True)])
+        x = -x if self.negate else x
+        widths = [
+            (s, n - s - b) if c else (0, 0)
+            for s, b, n, c in zip(self.start, self.block, self.shape, carried, strict=True)
+        ]
+        return jnp.pad(x, widths)
+
+
 COMPARE = {
     "ge": jnp.greater_equal,
     "gt": jnp.greater,

@@ -126,6 +126,7 @@ def ensure_loaded() -> None:
     from . import (  # noqa: F401
         alibi,
         bias,
+        block_bias,
         clamp,
         convolution,
         layout,

@@ -78,20 +78,53 @@ class SplitTerms(Step):
         return None
 
 
+@dataclasses.dataclass(frozen=True)
+class MergedTerms:
+    """``reshape(reshape(src, split) ± terms, merged)``, read by `merged_terms`."""
+
+    splitting: object  # the reshape of ``src`` to ``split``
+    src: object
+    terms: tuple  # ((Profile over the split shape, sign), ...), in program order
+    nodes: tuple  # the splitting reshape and the additions
+    groups: tuple  # the merging reshape's runs: ((split axes, merged axes), ...)
+    split: tuple
+    merged: tuple
+
+    def unsplit(self, prof, negate: bool = False) -> Unsplit:
+        """The `Unsplit` transform reading the term ``prof`` in the merged layout."""
+        return Unsplit(prof.axes, self.split, self.groups, self.merged, negate)
+
+
+def merged_terms(scope, node, moves) -> MergedTerms | None:
+    """The reshape ``node`` read as merging back exactly what a reshape split
+    from ``src`` (additions only in between), whatever the axes' roles; else
+    None.  ``moves`` is `patterns.regroup.reshape_moves`."""
+    if node.prim != "reshape" or len(node.ins) != 1 or node.params.get("dimensions") is not None:
+        return None
+    split, merged = tuple(scope.shape(node.ins[0])), tuple(scope.shape(node.out))
+    found = _back(scope, node.ins[0], split, merged, MAX_TERMS)
+    if found is None:
+        return None
+    first, terms, nodes = found
+    merging = moves(node, split, merged)
+    if isinstance(merging, str):
+        return None
+    kept, segments = merging
+    groups = tuple(((i,), (j,)) for j, i in enumerate(kept) if i is not None)
+    groups += tuple((tuple(ins), tuple(outs)) for ins, outs in segments)
+    profiles = tuple((profile(scope, side, split), sign) for side, sign in terms)
+    return MergedTerms(first, first.ins[0], profiles, tuple(nodes), groups, split, merged)
+
+
 def split_readings(scope, node, moves, product_axes) -> list:
     """The `SplitTerms` reading of the reshape ``node`` (merging the scores
     back), or none.  ``moves(node, in_shape, out_shape)`` and
     ``product_axes(scope, atom)`` are `patterns.regroup`'s."""
-    if node.prim != "reshape" or len(node.ins) != 1 or node.params.get("dimensions") is not None:
-        return []
-    split, merged = tuple(scope.shape(node.ins[0])), tuple(scope.shape(node.out))
-    found = _back(scope, node.ins[0], split, merged, MAX_TERMS)
+    found = merged_terms(scope, node, moves)
     if found is None:
         return []
-    first, terms, nodes = found
-    src = first.ins[0]
-    inner = product_axes(scope, src)
-    splitting = moves(first, merged, split)
+    inner = product_axes(scope, found.src)
+    splitting = moves(found.splitting, found.merged, found.split)
     if inner is None or isinstance(splitting, str):
         return []
     _, n_batch, origins = inner
@@ -101,14 +134,17 @@ def split_readings(scope, node, moves, product_axes) -> list:
         origins[i] is not None and origins[i] >= n_batch for ins, _ in splitting[1] for i in ins
     ):
         return []
-    merging = moves(node, split, merged)
-    if isinstance(merging, str):
-        return []
-    kept, segments = merging
-    groups = tuple(((i,), (j,)) for j, i in enumerate(kept) if i is not None)
-    groups += tuple((tuple(ins), tuple(outs)) for ins, outs in segments)
-    profiles = tuple((profile(scope, side, split), sign) for side, sign in terms)
-    return [SplitTerms(node, src, profiles, tuple(nodes), groups, split, merged)]
+    return [
+        SplitTerms(
+            node,
+            found.src,
+            found.terms,
+            found.nodes,
+            found.groups,
+            found.split,
+            found.merged,
+        )
+    ]
 
 
 def _back(scope, atom, split: tuple, merged: tuple, budget: int):

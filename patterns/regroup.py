@@ -72,7 +72,7 @@ def _segments(in_shape, out_shape):
     return segs
 
 
-def _moves(node, in_shape, out_shape):
+def reshape_moves(node, in_shape, out_shape):
     """``(kept, segments)``: ``kept[j]`` is the input axis output axis ``j`` is
     (same size), else None; ``segments`` the multi-axis regroupings, or a reason."""
     kept: list = [None] * len(out_shape)
@@ -112,7 +112,7 @@ def batch_splits(steps, n_batch: int) -> dict:
     out: dict = {}
     for step in steps:
         if isinstance(step, Regroup) and step.node.prim == "reshape":
-            moves = _moves(step.node, step.in_shape, step.out_shape)
+            moves = reshape_moves(step.node, step.in_shape, step.out_shape)
             for seg_in, seg_out in [] if isinstance(moves, str) else moves[1]:
                 axis = src[seg_in[0]] if len(seg_in) == 1 else None
                 if len(seg_out) > 1 and axis is not None and axis < n_batch:
@@ -128,14 +128,14 @@ def axis_sources(node, in_shape, out_shape) -> tuple:
     if node.prim == "broadcast_in_dim":  # a real broadcast is reported by `regroup`
         kept = dict(zip(node.params["broadcast_dimensions"], range(len(in_shape)), strict=True))
         return tuple(kept.get(j) for j in range(len(out_shape)))
-    moves = _moves(node, in_shape, out_shape)
+    moves = reshape_moves(node, in_shape, out_shape)
     return tuple(moves[0]) if not isinstance(moves, str) else (None,) * len(out_shape)
 
 
 def axis_origins(node, in_shape, out_shape) -> tuple:
     """For each output axis, the input axis it is or is a factor of (a split of
     one axis), else None (a merge of several, or a new axis)."""
-    moves = _moves(node, in_shape, out_shape)
+    moves = reshape_moves(node, in_shape, out_shape)
     if isinstance(moves, str):
         return axis_sources(node, in_shape, out_shape)
     out = list(moves[0])
@@ -148,7 +148,7 @@ def axis_origins(node, in_shape, out_shape) -> tuple:
 
 def regroup(node, roles: list, in_shape, out_shape) -> list | str:
     """The roles of ``node``'s output axes, or why it does not preserve them."""
-    moves = _moves(node, in_shape, out_shape)
+    moves = reshape_moves(node, in_shape, out_shape)
     if isinstance(moves, str):
         return moves
     kept, segs = moves
@@ -298,5 +298,5 @@ def _regroup(scope, node, out):
         return Miss(f"`reshape` of the scores with dynamic shape{where(node)}", node)
     src = node.ins[0]
     # Terms added while a query or key axis is split (patterns/factored.py) first.
-    split = split_readings(scope, node, _moves, product_axes)
+    split = split_readings(scope, node, reshape_moves, product_axes)
     return [*split, Regroup(node, src, tuple(scope.shape(src)), tuple(scope.shape(node.out)))]

@@ -624,3 +624,27 @@ def attention_sinks(q, k, v, sinks):
 
 POSITIVE["attention_sinks"] = (attention_sinks, lambda r: (*btnh(r), _normal(r, (H,))))
 CAUSAL.add("attention_sinks")
+
+
+# ---------------------------------------------------------------- a block of the scores
+
+
+def block_set_relpos(q, k, v, rh, rw):
+    # timm's MViTv2 (a `scatter` through torchax): decomposed relative positions
+    # from q, added to every score but the class token's row and column,
+    # attn[:, :, 1:, 1:] = (attn[:, :, 1:, 1:].view(..., qh, qw, kh, kw) + rel).view(...).
+    b, h, t, d = q.shape
+    g = rh.shape[0]
+    s = (q * d**-0.5) @ jnp.swapaxes(k, -1, -2)
+    r_q = q[:, :, 1:].reshape(b, h, g, g, d)
+    rel_h = jnp.einsum("byhwc,hkc->byhwk", r_q, rh)
+    rel_w = jnp.einsum("byhwc,wkc->byhwk", r_q, rw)
+    block = s[:, :, 1:, 1:].reshape(b, h, g, g, g, g) + rel_h[..., None] + rel_w[..., None, :]
+    s = s.at[:, :, 1:, 1:].set(block.reshape(b, h, g * g, g * g))
+    return jax.nn.softmax(s, axis=-1) @ v
+
+
+POSITIVE["block_set_relpos"] = (
+    block_set_relpos,
+    lambda r: (*bnth(r, t=17, s=17), _normal(r, (4, 4, D)) / 3, _normal(r, (4, 4, D)) / 3),
+)

@@ -306,8 +306,8 @@ def _class_tokens():
 
 
 def relpos_added_by_slice_assignment(q, k, v, rel):
-    """**Kept site**: "`scatter` between the score product and the softmax is
-    not a recognised score operation".
+    """**Closed** (was a kept site: "`scatter` between the score product and
+    the softmax is not a recognised score operation").
 
     MViTv2's decomposed relative positions skip the class token by an
     in-place slice assignment on the scores, ``attn[:, :, 1:, 1:] =
@@ -315,8 +315,8 @@ def relpos_added_by_slice_assignment(q, k, v, rel):
     an additive bias on all but the first query row and key column.
     (Pooled keys and queries: T != S.)
 
-    Hit by ``mvitv2_tiny`` (every site).  Fix: read ``s.at[idx].set(s[idx] +
-    b)`` as ``s + pad(b)`` (an additive bias, zero outside the slice).
+    Hit by ``mvitv2_tiny`` (every site).  Now read as ``s + pad(b)``: a bias
+    zero outside the block (patterns/block_bias.py, tests/test_block_bias.py).
     """
     s = jnp.matmul(q * D**-0.5, jnp.swapaxes(k, -1, -2))
     s = s.at[:, :, 1:, 1:].set(s[:, :, 1:, 1:] + rel)

@@ -220,6 +220,29 @@ def test_split_terms_with_sharded_operands_are_kept():
         assert_close(a, b)
 
 
+def block_term(q, k, v, rel):
+    """A term added to every score but the first query row and key column
+    (MViTv2's class token; patterns/block_bias.py)."""
+    s = jnp.einsum("bhtd,bhsd->bhts", q, k) * 0.25
+    return jnp.einsum("bhts,bhsd->bhtd", jax.nn.softmax(s.at[:, :, 1:, 1:].add(rel), -1), v)
+
+
+def test_block_term_with_sharded_operands_is_kept():
+    """The bias is padded from its term whole (a `Padded` extra), not per
+    shard: with batch-sharded operands the site is kept, and says why."""
+    m = mesh((8,), ("data",))
+    args = [put(m, P("data"), normal(i, (8, 2, 17, 16))) for i in range(3)]
+    args.append(put(m, P("data"), normal(3, (8, 2, 16, 16))))
+    opt = flashpass.optimize(block_term, kernel="blockwise")
+    with jax.set_mesh(m):
+        report = opt.explain(*args)
+        assert not report.rewrites, str(report)
+        assert "added to a block of the scores" in report.fallbacks[0].reason, str(report)
+        got = run(opt, args, (0, 1, 2, 3))
+        want = run(block_term, unsharded(args), (0, 1, 2, 3))
+    assert_close(got.out, want.out)
+
+
 def test_split_terms_on_auto_axes_compute_the_original():
     """On Auto axes the decision waits for XLA's shardings; at partitioning the
     site with an `Unsplit` extra runs on whole arrays (gathered), exactly."""
