@@ -50,7 +50,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 from . import compat, ring
 from .graph import Const
 from .roles import Merged
-from .site import AttentionSite, Layout, Unsplit
+from .site import AttentionSite, Layout
+from .terms import Unsplit
 
 _SEQUENCE = {"T": "query", "S": "key"}
 
@@ -191,7 +192,7 @@ def analyze(site: AttentionSite, aval_of, sharding_of=None) -> ShardPlan | str |
         return None
     whole = [e.transform for e in site.extras if getattr(e.transform, "reads_whole", False)]
     if whole:
-        # Each such transform may say why in its own words (`site.Padded`).
+        # Each such transform may say why in its own words (`terms.Padded`).
         return getattr(
             whole[0],
             "sharded_reason",

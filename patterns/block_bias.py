@@ -16,7 +16,7 @@ unit strides and the block's axes the scores' own, is exactly
   also through a split and merge-back reshape (`factored.merged_terms`:
   MViTv2's ``view(B, -1, qh, qw, kh, kw) + rel_h + rel_w``): each addend is a term.
 
-Each term becomes a `Bias` read through `flashpass.site.Padded` (its own
+Each term becomes a `Bias` read through `flashpass.terms.Padded` (its own
 array, as broadcast as it is, padded when the kernel reads it), so a gradient
 reaches it through the padding.  Anything else is kept with the reason: a
 block set to a constant or to anything but the scores' block plus terms,
@@ -33,8 +33,8 @@ import dataclasses
 import jax.numpy as jnp
 import numpy as np
 
-from flashpass.site import Padded
 from flashpass.spec import Bias
+from flashpass.terms import Padded
 
 from .chain import Step, rule
 from .common import Miss, Profile, profile, where

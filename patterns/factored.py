@@ -32,8 +32,8 @@ import dataclasses
 import jax.numpy as jnp
 import numpy as np
 
-from flashpass.site import Unsplit
 from flashpass.spec import Bias
+from flashpass.terms import Unsplit
 
 from .chain import Step
 from .common import Miss, Profile, profile, where

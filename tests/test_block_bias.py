@@ -5,7 +5,7 @@ score but the class token's row and column: ``attn[:, :, 1:, 1:] =
 (attn[:, :, 1:, 1:].view(B, H, qh, qw, kh, kw) + rel_h + rel_w).view(...)``,
 a ``scatter`` through torchax.  A write into a static block at constant
 starts is ``s + pad(b)``: each term is a `Bias` padded when the kernel reads
-it (`flashpass.site.Padded`), so the gradient reaches q through it.
+it (`flashpass.terms.Padded`), so the gradient reaches q through it.
 
 Every positive case: rewritten on its first call under ``jax.jit``, forward
 and gradient (to q, k, v and the relative-position tables) equal to the
@@ -22,7 +22,7 @@ import pytest
 from jax import lax
 
 import flashpass
-from flashpass.site import Padded
+from flashpass.terms import Padded
 from flashpass.testing import assert_same_function
 
 B, H, D = 2, 2, 8

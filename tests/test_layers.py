@@ -6,7 +6,7 @@
        |-> patterns/  (program -> sites: the matcher, match/builder/backward/scans
        |               and the piece modules)
        |-> kernels/   (spec -> kernel call)
-              |-> base (ops, spec, site, replay, roles, graph, compat, errors)
+              |-> base (ops, spec, site, terms, replay, roles, graph, compat, errors)
 
 * base imports base only (and JAX, numpy, the standard library);
 * patterns/ and kernels/ import base and themselves, never the engine, and never
@@ -33,6 +33,7 @@ BASE = (
     "flashpass.ops",
     "flashpass.spec",
     "flashpass.site",
+    "flashpass.terms",
     "flashpass.replay",
     "flashpass.roles",
     "flashpass.graph",
