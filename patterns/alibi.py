@@ -28,7 +28,7 @@ from .masks import bias_recogniser, compose
 _EXACT = 1 << 24
 
 
-@bias_recogniser
+@bias_recogniser(rank=10)
 def alibi(build, prof: Profile, sign: int) -> bool:
     """Add an `Alibi` op for a bias ``slopes * distance`` (see module doc)."""
     scope, roles = build.scope, build.roles

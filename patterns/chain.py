@@ -11,6 +11,9 @@ equation no rule knows ends the match with a reason: nothing is skipped.
 from __future__ import annotations
 
 import dataclasses
+import importlib
+import pkgutil
+import sys
 from collections.abc import Callable
 
 from flashpass.graph import Node, Scope
@@ -117,26 +120,13 @@ def _walk(scope: Scope, atom, steps: list) -> Chain | Miss:
 
 
 def ensure_loaded() -> None:
-    """Import the piece modules so their rules and recognisers are registered.
+    """Import every module of the package so their rules and recognisers are
+    registered: a new spelling is a module, listed nowhere else.
 
     The order of these imports decides nothing: a primitive has one chain rule
-    (`rule` refuses a second), and the mask and bias recognisers take their
-    places from the orders `masks` declares (`masks.MASK_RECOGNISER_ORDER`).
+    (`rule` refuses a second), and each mask and bias recogniser declares its
+    rank (`masks.mask_recogniser`).
     """
-    from . import (  # noqa: F401
-        alibi,
-        bias,
-        block_bias,
-        clamp,
-        convolution,
-        layout,
-        lengths,
-        masks,
-        positions,
-        regroup,
-        scale,
-        sink_window,
-        sinks,
-        softcap,
-        structured,
-    )
+    package = __name__.rpartition(".")[0]
+    for info in pkgutil.iter_modules(sys.modules[package].__path__):
+        importlib.import_module(f"{package}.{info.name}")

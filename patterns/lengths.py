@@ -39,7 +39,7 @@ from .masks import compose, mask_recogniser
 _COMPARISONS = ("lt", "le", "gt", "ge")
 
 
-@mask_recogniser
+@mask_recogniser(rank=10)
 def kv_lengths(build, factor: Profile, keep_when: bool, fill: float) -> bool:
     """Add a `KvLengths` op for a key-length mask factor (see module doc)."""
     found = match_kv_lengths(build.scope, factor, build.roles, keep_when, fill)

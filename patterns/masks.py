@@ -139,46 +139,30 @@ class CausalSource:
 #: returns True after adding its descriptor op(s) to ``build`` (a window, kv
 #: lengths, segment ids...), or False to leave the factor to the next one and,
 #: last, to a dense `Mask`.  A recogniser must prove its descriptor equals the
-#: factor for every index (by value or symbolically), never assume it.  The
-#: order is `MASK_RECOGNISER_ORDER`'s, whatever order the modules load in.
+#: factor for every index (by value or symbolically), never assume it.  They
+#: are tried by the rank each declares (`mask_recogniser`), whatever order the
+#: modules load in.
 MASK_RECOGNISERS: list = []
-
-#: The order the structured-mask recognisers are tried in (``module.function``),
-#: declared here rather than left to the order their modules are imported in
-#: (it is the order that import order gave).  It matters where readings
-#: overlap: the first recogniser that proves a factor decides the op the site
-#: gets, and so which kernels can run it and what the report (and a golden)
-#: says.  A constant sink-window mask whose window spans every query is also a
-#: prefix-LM mask: it is a `Prefix` because ``recognise_prefix`` comes before
-#: ``recognise_sink_window``.
-MASK_RECOGNISER_ORDER = (
-    "lengths.kv_lengths",
-    "positions.prefix_lengths",
-    "positions.position_mask",
-    "structured.recognise_diagonal",
-    "structured.recognise_prefix",
-    "structured.recognise_chunk_or_segments",
-    "sink_window.recognise_sink_window",
-)
-
 
 #: Position-bias recognisers (ALiBi...), tried on an additive bias that is not
 #: an additive mask: ``recognise(build, bias, sign)`` returns True after adding
-#: its op(s) to ``build``, or False; it must prove its op equals the bias.  The
-#: order is `BIAS_RECOGNISER_ORDER`'s.
+#: its op(s) to ``build``, or False; it must prove its op equals the bias.
+#: Tried by their declared ranks (`bias_recogniser`).
 BIAS_RECOGNISERS: list = []
 
-BIAS_RECOGNISER_ORDER = ("alibi.alibi",)
 
-
-def _register(registry: list, order: tuple, fn) -> None:
-    """Put ``fn`` in ``registry`` at its declared place in ``order`` (a module
-    loaded again replaces its recogniser); one with no place is an error."""
+def _register(registry: list, rank: int, fn) -> None:
+    """Put ``fn`` in ``registry`` at its declared ``rank`` (a module loaded
+    again replaces its recogniser); a rank another recogniser holds is an
+    error: where readings overlap the order decides the op, so it is never a
+    tie."""
     name = recogniser_name(fn)
-    if name not in order:
-        raise ValueError(f"recogniser {name} has no place in the declared order {order}")
     kept = [f for f in registry if recogniser_name(f) != name]
-    registry[:] = sorted([*kept, fn], key=lambda f: order.index(recogniser_name(f)))
+    taken = [recogniser_name(f) for f in kept if f.rank == rank]
+    if not isinstance(rank, int) or taken:
+        raise ValueError(f"recogniser {name}: rank {rank!r} is not an int of its own ({taken})")
+    fn.rank = rank
+    registry[:] = sorted([*kept, fn], key=lambda f: f.rank)
 
 
 def recogniser_name(fn) -> str:
@@ -186,16 +170,22 @@ def recogniser_name(fn) -> str:
     return f"{fn.__module__.rpartition('.')[2]}.{fn.__name__}"
 
 
-def bias_recogniser(fn):
-    """Register a position-bias recogniser (see `BIAS_RECOGNISERS`)."""
-    _register(BIAS_RECOGNISERS, BIAS_RECOGNISER_ORDER, fn)
-    return fn
+def bias_recogniser(rank: int):
+    """Register a position-bias recogniser (see `BIAS_RECOGNISERS`), tried
+    after those of lower ``rank``."""
+    return lambda fn: _register(BIAS_RECOGNISERS, rank, fn) or fn
 
 
-def mask_recogniser(fn):
-    """Register a structured-mask recogniser (see `MASK_RECOGNISERS`)."""
-    _register(MASK_RECOGNISERS, MASK_RECOGNISER_ORDER, fn)
-    return fn
+def mask_recogniser(rank: int):
+    """Register a structured-mask recogniser (see `MASK_RECOGNISERS`), tried
+    after those of lower ``rank``.  It matters where readings overlap: the
+    first recogniser that proves a factor decides the op the site gets, and so
+    which kernels can run it and what the report (and a golden) says.  The
+    ranks: kv lengths 10, prefix lengths 20, position masks 30, the diagonal
+    40, prefix-LM 50, chunks and segments 60, sink windows 70 (a constant
+    sink-window mask whose window spans every query is also a prefix-LM mask:
+    it is a `Prefix`, ranked first)."""
+    return lambda fn: _register(MASK_RECOGNISERS, rank, fn) or fn
 
 
 #: The report's note for a boolean factor passed to the kernel as a ``T x S``

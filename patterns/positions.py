@@ -32,7 +32,7 @@ def _carried(prof: Profile, roles) -> set:
     return {roles[t] for t, a in enumerate(prof.axes) if a is not None}
 
 
-@mask_recogniser
+@mask_recogniser(rank=20)
 def prefix_lengths(build, factor: Profile, keep_when: bool, fill: float) -> bool:
     """``(j <= i) | (j < L)`` with data ``L`` as `PrefixLengths`."""
     if not keep_when or not excludes(fill):
@@ -76,7 +76,7 @@ def _is_causal(scope, prof: Profile, roles, fill) -> bool:
     return by_role == {"T": 1, "S": -1} and const == 0
 
 
-@mask_recogniser
+@mask_recogniser(rank=30)
 def position_mask(build, factor: Profile, keep_when: bool, fill: float) -> bool:
     """``cmp(kv_pos + a, q_pos + b)`` with position arrays as `PositionMask`."""
     if not excludes(fill):

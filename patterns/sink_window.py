@@ -17,7 +17,7 @@ from .common import query_key_axes, score_sizes
 from .masks import halfspaces, mask_recogniser
 
 
-@mask_recogniser
+@mask_recogniser(rank=70)
 def recognise_sink_window(build, factor, keep_when, fill) -> bool:
     """``(j < n) | ((j <= i) & (j > i - W))`` with static ``n`` and ``W``."""
     axes = query_key_axes(build, factor, fill)

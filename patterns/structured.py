@@ -165,7 +165,7 @@ def band_op(keep: np.ndarray, t_len: int, s_len: int, fill: float):
     return Window(-lo, hi if upper else None, fill)
 
 
-@mask_recogniser
+@mask_recogniser(rank=40)
 def recognise_diagonal(build, factor, keep_when, fill) -> bool:
     """A mask that depends on ``j - i`` only, as `Window` (or `Causal`)."""
     axes = query_key_axes(build, factor, fill)
@@ -218,7 +218,7 @@ def _toeplitz(keep: np.ndarray) -> np.ndarray | None:
 # --------------------------------------------------------------------------- prefix-LM
 
 
-@mask_recogniser
+@mask_recogniser(rank=50)
 def recognise_prefix(build, factor, keep_when, fill) -> bool:
     """``(j <= i) | (j < L)`` with a static ``L`` (symbolic or by value)."""
     axes = query_key_axes(build, factor, fill)
@@ -316,7 +316,7 @@ def chunk_size(f: np.ndarray, g: np.ndarray) -> int | None:
     return size
 
 
-@mask_recogniser
+@mask_recogniser(rank=60)
 def recognise_chunk_or_segments(build, factor, keep_when, fill) -> bool:
     """``q[.., i] == kv[.., j]``: `Chunk` for constant chunk ids, else `Segments`."""
     if not excludes(fill):
