@@ -149,11 +149,9 @@ def _forward(plan, q, k, v, ex, sink, key):
     )
 
     def kernel(*refs):
-        q_ref, k_ref, v_ref = refs[:3]
-        ex_refs = refs[3 : 3 + n_ex]
-        rest = list(refs[3 + n_ex :])
-        sink_ref = rest.pop(0) if has_sink else None
-        key_ref = rest.pop(0) if has_key else None
+        q_ref, k_ref, v_ref, ex_refs, sink_ref, key_ref, rest = tiles.forward_refs(
+            refs, n_ex, has_sink, has_key
+        )
         o_ref, m_ref, l_ref = rest
         b, h, i = (pl.program_id(a) for a in range(3))
         qt = q_ref[...]

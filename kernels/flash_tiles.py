@@ -315,3 +315,12 @@ def _tile_extra(plan: _Plan, index: int, x):
     if es > 1:
         x = _util.pad_axis(x, 3, plan.sp, value=value)
     return x
+
+
+def forward_refs(refs, n_ex: int, has_sink: bool, has_key: bool):
+    """A forward kernel's refs as both native kernels order them: ``(q, k, v,
+    extras, sink or None, dropout key or None, the rest)``."""
+    rest = list(refs[3 + n_ex :])
+    sink_ref = rest.pop(0) if has_sink else None
+    key_ref = rest.pop(0) if has_key else None
+    return (*refs[:3], refs[3 : 3 + n_ex], sink_ref, key_ref, rest)

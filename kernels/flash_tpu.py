@@ -71,6 +71,7 @@ from .flash_tiles import (
     _tile_positions,
     _tile_state,
     _tn,
+    forward_refs,
     kernel_extras,
     vjp_attention,
 )
@@ -192,11 +193,9 @@ def _forward(plan: _Plan, q, k, v, ex, sink, key):
     has_sink, has_key = sink is not None, key is not None
 
     def kernel(*refs):
-        q_ref, k_ref, v_ref = refs[:3]
-        ex_refs = refs[3 : 3 + n_ex]
-        rest = list(refs[3 + n_ex :])
-        sink_ref = rest.pop(0) if has_sink else None
-        key_ref = rest.pop(0) if has_key else None
+        q_ref, k_ref, v_ref, ex_refs, sink_ref, key_ref, rest = forward_refs(
+            refs, n_ex, has_sink, has_key
+        )
         o_ref, m_ref, l_ref, m_sc, l_sc, acc_sc = rest
         b, h, i, j = (pl.program_id(a) for a in range(4))
 

@@ -30,15 +30,13 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax.numpy as jnp
 import numpy as np
 
-from flashpass.spec import Bias
 from flashpass.terms import Padded
 
 from .chain import Step, rule
-from .common import Miss, Profile, profile, where
-from .factored import ADDS, MAX_TERMS, merged_terms
+from .common import Miss, profile, where
+from .factored import ADDS, MAX_TERMS, add_term_bias, merged_terms
 from .regroup import reshape_moves
 
 #: Scatters whose combiner adds the updates to the block (the sign of the term).
@@ -94,21 +92,14 @@ class BlockBias(Step):
         return self.nodes
 
     def apply(self, build) -> Miss | None:
-        scope = build.scope
-        shape = _shape(scope, self.chain_in)
+        shape = _shape(build.scope, self.chain_in)
         for term in self.terms:
-            value = scope.fold(term.base)
-            if value is not None and not np.any(np.asarray(value)):
-                continue  # zero by value: changes neither the scores nor a gradient
-            dtype = scope.dtype(term.base)
-            if not jnp.issubdtype(dtype, jnp.floating):
-                return Miss(f"scores biased by a {dtype} tensor{where(self.node)}", self.node)
             transform = Padded(
                 term.axes, self.block.start, self.block.shape, shape, term.inner, term.sign < 0
             )
-            axes = tuple(t if c else None for t, c in enumerate(transform.carried()))
-            index, shape4 = build.add_extra(Profile(term.base, axes, shape), transform, dtype)
-            build.ops.append(Bias(index, shape4, dtype))
+            miss = add_term_bias(build, term.base, transform, shape, self.node)
+            if miss is not None:
+                return miss
         return None
 
 

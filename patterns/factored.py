@@ -63,19 +63,30 @@ class SplitTerms(Step):
         return tuple(range(len(self.merged)))  # every element back in its place
 
     def apply(self, build) -> Miss | None:
-        scope = build.scope
         for prof, sign in self.terms:
-            value = scope.fold(prof.base)
-            if value is not None and not np.any(np.asarray(value)):
-                continue  # zero by value: changes neither the scores nor a gradient
-            dtype = scope.dtype(prof.base)
-            if not jnp.issubdtype(dtype, jnp.floating):
-                return Miss(f"scores biased by a {dtype} tensor{where(self.node)}", self.node)
             transform = Unsplit(prof.axes, self.split, self.groups, self.merged, sign < 0)
-            axes = tuple(j if c else None for j, c in enumerate(transform.carried()))
-            index, shape4 = build.add_extra(Profile(prof.base, axes, self.merged), transform, dtype)
-            build.ops.append(Bias(index, shape4, dtype))
+            miss = add_term_bias(build, prof.base, transform, self.merged, self.node)
+            if miss is not None:
+                return miss
         return None
+
+
+def add_term_bias(build, base, transform, shape: tuple, node) -> Miss | None:
+    """A `Bias` of the term ``base`` read through ``transform`` (`Unsplit`,
+    `Padded`: it changes the term's axes to ``shape``, the scores'), added to
+    ``build``; nothing for a term that is zero by value (it changes neither
+    the scores nor a gradient); a miss for a term that is not floating."""
+    scope = build.scope
+    value = scope.fold(base)
+    if value is not None and not np.any(np.asarray(value)):
+        return None
+    dtype = scope.dtype(base)
+    if not jnp.issubdtype(dtype, jnp.floating):
+        return Miss(f"scores biased by a {dtype} tensor{where(node)}", node)
+    axes = tuple(j if c else None for j, c in enumerate(transform.carried()))
+    index, shape4 = build.add_extra(Profile(base, axes, shape), transform, dtype)
+    build.ops.append(Bias(index, shape4, dtype))
+    return None
 
 
 @dataclasses.dataclass(frozen=True)
