@@ -138,17 +138,30 @@ def _apply(eqn, ins):
     if name == "cond":
         branches = [partial(_run, b) for b in params["branches"]]
         return lax.switch(ins[0], branches, *ins[1:])
-    if any(isinstance(p, (jcore.Jaxpr, jcore.ClosedJaxpr)) for p in _flat(params.values())):
-        raise Unsupported(f"higher-order primitive {name}")
-    return eqn.primitive.bind(*ins, **{k: _retype(p) for k, p in params.items()})
+    inner = [k for k, p in params.items() if k != "update_jaxpr" and _has_jaxpr(p)]
+    if inner:
+        raise Unsupported(f"higher-order primitive {name} ({', '.join(inner)})")
+    params = {k: _retype(p) for k, p in params.items()}
+    if isinstance(params.get("update_jaxpr"), jcore.Jaxpr):  # scatter's combiner
+        params |= _combiner(params["update_jaxpr"], params["update_consts"])
+    return eqn.primitive.bind(*ins, **params)
 
 
-def _flat(values):
-    for v in values:
-        if isinstance(v, (tuple, list)):
-            yield from _flat(v)
-        else:
-            yield v
+def _combiner(jaxpr, consts) -> dict:
+    """A scatter's scalar combiner traced again on float64 scalars (its
+    lowering reads the jaxpr's own avals)."""
+    avals = [
+        jax.ShapeDtypeStruct((), np.float64 if _low_float(v.aval.dtype) else v.aval.dtype)
+        for v in jaxpr.invars
+    ]
+    new = jax.make_jaxpr(lambda *a: _eval(jaxpr, consts, *a))(*avals)
+    return {"update_jaxpr": new.jaxpr, "update_consts": tuple(new.consts)}
+
+
+def _has_jaxpr(value) -> bool:
+    if isinstance(value, (tuple, list)):
+        return any(_has_jaxpr(v) for v in value)
+    return isinstance(value, (jcore.Jaxpr, jcore.ClosedJaxpr))
 
 
 def _scan(params, ins):
@@ -187,7 +200,11 @@ def evaluate(closed, *args):
     for a higher-order primitive it does not know."""
     args = jax.tree_util.tree_leaves(args)
     with x64_scope():
-        args = [_promote(jnp.asarray(a)) for a in args]
+        # Each operand at its traced dtype (x64 would widen integers), then promoted.
+        args = [
+            _promote(jnp.asarray(a, v.aval.dtype))
+            for a, v in zip(args, closed.jaxpr.invars, strict=True)
+        ]
         out = jax.jit(lambda *a: _run(closed, *a))(*args)
         return [np.asarray(x) for x in out]
 

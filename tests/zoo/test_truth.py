@@ -99,6 +99,10 @@ def test_custom_vjp():
     _check(jax.grad(lambda x: jnp.sum(g(x) ** 2)), _x(5))
 
 
+def test_scatter_add_and_its_combiner():
+    _check(lambda x, i: x.at[i].add(x[::-1] * 0.5), _x(4), np.array([1, 1, 3, 0]))
+
+
 def test_cond():
     def f(p, x):
         return jax.lax.cond(p > 0, lambda v: jnp.log1p(v * v), lambda v: v / 4.0, x)
@@ -154,3 +158,31 @@ def test_unknown_higher_order_primitive_is_reported():
             )(),
             [],
         )
+
+
+def test_verdict_judges_against_the_truth_only_where_recorded():
+    from benchmarks.zoo import harness
+
+    base = {
+        "status": "fail",
+        "mode": "train",
+        "kept": [],
+        "sites": 1,
+        "silent": 0,
+        "internal_errors": [],
+        "fwd_err": 1e-7,
+        "grad_err": 3.3e-3,
+    }
+    assert harness.account(base)["problems"] == ["gradient numerics"]  # old record
+    within = harness.account(base | {"grad_err_truth": 4e-6, "orig_grad_err_truth": 3.5e-2})
+    assert (
+        within["status"] == "ok" and "4.0e-06 from the float64 truth" in within["numerics_notes"][0]
+    )
+    no_worse = harness.account(base | {"grad_err_truth": 2e-2, "orig_grad_err_truth": 3.5e-2})
+    assert no_worse["status"] == "ok" and "no worse" in no_worse["numerics_notes"][0]
+    worse = harness.account(base | {"grad_err_truth": 5e-2, "orig_grad_err_truth": 3.5e-2})
+    assert worse["problems"] == ["gradient numerics"] and "numerics_notes" not in worse
+    both_inf = harness.account(
+        base | {"grad_err_truth": float("inf"), "orig_grad_err_truth": float("inf")}
+    )
+    assert both_inf["status"] == "fail"
