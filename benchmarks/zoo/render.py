@@ -107,7 +107,9 @@ def render() -> pathlib.Path:
         "",
         "A cell is `rewritten/sites` with what went wrong: `kept n` (sites kept as written),",
         "`silent n` (sites nobody accounts for), `numerics` (forward above "
-        f"{FWD_TOL:g} or gradient above {GRAD_TOL:g}, relative to the largest magnitude),",
+        f"{FWD_TOL:g} or gradient above {GRAD_TOL:g}, relative to the largest magnitude, and",
+        "not passing against the original's float64 evaluation either: within tolerance of it,",
+        "or no further from it than the float32 original; the notes say which),",
         "`dense` (a `T × S` mask operand handed to the kernel), `T×S n` (arrays that could hold",
         "a score matrix left in a training step), `error` (see the notes). ✓: the model passes",
         "the mode. `–`: the mode does not apply.",
@@ -186,12 +188,17 @@ def render() -> pathlib.Path:
                 )
                 if rec["status"] in ("error", "unavailable"):
                     why = [rec["error"]]
+                # Numerics judged against the float64 truth, or why there is none.
+                why += rec.get("numerics_notes") or []
+                if rec.get("truth_error"):
+                    why.append(f"no float64 truth: {rec['truth_error']}")
                 for w in why:
                     notes.append(f"- {model} [{mode}]: {w}")
         if notes:
             lines += [
                 "",
-                "Notes (errors, kept sites and dense masks, as the records say):",
+                "Notes (errors, kept sites, dense masks and numerics judged against the "
+                "float64 truth, as the records say):",
                 "",
                 *sorted(set(notes)),
             ]
