@@ -26,11 +26,8 @@ from flashpass.graph import Const, Scope
 from flashpass.roles import UNIT, Merged, flat
 from flashpass.site import (
     AttentionSite,
-    ExtraSource,
     Layout,
     Operand,
-    OutputScale,
-    RowKeep,
     present_roles,
 )
 from flashpass.spec import AttentionSpec, ExtraSpec
@@ -39,7 +36,6 @@ from . import chain as chain_mod
 from .backward import match_backward, match_ungathered
 from .builder import SiteBuilder
 from .common import ESCAPE_HINT, Miss, profile, where
-from .dropout import dropout_op
 from .products import output_product, score_products
 from .regroup import PRIMS as REGROUP_PRIMS
 from .regroup import batch_splits, product_axes, regroup
@@ -386,15 +382,10 @@ def _after_softmax(scope: Scope, steps, layout, ops, extras):
     and ``P·V`` (an output multiplier, the rows a mask empties), dropout a
     score op of its own with its key an extra."""
     post = []
-    for kind, *data in steps:
-        if kind == "scale":
-            base, axes, invert = data
-            post.append(OutputScale(ExtraSource(base, axes, None, scope.dtype(base)), invert))
-        elif kind == "dropout":
-            op, key = dropout_op(data[0], layout, len(extras))
-            ops, extras = [*ops, op], [*extras, key]
-        else:  # "row_keep"
-            post.append(RowKeep())
+    for step in steps:
+        found, ops, extras = step.apply(scope, layout, ops, extras)
+        if found is not None:
+            post.append(found)
     return post, ops, extras
 
 

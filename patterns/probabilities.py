@@ -22,9 +22,10 @@ import numpy as np
 
 from flashpass import compat
 from flashpass.graph import Scope
+from flashpass.site import ExtraSource, OutputScale, RowKeep
 
 from .common import ESCAPE_HINT, Miss, profile, scalar_value, where
-from .dropout import match_dropout
+from .dropout import dropout_op, match_dropout
 from .regroup import PRIMS as REGROUP_PRIMS
 from .regroup import UNIT, regroup
 from .softmax import safe_softmax_guard
@@ -52,13 +53,48 @@ def _is_float(dtype) -> bool:
     return jnp.issubdtype(dtype, jnp.floating)
 
 
+@dataclasses.dataclass(frozen=True)
+class ScaleAfter:
+    """``p * m`` or ``p / m`` (``invert``) with ``m`` constant along the keys:
+    an output multiplier (`OutputScale`)."""
+
+    base: object
+    axes: dict  # role -> axis of ``base``
+    invert: bool
+
+    def apply(self, scope: Scope, layout, ops, extras):
+        dtype = scope.dtype(self.base)
+        return OutputScale(ExtraSource(self.base, self.axes, None, dtype), self.invert), ops, extras
+
+
+@dataclasses.dataclass(frozen=True)
+class RowKeepAfter:
+    """The rows a mask empties zeroed again after the softmax (`RowKeep`)."""
+
+    def apply(self, scope: Scope, layout, ops, extras):
+        return RowKeep(), ops, extras
+
+
+@dataclasses.dataclass(frozen=True)
+class DropoutAfter:
+    """Dropout on the probabilities: the spec's `Dropout`, its key an extra."""
+
+    found: object  # `dropout.FoundDropout`
+
+    def apply(self, scope: Scope, layout, ops, extras):
+        op, key = dropout_op(self.found, layout, len(extras))
+        return None, [*ops, op], [*extras, key]
+
+
 @dataclasses.dataclass
 class ProbabilityPath:
     atom: object  # the value that enters P·V
     roles: list  # its axis roles
     nodes: set  # recognised equations on the way
-    post: list  # output ops: ("scale", atom, {role: axis}, invert) | ("row_keep",)
-    #   | ("dropout", FoundDropout)
+    #: The typed steps between the softmax and P·V, in program order; each
+    #: ``apply(scope, layout, ops, extras)`` gives ``(site step or None, ops,
+    #: extras)`` (`match._after_softmax`).
+    post: list
     consumer: tuple  # (node, operand position) of the P·V candidate
 
 
@@ -178,13 +214,13 @@ def walk_probabilities(
             if isinstance(remask, Miss):
                 return remask
             if remask != "noop":
-                post.append(("row_keep",))
+                post.append(RowKeepAfter())
             nodes.add(node)
             atom = node.out
             continue
         if node.prim == "dot_general" and _is_batch_scale(scope, node, pos, roles):
             other, m_axes, roles = _batch_scale(scope, node, pos, roles)
-            post.append(("scale", other, m_axes, False))
+            post.append(ScaleAfter(other, m_axes, False))
             nodes.add(node)
             atom = node.out
             continue
@@ -195,7 +231,7 @@ def walk_probabilities(
             found = _dropout(scope, node, pos, roles, post)
             if isinstance(found, Miss):
                 return found
-            post.append(("dropout", found))
+            post.append(DropoutAfter(found))
             nodes.add(node)
             atom = node.out
             continue
@@ -210,7 +246,7 @@ def walk_probabilities(
                     node,
                 )
             axes = {r: a for r, a in zip(roles, prof.axes, strict=True) if r != UNIT}
-            post.append(("scale", prof.base, axes, node.prim == "div"))
+            post.append(ScaleAfter(prof.base, axes, node.prim == "div"))
             nodes.add(node)
             atom = node.out
             continue
@@ -234,7 +270,7 @@ def _dropout(scope: Scope, node, pos: int, roles: list, post: list):
     """The dropout at ``node`` (`dropout.match_dropout`), or why it is kept."""
     if node.prim == "div" or (node.prim == "select_n" and pos == 0):
         return Miss(f"random values divide the attention probabilities{where(node)}", node)
-    if any(kind == "dropout" for kind, *_ in post):
+    if any(isinstance(step, DropoutAfter) for step in post):
         return Miss(f"a second dropout on the attention probabilities{where(node)}", node)
     return match_dropout(scope, node, pos, roles)
 
