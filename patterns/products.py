@@ -21,6 +21,7 @@ import dataclasses
 from flashpass.graph import Node, Scope
 from flashpass.roles import flat, score_batch_roles
 
+from .chain import rule
 from .common import Miss, where
 from .probabilities import ScoreMasks, walk_probabilities
 from .regroup import UNIT, resolve_units
@@ -127,6 +128,21 @@ DEAD_FORWARD_HINT = (
 
 #: Consumers that select from a softmax's weights rather than average by them.
 SELECTIONS = ("top_k", "approx_top_k", "argmax", "argmin", "sort")
+
+
+@rule(*SELECTIONS)
+def _selected_scores(scope: Scope, node, atom):
+    """A softmax over values selected from the scores (``softmax(top_k(x @
+    w))``: a mixture-of-experts gate; or top-k attention): each row weighs a
+    different subset of its keys, which no attention kernel computes.  Not
+    reported as a kept site: a gate is no attention site, and a selection as
+    big as a score matrix that reaches a product is still reported, as
+    softmax-like (`patterns.softmax_like`)."""
+    return Miss(
+        f"the softmax normalises values `{node.prim}` selected from the scores{where(node)}",
+        node,
+        relevant=False,
+    )
 
 
 def output_product(

@@ -91,6 +91,33 @@ def test_a_softmax_that_top_k_selects_from_is_no_site():
     np.testing.assert_allclose(np.asarray(got[0]), np.asarray(want[0]), rtol=1e-6)
 
 
+def test_a_softmax_over_top_k_selected_logits_is_no_site():
+    # gpt-oss' gate: top_k of the router logits, then a softmax over the k
+    # chosen; its weights mix the chosen experts.  Not rewritten, not a kept
+    # attention site.  The same selection as big as a score matrix (top-k
+    # attention: 32 of 64 keys per query) is not left silent: it is reported
+    # as softmax-like.
+    def gate(x, w, experts):
+        logits, chosen = jax.lax.top_k(jnp.einsum("btd,de->bte", x, w), w.shape[1] // 2)
+        weights = jax.nn.softmax(logits, axis=-1)
+        return jnp.einsum("btk,btkd->btd", weights, experts[:, :, : logits.shape[-1]]), chosen
+
+    rng = np.random.default_rng(0)
+
+    def normal(*shape):
+        return jnp.asarray(rng.standard_normal(shape), jnp.float32)
+
+    for n, silent in ((4, True), (64, False)):
+        args = (normal(2, 64, 16), normal(16, n), normal(2, 64, n // 2, 8))
+        opt = flashpass.optimize(gate, kernel="reference")
+        report = opt.explain(*args)
+        assert not report.rewrites and not report.fallbacks, str(report)
+        assert (not report.unrecognised) == silent, str(report)
+        assert "selected from the scores" in str(report) or silent, str(report)
+        got, want = opt(*args), gate(*args)
+        np.testing.assert_allclose(np.asarray(got[0]), np.asarray(want[0]), rtol=1e-5, atol=1e-6)
+
+
 def test_attention_weights_also_read_by_top_k_keep_the_site():
     # Token selection by attention weight (EViT-style): P feeds P·V and top_k;
     # the weights escape, so the site is kept, and the report says so.
