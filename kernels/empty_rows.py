@@ -58,11 +58,14 @@ def split(spec: AttentionSpec) -> Split | None:
     first = at - op.count
     if first < 0 or any(not hasattr(o, "keep") for o in ops[first:at]):
         raise ValueError(f"EmptyRows({op.count}) does not follow {op.count} key-excluding ops")
+    if at + op.absorbed > len(ops):
+        raise ValueError(f"EmptyRows absorbs {op.absorbed} ops past the spec's last")
     masked = dataclasses.replace(spec, empty_rows=None)
     fill = Bias(len(spec.extras), (1, 1, 1, 1), op.dtype)
     filled = dataclasses.replace(
         spec,
-        score_ops=ops[:first] + (fill,) + ops[at:],
+        # The terms the fill absorbs (`EmptyRows.absorbed`) go with the mask.
+        score_ops=ops[:first] + (fill,) + ops[at + op.absorbed :],
         extras=(*spec.extras, ExtraSpec((1, 1, 1, 1), op.dtype)),
         empty_rows=None,
     )

@@ -144,7 +144,9 @@ def add_additive(build, prof, sign: int, at: str = "") -> str | None:
     where the bias is added, in the report's words."""
     found = as_mask(build.scope, prof, sign)
     if found is None:
-        return ""
+        from .absorbed import add_absorbed  # it reads the mask through as_mask
+
+        return add_absorbed(build, prof, sign, at)  # a mask plus a term it absorbs?
     factors, keep_when, fill = found
     return _add_factors(build, factors, keep_when, fill, prof, sign, None, at)
 
@@ -163,7 +165,12 @@ def add_filled(build, pred, keep_when: bool, fill: float, dtype, at: str = "") -
             build.dense_notes.append(why + at)
 
 
-def _add_factors(build, factors, keep_when, fill, prof, sign, filled, at) -> str | None:
+def _add_factors(build, factors, keep_when, fill, prof, sign, filled, at, term=None) -> str | None:
+    """The descriptors of the additive mask ``where(all(factors) ==
+    keep_when, 0, fill)`` (an `EmptyRows` op after them when rows may be
+    empty), then, where ``term`` is given, the ops ``term(build)`` adds for a
+    term the fill absorbs (`absorbed`), all one group; None when done, else
+    why the bias stays dense."""
     from .masks import add_mask  # masks imports this module's caller
 
     before = (len(build.ops), len(build.extras), len(build._causal), len(build.dense_notes))
@@ -180,6 +187,11 @@ def _add_factors(build, factors, keep_when, fill, prof, sign, filled, at) -> str
         # Rows may be empty: the original's s + fill there is run as such.
         dtype = filled.dtype if filled is not None else build.scope.dtype(prof.base)
         build.ops.append(EmptyRows(len(new_ops), fill, dtype))
+    if term is not None:
+        mark, start = len(build.ops) - 1, len(build.ops)
+        term(build)
+        if why is not None:  # an empty row's call leaves the absorbed term out
+            build.ops[mark] = dataclasses.replace(build.ops[mark], absorbed=len(build.ops) - start)
     if fill != float("-inf"):
         group = AdditiveGroup(prof, sign, tuple(build.ops[before[0] :]), at, filled)
         build.additive.append(group)

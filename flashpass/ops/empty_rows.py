@@ -47,6 +47,12 @@ class EmptyRows(ScoreOp):
     dtype: Any
     #: Reported only when it is not 1 (`flashpass.spec`'s ``describe``).
     grad: float = dataclasses.field(default=1.0, metadata={"reported": "unless default"})
+    #: How many score ops right after the mask's are a term added to its fill
+    #: before the scores (``s + (where(keep, 0, added) + a)``) that the fill
+    #: absorbs: ``added + a`` rounds to ``added`` for every value ``a`` can
+    #: take (`patterns.absorbed`).  An empty row is then ``s + added``, as the
+    #: original computes it, so the filled call leaves them out too.
+    absorbed: int = dataclasses.field(default=0, metadata={"reported": "unless default"})
     #: Where the mask's ops end in ``score_ops`` (-1: not yet in a spec).
     stop: int = dataclasses.field(default=-1, metadata={"reported": "never"})
 
