@@ -248,7 +248,10 @@ def _generate_mode(model, built, rec, t, s):
 def _export_mode(model, built, route, rec, t, s, ref):
     args = (built.params, *built.inputs)
     rec["sites"], _, want = ref.get()
-    exp = jax.export.export(jax.jit(built.forward))(*args)
+    try:
+        exp = jax.export.export(jax.jit(built.forward))(*args)
+    except Exception as err:  # JAX cannot serialize the model: no artifact to rewrite
+        raise Unavailable(f"jax.export: {_error_text(err)}") from err
     t0 = time.perf_counter()
     new, report = flashpass.export.rewrite_and_explain(exp, route=route, **_options(model))
     rec["pass_s"] = round(time.perf_counter() - t0, 3)
@@ -383,6 +386,12 @@ def _empty(model: ZooModel, mode: str) -> dict:
     }
 
 
+class Unavailable(Exception):
+    """A mode's input cannot be made (the artifact ``jax.export`` fails to
+    serialize, before flashpass runs): the record is ``unavailable``, not an
+    error of the pass."""
+
+
 def run_model(model: ZooModel, modes=None, timeout: int = MODE_TIMEOUT) -> list[dict]:
     """One record per mode of ``model`` (``modes`` narrows them)."""
     wanted = [m for m in _modes_of(model) if modes is None or m in modes]
@@ -425,6 +434,9 @@ def run_model(model: ZooModel, modes=None, timeout: int = MODE_TIMEOUT) -> list[
                     _export_mode(model, built, mode.removeprefix("export_"), rec, t, s, ref)
             if rec["status"] != "skipped":
                 _verdict(rec)
+        except Unavailable as err:
+            rec["status"] = "unavailable"
+            rec["error"] = str(err)
         except Exception as err:
             rec["status"] = "error"
             rec["error"] = _error_text(err)

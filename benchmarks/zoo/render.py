@@ -32,7 +32,9 @@ def cell(rec: dict) -> str:
     """One table cell: ``rewritten/sites`` and what went wrong."""
     if rec["status"] == "skipped":
         return "–"
-    if rec["status"] in ("error", "unavailable"):
+    if rec["status"] == "unavailable":
+        return "n/a"  # no input to run: the library cannot build or export it
+    if rec["status"] == "error":
         return "error"
     text = f"{rec['rewritten']}/{rec['sites']}"
     marks = []
@@ -111,8 +113,9 @@ def render() -> pathlib.Path:
         "not passing against the original's float64 evaluation either: within tolerance of it,",
         "or no further from it than the float32 original; the notes say which),",
         "`dense` (a `T × S` mask operand handed to the kernel), `T×S n` (arrays that could hold",
-        "a score matrix left in a training step), `error` (see the notes). ✓: the model passes",
-        "the mode. `–`: the mode does not apply.",
+        "a score matrix left in a training step), `error` (see the notes), `n/a` (the library",
+        "cannot build the model, or `jax.export` cannot serialize it, before flashpass runs:",
+        "see the notes). ✓: the model passes the mode. `–`: the mode does not apply.",
         "",
         "![pass rates](zoo.png)",
         "",
