@@ -78,8 +78,8 @@ def match_backward(scope: Scope, site, view=None) -> Backward | Miss:
         inputs = _inputs(forward)
         produced = {o for n in forward for o in n.outs if o is not None}
         if not set(subset) <= set(inputs) or any(r in produced for r in reads):
-            # A read computed from a differentiated read (v = 2 * k): the kernel's
-            # vjp would miss that path; a smaller subset may still prove the site.
+            # A read the forward computes: the kernel's vjp would miss that path;
+            # a smaller subset may still prove the site.
             continue
         diff = tuple(inputs.index(a) for a in subset)
         template = _template(scope, forward, inputs, diff, site.root.out)
@@ -144,8 +144,31 @@ def _forward(scope: Scope, site, diff: tuple) -> list[Node]:
     since = min((n.order for n in producers if n is not None), default=0)
     if any(n is None for n in producers):
         since = 0
-    glue = scope.forward_cone(diff, until=site.root.order) & scope.backward_cone(reads, since=since)
+    glue = scope.forward_cone(diff, until=site.root.order) & _feeding(scope, site, reads, since)
     return sorted(site.nodes | glue, key=lambda n: n.order)
+
+
+def _feeding(scope: Scope, site, reads: list, since: int) -> set[Node]:
+    """The equations that compute ``reads`` from the values the kernel reads,
+    not looking past those: what produces a kernel operand is the program's
+    own, with its own backward.  (A bias shared by two layers is read by the
+    second after the whole first layer, whose output also makes its q: that
+    layer is no part of the second site's forward, whose vjp treats q and the
+    bias as the independent operands they are to the kernel.)"""
+    keys = [scope.resolve(a) for a in site.atoms]
+    operands = {a for a in keys if not isinstance(a, Const)}
+    seen: set[Node] = set()
+    stack = list(reads)
+    while stack:
+        key = scope.resolve(stack.pop())
+        if isinstance(key, Const) or key in operands:
+            continue
+        node = scope.producer(key)
+        if node is None or node in seen or node.order < since:
+            continue
+        seen.add(node)
+        stack.extend(a for a in node.ins if not isinstance(a, Const))
+    return seen
 
 
 def _inputs(forward: list[Node]) -> list:
