@@ -14,7 +14,9 @@ scale, a fill, key-only biases: `rows_apart`) and the kernel is plain JAX,
 the second call covers only the empty rows, gathered (`ROW_CHUNK` at a
 time), so left padding pays for its empty rows, not for every row again; and
 where their scores all round to the fill, for the mean of v only
-(`kernels.uniform_rows`).
+(`kernels.uniform_rows`).  A ``-inf`` fill leaves those rows NaN, as the
+descriptors do, but its gradient is not theirs: the fill is then per row
+(`_minus_inf_rows`).
 
 Kernels never see `EmptyRows`: selection asks a kernel about both specs
 (`check`), and the named kernel call runs `apply` (`flashpass.calls`).
@@ -61,12 +63,13 @@ def split(spec: AttentionSpec) -> Split | None:
     if at + op.absorbed > len(ops):
         raise ValueError(f"EmptyRows absorbs {op.absorbed} ops past the spec's last")
     masked = dataclasses.replace(spec, empty_rows=None)
-    fill = Bias(len(spec.extras), (1, 1, 1, 1), op.dtype)
+    shape = (spec.batch, spec.heads, spec.q_len, 1) if _minus_inf(op) else (1, 1, 1, 1)
+    fill = Bias(len(spec.extras), shape, op.dtype)
     filled = dataclasses.replace(
         spec,
         # The terms the fill absorbs (`EmptyRows.absorbed`) go with the mask.
         score_ops=ops[:first] + (fill,) + ops[at + op.absorbed :],
-        extras=(*spec.extras, ExtraSpec((1, 1, 1, 1), op.dtype)),
+        extras=(*spec.extras, ExtraSpec(shape, op.dtype)),
         empty_rows=None,
     )
     return Split(masked, filled, tuple(ops[first:at]), op)
@@ -107,11 +110,36 @@ def apply(
         return kernel.apply(spec, q, k, v, extras, interpret=interpret)
     out = kernel.apply(parts.masked, q, k, v, extras, interpret=interpret)
     empty = empty_rows(spec, parts.group, extras)
+    if _minus_inf(parts.op):
+        return _minus_inf_rows(kernel, spec, parts, q, k, v, extras, empty, out, interpret)
     fill = jnp.full((1, 1, 1, 1), parts.op.added, parts.op.dtype)
     if parts.op.grad != 1.0:
         q, k, extras = _scores_grad_scaled(spec, parts.op, q, k, extras)
     if rows_apart(kernel, parts.filled, extras):
         return _empty_rows_gathered(kernel, parts, q, k, v, (*extras, fill), empty, out, interpret)
+
+    def with_empty_rows():
+        every = kernel.apply(parts.filled, q, k, v, (*extras, fill), interpret=interpret)
+        return jnp.where(empty[..., None], every, out)
+
+    return lax.cond(jnp.any(empty), with_empty_rows, lambda: out)
+
+
+def _minus_inf(op: EmptyRows) -> bool:
+    return op.added == float("-inf")
+
+
+def _minus_inf_rows(kernel, spec, parts: Split, q, k, v, extras, empty, out, interpret: bool):
+    """``out`` with the rows an additive ``-inf`` mask leaves with no key
+    computed as the original's ``s + -inf``: NaN, and a NaN score cotangent
+    that reaches q, k, v and the extras (a ``where`` would drop it).  The fill
+    is per row, ``-inf`` in the empty rows and 0 elsewhere: a row filled with
+    ``-inf`` is NaN whatever its cotangent (``0 * nan``), so only the empty
+    rows may get it; the others are finite with a zero cotangent, adding
+    exactly nothing."""
+    shape = (spec.batch, spec.heads, spec.q_len)
+    rows = jnp.broadcast_to(empty, shape)[..., None]
+    fill = jnp.where(rows, jnp.asarray(-jnp.inf, parts.op.dtype), jnp.zeros((), parts.op.dtype))
 
     def with_empty_rows():
         every = kernel.apply(parts.filled, q, k, v, (*extras, fill), interpret=interpret)

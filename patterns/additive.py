@@ -20,8 +20,11 @@ they leave empty are computed as the original's ``softmax(s + fill)``
 (`flashpass.kernels.empty_rows`).  Only a factor that is itself a ``T x S``
 mask, or a second such additive mask on the site, keeps the bias whole, with
 the reason recorded for the report (`SiteBuilder.dense_notes`).  A fill of
-exactly ``-inf`` makes such a row NaN in both spellings: masks are then used
-whatever the factors.
+exactly ``-inf`` makes such a row NaN in both spellings, but only the
+additive one passes that NaN on to the scores' cotangent (``where`` drops
+it at every excluded key, ``+`` does not), so q and k get NaN gradients
+from it: such a mask gets an `EmptyRows` op too (`-inf` added), whatever
+its factors (a dense factor stays a boolean `Mask`).
 """
 
 from __future__ import annotations
@@ -177,9 +180,9 @@ def _add_factors(build, factors, keep_when, fill, prof, sign, filled, at, term=N
     for factor in factors:
         add_mask(build, factor, keep_when, fill, at)
     new_ops = build.ops[before[0] :]
-    why = None if fill == float("-inf") else _rows_keep_a_key(build, new_ops)
+    why = _rows_keep_a_key(build, new_ops)
     if why is not None:
-        dense = _dense_factor(build, new_ops)
+        dense = _dense_factor(build, new_ops, fill)
         if dense is not None:
             del build.ops[before[0] :], build.extras[before[1] :], build._causal[before[2] :]
             del build.dense_notes[before[3] :]  # the bias's own note replaces the factor's
@@ -192,7 +195,9 @@ def _add_factors(build, factors, keep_when, fill, prof, sign, filled, at, term=N
         term(build)
         if why is not None:  # an empty row's call leaves the absorbed term out
             build.ops[mark] = dataclasses.replace(build.ops[mark], absorbed=len(build.ops) - start)
-    if fill != float("-inf"):
+    # A -inf mask is a group only with an EmptyRows op: `settle` restores
+    # the literal bias if a later op (a soft-cap) undoes the exclusion.
+    if fill != float("-inf") or why is not None:
         group = AdditiveGroup(prof, sign, tuple(build.ops[before[0] :]), at, filled)
         build.additive.append(group)
     for n, (op, _) in enumerate(build._causal[before[2] :]):
@@ -201,11 +206,15 @@ def _add_factors(build, factors, keep_when, fill, prof, sign, filled, at, term=N
     return None
 
 
-def _dense_factor(build, ops) -> str | None:
+def _dense_factor(build, ops, fill: float) -> str | None:
     """Why the additive mask of ``ops`` stays one dense bias when rows may be
-    empty: a factor is itself a ``T x S`` array (nothing to save), or another
-    additive mask of the site already has an `EmptyRows` op.  None otherwise."""
+    empty: a factor is itself a ``T x S`` array (nothing to save, unless the
+    fill is ``-inf``: a boolean mask is then a quarter of the bias), or
+    another additive mask of the site already has an `EmptyRows` op.  None
+    otherwise."""
     for op in ops:
+        if fill == float("-inf"):
+            break
         if isinstance(op, Mask) and op.shape[2] != 1 and op.shape[3] != 1:
             return "a factor of the additive mask is no structured mask (it stays a dense array)"
     if any(isinstance(op, EmptyRows) for op in build.ops):

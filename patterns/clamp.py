@@ -69,7 +69,12 @@ class FloorStep(Step):
             )
         if any(op is TANH for op in build.ops):
             return Miss(f"a floor max(scores, c) inside a soft-cap{at}", self.node)
-        grouped = [g for g in build.additive if any(g.holds(op) for op in build.ops)]
+        grouped = [
+            g
+            for g in build.additive
+            if any(g.holds(op) for op in build.ops)
+            and not any(g.holds(op) and _minus_inf_rows(op) for op in build.ops)
+        ]
         for i, op in enumerate(build.ops):
             if not hasattr(op, "fill") or any(g.holds(op) for g in grouped):
                 continue
@@ -83,6 +88,9 @@ class FloorStep(Step):
                     self.node,
                 )
             _replace(build, op, dataclasses.replace(op, fill=c))
+        # An additive -inf mask's empty rows are now ``max(s - inf, c) == c``
+        # at every key, derivative 0: the lifted fills' uniform rows, exactly.
+        build.ops = [op for op in build.ops if not _minus_inf_rows(op)]
         for group in grouped:
             why = _floor_group(build, group, c)
             if why:
@@ -116,6 +124,10 @@ def _floor_group(build, group, c: float) -> str | None:
         return None
     _replace(build, op, dataclasses.replace(op, added=value, grad=op.grad * factor))
     return None
+
+
+def _minus_inf_rows(op) -> bool:
+    return isinstance(op, EmptyRows) and op.added == float("-inf")
 
 
 def _replace(build, old, new) -> None:

@@ -169,6 +169,9 @@ def _apply(eqn, invals) -> list:  # noqa: C901 - one branch per primitive
                 name, np.prod
             )
             return [fn(_wide(invals[0]), axis=tuple(p["axes"]))]
+        if name in ("reduce_or", "reduce_and"):  # the empty-row pass (kernels/empty_rows.py)
+            fn = np.any if name == "reduce_or" else np.all
+            return [fn(invals[0], axis=tuple(p["axes"]))]
         if name in ("argmax", "argmin"):
             fn = np.argmax if name == "argmax" else np.argmin
             return [fn(invals[0], axis=p["axes"][0])]
