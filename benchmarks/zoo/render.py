@@ -168,7 +168,11 @@ def render() -> pathlib.Path:
             "",
             f"`{meta.get('command', '')}` — {meta.get('date', '')}, "
             f"commit {meta.get('commit', '')}, "
-            f"{meta.get('wall_s', 0):.0f} s; {versions}.",
+            f"{meta.get('wall_s', 0):.0f} s; {versions}."
+            + "".join(
+                f" Refreshed {r['date']} at commit {r['commit']}: {', '.join(r['models'])}."
+                for r in meta.get("refreshes", [])
+            ),
             "",
             "| model | family | sizes | " + " | ".join(MODES) + " |",
             "|---|---|---|" + "---|" * len(MODES),

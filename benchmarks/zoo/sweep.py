@@ -153,9 +153,13 @@ def save(suite: str, records: list[dict], command: str, wall_s: float, merge: bo
         "wall_s": round(wall_s if not merge else old["meta"].get("wall_s", 0.0), 1),
     }
     if merge and old["meta"]:
-        meta["partial_refresh"] = meta["date"]
-        meta["date"] = old["meta"].get("date", meta["date"])
-        meta["command"] = old["meta"].get("command", command)
+        # The sweep's own date and commit stay; the refresh says its own.
+        refreshed = sorted({r["model"] for r in records if key(r) in mine})
+        refreshes = list(old["meta"].get("refreshes", []))
+        refreshes.append({"date": meta["date"], "commit": meta["commit"], "models": refreshed})
+        meta["refreshes"] = refreshes
+        for name in ("date", "commit", "command"):
+            meta[name] = old["meta"].get(name, meta[name])
     path = EXPECTED / f"{suite}.json"
     EXPECTED.mkdir(exist_ok=True)
     data = scrub({"meta": meta, "records": records})
