@@ -79,3 +79,26 @@ def assert_no_t_by_s(shapes, t: int, s: int, *, copies: int = 1, control=None):
         assert found, f"the control program has no array of {copies} {t} x {s} matrices"
     bad = t_by_s_shapes(shapes, t, s, copies)
     assert not bad, f"arrays that could hold {copies} {t} x {s} matrices: {bad}"
+
+
+def optimized_step(fn, args, argnums=(0, 1, 2)):
+    """A ``value_and_grad`` step of ``sum(fn(*args) ** 2)``, optimized and
+    first called under ``jax.jit``: its value and gradients must equal JAX's.
+    Returns ``(report, shapes outside the kernels of the rewritten step,
+    shapes of the original step)`` for `assert_no_t_by_s`."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    import flashpass
+
+    step = jax.value_and_grad(lambda *a: jnp.sum(fn(*a) ** 2), argnums=argnums)
+    opt = flashpass.optimize(step, kernel="blockwise")
+    value, grads = jax.jit(opt)(*args)
+    want_value, want = step(*args)
+    np.testing.assert_allclose(value, want_value, rtol=2e-5)
+    for g, w in zip(grads, want, strict=True):
+        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5)
+    original = jaxpr_shapes(jax.make_jaxpr(step)(*args))
+    rewritten = jaxpr_shapes(opt.rewritten_jaxpr(*args), outside_kernels=True)
+    return opt.reports[-1], rewritten, original

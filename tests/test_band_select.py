@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from t_by_s import assert_no_t_by_s, jaxpr_shapes, kernel_operand_shapes
+from t_by_s import assert_no_t_by_s, kernel_operand_shapes, optimized_step
 from test_zoo_masks import keras_hub_decoder
 
 import flashpass
@@ -139,21 +139,9 @@ def _training_step(fn, rng):
     value and gradients equal JAX's, nothing ``T x S`` outside the kernel.
     Returns the report."""
     args = (*_qkv(rng), _padding(rng, odd=True))
-
-    def loss(q, k, v, pad):
-        return jnp.sum(fn(q, k, v, pad) ** 2)
-
-    step = jax.value_and_grad(loss, argnums=(0, 1, 2))
-    opt = flashpass.optimize(step, kernel="blockwise")
-    value, grads = jax.jit(opt)(*args)
-    want_value, want = step(*args)
-    np.testing.assert_allclose(value, want_value, rtol=2e-5)
-    for g, w in zip(grads, want, strict=True):
-        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5)
-    original = jax.make_jaxpr(step)(*args)
-    rewritten = jaxpr_shapes(opt.rewritten_jaxpr(*args), outside_kernels=True)
-    assert_no_t_by_s(rewritten, T, T, control=jaxpr_shapes(original))
-    return opt.reports[-1]
+    report, rewritten, original = optimized_step(fn, args)
+    assert_no_t_by_s(rewritten, T, T, control=original)
+    return report
 
 
 def test_training_step_leaves_no_t_by_s(rng):

@@ -13,7 +13,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
-from t_by_s import assert_no_t_by_s, jaxpr_shapes, t_by_s_shapes
+from t_by_s import assert_no_t_by_s, optimized_step, t_by_s_shapes
 
 import flashpass
 
@@ -82,30 +82,10 @@ def no_remask(q, k, v, pad):
     return _wiped(_attention(q, k, v, mask, remask=False), jnp.all(mask == 0, axis=-1))
 
 
-def _step(fn, args):
-    """A value_and_grad step of ``fn`` optimized, first called under jit:
-    value and gradients equal JAX's.  Returns (report, rewritten shapes,
-    original shapes)."""
-
-    def loss(q, k, v, pad):
-        return jnp.sum(fn(q, k, v, pad) ** 2)
-
-    step = jax.value_and_grad(loss, argnums=(0, 1, 2))
-    opt = flashpass.optimize(step, kernel="blockwise")
-    value, grads = jax.jit(opt)(*args)
-    want_value, want = step(*args)
-    np.testing.assert_allclose(value, want_value, rtol=2e-5)
-    for g, w in zip(grads, want, strict=True):
-        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5)
-    original = jaxpr_shapes(jax.make_jaxpr(step)(*args))
-    rewritten = jaxpr_shapes(opt.rewritten_jaxpr(*args), outside_kernels=True)
-    return opt.reports[-1], rewritten, original
-
-
 def test_gemma_wipe_joins_the_site(rng):
     args = _args(rng)
     for fn in (gemma, gemma_any):
-        report, rewritten, original = _step(fn, args)
+        report, rewritten, original = optimized_step(fn, args)
         assert [r.passes for r in report.rewrites] == ["forward+backward"], str(report)
         assert_no_t_by_s(rewritten, T, T, control=original)
         forward = flashpass.optimize(fn, kernel="blockwise")
@@ -117,6 +97,6 @@ def test_gemma_wipe_joins_the_site(rng):
 def test_unproven_wipes_stay_as_written(rng):
     args = _args(rng)
     for fn in (full_rows_wiped, no_remask):
-        report, rewritten, _ = _step(fn, args)
+        report, rewritten, _ = optimized_step(fn, args)
         assert [r.passes for r in report.rewrites] == ["forward+backward"], str(report)
         assert t_by_s_shapes(rewritten, T, T), f"{fn.__name__}: its wipe was absorbed"
