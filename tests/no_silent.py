@@ -49,3 +49,20 @@ def min_len(n: int):
         yield
     finally:
         softmax_like.MIN_LEN = saved
+
+
+def assert_kept(fn, args, reason: str) -> None:
+    """``fn`` optimized (the blockwise kernel named) and first called under
+    ``jax.jit``: nothing rewritten, a site kept with ``reason`` among its
+    words, and the original's values."""
+    import jax
+    import numpy as np
+
+    import flashpass
+
+    opt = flashpass.optimize(fn, kernel="blockwise")
+    got = jax.jit(opt)(*args)
+    report = opt.reports[-1]
+    assert not report.rewrites, str(report)
+    assert any(reason in f.reason for f in report.fallbacks), str(report)
+    np.testing.assert_allclose(got, fn(*args), rtol=1e-6, atol=1e-6)
