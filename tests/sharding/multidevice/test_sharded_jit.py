@@ -205,19 +205,28 @@ def split_terms(q, k, v, rel_h):
 def test_split_terms_with_sharded_operands_are_kept():
     """The bias is built from its term whole (an `Unsplit` extra), not per
     shard: with batch-sharded operands the site is kept, and says why."""
+    got, want = _kept_batch_sharded(
+        split_terms, (8, 2, 64, 16), (8, 2, 8, 8, 8), "split into factors"
+    )
+    for a, b in zip(got.grads, want.grads, strict=True):
+        assert_close(a, b)
+
+
+def _kept_batch_sharded(fn, qkv_shape, term_shape, reason):
+    """``fn(q, k, v, term)`` on batch-sharded operands: kept, the reason
+    naming ``reason``, its output the original's.  Returns both runs."""
     m = mesh((8,), ("data",))
-    args = [put(m, P("data"), normal(i, (8, 2, 64, 16))) for i in range(3)]
-    args.append(put(m, P("data"), normal(3, (8, 2, 8, 8, 8))))
-    opt = flashpass.optimize(split_terms, kernel="blockwise")
+    args = [put(m, P("data"), normal(i, qkv_shape)) for i in range(3)]
+    args.append(put(m, P("data"), normal(3, term_shape)))
+    opt = flashpass.optimize(fn, kernel="blockwise")
     with jax.set_mesh(m):
         report = opt.explain(*args)
         assert not report.rewrites, str(report)
-        assert "split into factors" in report.fallbacks[0].reason, str(report)
+        assert reason in report.fallbacks[0].reason, str(report)
         got = run(opt, args, (0, 1, 2, 3))
-        want = run(split_terms, unsharded(args), (0, 1, 2, 3))
+        want = run(fn, unsharded(args), (0, 1, 2, 3))
     assert_close(got.out, want.out)
-    for a, b in zip(got.grads, want.grads, strict=True):
-        assert_close(a, b)
+    return got, want
 
 
 def block_term(q, k, v, rel):
@@ -230,17 +239,9 @@ def block_term(q, k, v, rel):
 def test_block_term_with_sharded_operands_is_kept():
     """The bias is padded from its term whole (a `Padded` extra), not per
     shard: with batch-sharded operands the site is kept, and says why."""
-    m = mesh((8,), ("data",))
-    args = [put(m, P("data"), normal(i, (8, 2, 17, 16))) for i in range(3)]
-    args.append(put(m, P("data"), normal(3, (8, 2, 16, 16))))
-    opt = flashpass.optimize(block_term, kernel="blockwise")
-    with jax.set_mesh(m):
-        report = opt.explain(*args)
-        assert not report.rewrites, str(report)
-        assert "added to a block of the scores" in report.fallbacks[0].reason, str(report)
-        got = run(opt, args, (0, 1, 2, 3))
-        want = run(block_term, unsharded(args), (0, 1, 2, 3))
-    assert_close(got.out, want.out)
+    _kept_batch_sharded(
+        block_term, (8, 2, 17, 16), (8, 2, 16, 16), "added to a block of the scores"
+    )
 
 
 def test_split_terms_on_auto_axes_compute_the_original():
