@@ -157,12 +157,13 @@ class _Reference:
         if not self._done:
             args = (self.built.params, *self.built.inputs)
             t0 = time.perf_counter()
-            original = jax.make_jaxpr(self.built.forward)(*args)
-            self.trace_s = time.perf_counter() - t0
+            with _original_runs("the original forward"):
+                original = jax.make_jaxpr(self.built.forward)(*args)
+                self.trace_s = time.perf_counter() - t0
+                self.want = _block(jax.jit(self.built.forward)(*args))
             self.original = original
             self._exact = None
             self.sites = checks.independent_sites(original)
-            self.want = _block(jax.jit(self.built.forward)(*args))
             self._done = True
         return self.sites, self.trace_s, self.want
 
@@ -206,10 +207,11 @@ def _train_mode(model, built, rec, t, s):
 
     args = (built.params, tx.init(built.params), *built.inputs)
     t0 = time.perf_counter()
-    original = jax.make_jaxpr(step)(*args)
-    trace_s = time.perf_counter() - t0
+    with _original_runs("the original training step"):
+        original = jax.make_jaxpr(step)(*args)
+        trace_s = time.perf_counter() - t0
+        want = _block(jax.jit(step)(*args))
     rec["sites"] = checks.independent_sites(original)
-    want = _block(jax.jit(step)(*args))
     opt = _optimize(model, step)
     t0 = time.perf_counter()
     report = opt.explain(*args)
@@ -228,9 +230,10 @@ def _train_mode(model, built, rec, t, s):
 
 def _generate_mode(model, built, rec, t, s):
     args = (built.params, *(built.generate_inputs or built.inputs))
-    original = jax.make_jaxpr(built.generate)(*args)
+    with _original_runs("the original generation loop"):
+        original = jax.make_jaxpr(built.generate)(*args)
+        want = _block(jax.jit(built.generate)(*args))
     rec["sites"] = checks.independent_sites(original)
-    want = _block(jax.jit(built.generate)(*args))
     opt = _optimize(model, built.generate)
     t0 = time.perf_counter()
     report = opt.explain(*args)
@@ -253,8 +256,17 @@ def _export_mode(model, built, route, rec, t, s, ref):
     except Exception as err:  # JAX cannot serialize the model: no artifact to rewrite
         raise Unavailable(f"jax.export: {_error_text(err)}") from err
     t0 = time.perf_counter()
-    new, report = flashpass.export.rewrite_and_explain(exp, route=route, **_options(model))
-    rec["pass_s"] = round(time.perf_counter() - t0, 3)
+    try:
+        new, report = flashpass.export.rewrite_and_explain(exp, route=route, **_options(model))
+        rec["pass_s"] = round(time.perf_counter() - t0, 3)
+        got = _block(new.call(*args))
+    except Exception:
+        # JAX may reject an artifact only when it is lowered again (CHLO's
+        # `top_k` in MoE models): where the original artifact cannot run
+        # either, there is no input for the pass; otherwise the error is ours.
+        with _original_runs("the original artifact"):
+            _block(exp.call(*args))
+        raise
     rec.update(_report_fields(report))
     if report.route == "kept":  # every site of the artifact is kept, for that reason
         rec["kept"] = [f"artifact kept unchanged: {report.kept_reason}"] * max(1, rec["sites"])
@@ -262,7 +274,6 @@ def _export_mode(model, built, route, rec, t, s, ref):
     rec["islands"] = sorted({i.op for i in report.islands})
     rec["silent"] = _silent(rec)
     rec["dense_operands"] = []
-    got = _block(new.call(*args))
     rec["fwd_err"] = checks.tree_rel_error(got, want)
     _truth_errors(rec, ref.exact, got, want, train=False)
 
@@ -388,8 +399,21 @@ def _empty(model: ZooModel, mode: str) -> dict:
 
 class Unavailable(Exception):
     """A mode's input cannot be made (the artifact ``jax.export`` fails to
-    serialize, before flashpass runs): the record is ``unavailable``, not an
-    error of the pass."""
+    serialize, or the original program itself fails to trace or run, before
+    flashpass runs): the record is ``unavailable``, not an error of the pass."""
+
+
+@contextlib.contextmanager
+def _original_runs(what: str):
+    """Any exception inside becomes `Unavailable`: ``what`` (the original
+    program, before flashpass touches it) fails on its own, so the library,
+    not the pass, cannot run this mode."""
+    try:
+        yield
+    except (Unavailable, ModeTimeout):
+        raise
+    except Exception as err:
+        raise Unavailable(f"{what} fails without flashpass: {_error_text(err)}") from err
 
 
 def run_model(model: ZooModel, modes=None, timeout: int = MODE_TIMEOUT) -> list[dict]:

@@ -31,3 +31,48 @@ def test_an_artifact_jax_cannot_export_is_unavailable_not_an_error(mode):
     assert rec["error"].startswith("jax.export: "), rec["error"]
     (direct,) = harness.run_model(_model(), modes=["direct"])
     assert direct["status"] == "ok" and direct["rewritten"] == 1, direct
+
+
+def _plain(params, x):
+    s = jnp.einsum("btd,bsd->bts", x, x) / 4.0
+    return jax.nn.softmax(s, axis=-1) @ x
+
+
+def _broken(params, x):
+    # What torchax raises for a model it cannot run ("mixed math" of torch and
+    # torchax tensors): the original fails on its own, before flashpass.
+    raise AssertionError("Expect a Tensor or a View but got <class 'torch.Tensor'>")
+
+
+def _zoo(forward, modes):
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((2, 32, 16)), jnp.float32)
+    loss = lambda p, x: jnp.sum(forward(p, x))  # noqa: E731
+    built = Built(forward=forward, params={}, inputs=(x,), loss=loss, seq=(32, 32))
+    return ZooModel("jax_native", "plain", "test", lambda: built, modes)
+
+
+@pytest.mark.parametrize("mode", ["direct", "jit", "train"])
+def test_a_model_whose_original_fails_is_unavailable_not_an_error(mode):
+    (rec,) = harness.run_model(_zoo(_broken, ("direct", "jit", "train")), modes=[mode])
+    assert rec["status"] == "unavailable", rec
+    assert "fails without flashpass: AssertionError" in rec["error"], rec["error"]
+
+
+def test_a_pass_error_on_a_runnable_artifact_stays_an_error(monkeypatch):
+    def boom(*args, **kwargs):
+        raise RuntimeError("a bug of the pass")
+
+    monkeypatch.setattr(harness.flashpass.export, "rewrite_and_explain", boom)
+    (rec,) = harness.run_model(_zoo(_plain, ("export",)), modes=["export_lift"])
+    assert rec["status"] == "error" and "a bug of the pass" in rec["error"], rec
+
+
+def test_a_pass_error_on_an_artifact_that_cannot_run_is_unavailable(monkeypatch):
+    def boom(*args, **kwargs):
+        raise RuntimeError("CHLO => StableHLO failed")
+
+    monkeypatch.setattr(harness.flashpass.export, "rewrite_and_explain", boom)
+    monkeypatch.setattr(jax.export.Exported, "call", boom)
+    (rec,) = harness.run_model(_zoo(_plain, ("export",)), modes=["export_lift"])
+    assert rec["status"] == "unavailable", rec
+    assert rec["error"].startswith("the original artifact fails without flashpass"), rec
