@@ -261,9 +261,8 @@ def _export_mode(model, built, route, rec, t, s, ref):
         rec["pass_s"] = round(time.perf_counter() - t0, 3)
         got = _block(new.call(*args))
     except Exception:
-        # JAX may reject an artifact only when it is lowered again (CHLO's
-        # `top_k` in MoE models): where the original artifact cannot run
-        # either, there is no input for the pass; otherwise the error is ours.
+        # Where the original artifact cannot run either, there is no input
+        # for the pass; otherwise the error is the pass's.
         with _original_runs("the original artifact"):
             _block(exp.call(*args))
         raise

@@ -96,8 +96,9 @@ def _is_constant_op(value) -> bool:
 def _one_op_module(op, captured: list, functions: dict, constants=()):
     ir = compat.ir_module()
     func = compat.func_dialect()
-    calls = len(op.regions) or "called_computations" in op.attributes
-    called = _called(op, functions) if calls else []
+    # Every function the op names: a region's calls, ``called_computations``,
+    # a composite's ``decomposition`` (a module without it does not verify).
+    called = _called(op, functions)
     with op.context, ir.Location.unknown():
         module = ir.Module.create()
         with ir.InsertionPoint(module.body):

@@ -11,8 +11,30 @@ from jax import lax
 from flashpass import compat
 
 from . import sharded
-from .rules import NoRule, _rule
+from .rules import NoRule, _attr, _int, _rule
 from .values import LiftError, Splat, constant_value, dense_constant, materialize, tensor_aval
+
+# --------------------------------------------------------------------------- composites
+
+
+@_rule("stablehlo.composite")
+def _composite(interp, op, operands):
+    """A composite (how JAX lowers ``lax.top_k``, and how libraries wrap an op
+    with a portable definition): the op its name stands for where lax has it,
+    else its ``decomposition`` function, which is its meaning."""
+    ir = compat.ir_module()
+    name = ir.StringAttr(op.attributes["name"]).value
+    attrs = _attr(op, "composite_attributes")
+    attrs = ir.DictAttr(attrs) if attrs is not None else {}
+    if name == "chlo.top_k" and len(operands) == 1 and "k" in attrs:
+        k = _int(attrs["k"])
+        values, indices = lax.top_k(materialize(operands[0]), k)
+        want = tensor_aval(op.results[1].type)
+        if values.shape == tensor_aval(op.results[0].type).shape and indices.dtype == want.dtype:
+            return [values, indices]
+    callee = ir.FlatSymbolRefAttr(op.attributes["decomposition"]).value
+    return interp.call(callee, list(operands))
+
 
 # --------------------------------------------------------------------------- control flow
 
