@@ -274,7 +274,46 @@ def _export_mode(model, built, route, rec, t, s, ref):
     rec["silent"] = _silent(rec)
     rec["dense_operands"] = []
     rec["fwd_err"] = checks.tree_rel_error(got, want)
+    _export_gradient(rec, built, exp, new)
     _truth_errors(rec, ref.exact, got, want, train=False)
+
+
+def _export_gradient(rec, built, exp, new) -> None:
+    """``grad_err``: the rewritten artifact's gradient (of the mean square of
+    its floating outputs, in its floating params) against the original
+    artifact's.  Where the original has none (JAX cannot differentiate it),
+    ``grad_note`` says so and nothing is compared; where only the rewritten
+    one has none (an island without a derivative), the error is infinite."""
+    try:
+        want = _artifact_gradient(built, exp.call)
+    except Exception as err:
+        rec["grad_note"] = f"the original artifact has no gradient: {_error_text(err)}"
+        return
+    if new is exp:  # kept unchanged: the same program
+        rec["grad_err"] = 0.0
+        return
+    try:
+        got = _artifact_gradient(built, new.call)
+    except Exception as err:
+        rec["grad_note"] = f"the rewritten artifact has no gradient: {_error_text(err)}"
+        rec["grad_err"] = float("inf")
+        return
+    rec["grad_err"] = checks.tree_rel_error(got, want)
+
+
+def _artifact_gradient(built, call):
+    leaves, tree = jax.tree_util.tree_flatten(built.params)
+    floats = [i for i, x in enumerate(leaves) if jnp.issubdtype(jnp.result_type(x), jnp.floating)]
+
+    def loss(values):
+        full = list(leaves)
+        for i, x in zip(floats, values, strict=True):
+            full[i] = x
+        out = call(jax.tree_util.tree_unflatten(tree, full), *built.inputs)
+        outs = [x for x in jax.tree_util.tree_leaves(out) if jnp.issubdtype(x.dtype, jnp.floating)]
+        return sum(jnp.mean(jnp.square(x.astype(jnp.float32))) for x in outs)
+
+    return _block(jax.jit(jax.grad(loss))([leaves[i] for i in floats]))
 
 
 def _above(rec: dict) -> bool:

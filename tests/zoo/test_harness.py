@@ -1,6 +1,9 @@
-"""The zoo harness's classification of a mode that has no input to run."""
+"""The zoo harness: the classification of a mode that has no input to run, and
+the export modes' gradient check against the original artifact's."""
 
 from __future__ import annotations
+
+import types
 
 import jax
 import jax.numpy as jnp
@@ -76,3 +79,55 @@ def test_a_pass_error_on_an_artifact_that_cannot_run_is_unavailable(monkeypatch)
     (rec,) = harness.run_model(_zoo(_plain, ("export",)), modes=["export_lift"])
     assert rec["status"] == "unavailable", rec
     assert rec["error"].startswith("the original artifact fails without flashpass"), rec
+
+
+def _weighted(params, x):
+    q = x * params["w"]
+    s = jnp.einsum("btd,bsd->bts", q, x) / 4.0
+    return jax.nn.softmax(s, axis=-1) @ x
+
+
+def _weighted_zoo():
+    rng = np.random.default_rng(1)
+    x = jnp.asarray(rng.standard_normal((2, 32, 16)), jnp.float32)
+    params = {"w": jnp.asarray(rng.standard_normal((16,)), jnp.float32), "n": jnp.int32(3)}
+    built = Built(forward=_weighted, params=params, inputs=(x,), seq=(32, 32))
+    return ZooModel("jax_native", "weighted", "test", lambda: built, ("export",)), built
+
+
+@pytest.mark.parametrize("mode", ["export_lift", "export_splice"])
+def test_an_export_mode_compares_the_gradient_with_the_original_artifacts(mode):
+    model, _ = _weighted_zoo()
+    (rec,) = harness.run_model(model, modes=[mode])
+    assert rec["status"] == "ok" and rec["rewritten"] == 1, rec
+    assert rec["grad_err"] is not None and rec["grad_err"] < 1e-4, rec
+
+
+def test_an_export_whose_gradient_differs_fails(monkeypatch):
+    model, _ = _weighted_zoo()
+    real = harness.flashpass.export.rewrite_and_explain
+
+    def wrong_gradient(exp, **kwargs):
+        # The rewritten artifact's values, half its gradient in the params:
+        # the forward check alone would pass it.
+        new, report = real(exp, **kwargs)
+
+        @jax.custom_vjp
+        def call(params, x):
+            return new.call(params, x)
+
+        def fwd(params, x):
+            return call(params, x), (params, x)
+
+        def bwd(res, g):
+            gp, gx = jax.vjp(new.call, *res)[1](g)
+            half = lambda t: t if t.dtype == jax.dtypes.float0 else 0.5 * t  # noqa: E731
+            return jax.tree_util.tree_map(half, gp), gx
+
+        call.defvjp(fwd, bwd)
+        return types.SimpleNamespace(call=call), report
+
+    monkeypatch.setattr(harness.flashpass.export, "rewrite_and_explain", wrong_gradient)
+    (rec,) = harness.run_model(model, modes=["export_lift"])
+    assert rec["fwd_err"] < 1e-5, rec
+    assert rec["status"] == "fail" and "gradient numerics" in rec["problems"], rec
