@@ -41,12 +41,16 @@ def layer_of(node) -> str:
                 parts.append(part)
     if parts:
         return "/".join(parts)
-    for eqn in (node.eqn, *reversed(node.call_eqns)):
-        frames = compat.user_frames(eqn)
-        own = [(f, line) for f, line in frames if not _is_library(f)]
-        if own or frames:
-            file, line = (own or frames)[0]
-            return display_path(f"{file}:{line}")
+    # An equation's traceback stops at the boundary of the call that holds it
+    # (a library's jit-wrapped helper: equinox's `filter_jit` around haliax's
+    # einsum): the stack continues in the holding calls' tracebacks, so the
+    # nearest frame of the user's own code is looked for along all of them
+    # before falling back to the innermost library frame.
+    stack = [f for eqn in (node.eqn, *reversed(node.call_eqns)) for f in compat.user_frames(eqn)]
+    own = [(f, line) for f, line in stack if not _is_library(f)]
+    if own or stack:
+        file, line = (own or stack)[0]
+        return display_path(f"{file}:{line}")
     return ""
 
 

@@ -69,6 +69,44 @@ def test_layer_without_a_name_stack_is_the_users_line():
         assert r.layer.split(":")[0].endswith(here), r.layer
 
 
+_LIBRARY_SOURCE = """
+import jax
+import jax.numpy as jnp
+
+
+def _jitted(fn):
+    return jax.jit(lambda *a: fn(*a))  # a library's jit wrapper (equinox's filter_jit)
+
+
+einsum = _jitted(lambda a, b: jnp.einsum("bhqk,bkhd->bqhd", a, b))
+
+
+def attention(q, k, v):
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, k)
+    return einsum(jax.nn.softmax(s, axis=-1), v)
+"""
+
+
+def test_layer_through_a_library_jit_helper_is_the_users_line():
+    """haliax's products run through equinox's ``filter_jit``: the equation's
+    traceback stops at the jit boundary (the wrapper's frame only), and the
+    user's line is in the holding call's traceback."""
+    import sysconfig
+
+    path = os.path.join(sysconfig.get_paths()["purelib"], "fake_attention_library.py")
+    lib: dict = {}
+    exec(compile(_LIBRARY_SOURCE, path, "exec"), lib)
+
+    def model(q, k, v):
+        return lib["attention"](q, k, v)
+
+    q = jnp.ones((1, 16, 2, 8))
+    report = flashpass.optimize(model, kernel="blockwise").explain(q, q, q)
+    assert len(report.rewrites) == 1, str(report)
+    here = os.path.basename(__file__)
+    assert report.rewrites[0].layer.split(":")[0].endswith(here), report.rewrites[0].layer
+
+
 def test_dot_product_attention_without_groups_is_not_grouped():
     q = jnp.ones((1, 16, 2, 8))
     kv = jnp.ones((1, 16, 1, 8))

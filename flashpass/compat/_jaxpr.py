@@ -136,14 +136,38 @@ def scan_counts(params) -> tuple[int, int]:
 
 
 def is_view_identity(eqn) -> bool:
-    """An equation the pass's view reads as its operand: a no-op rounding, or a
+    """An equation the pass's view reads as its operand: a no-op rounding, a
     change of type only (`pvary` in a ``shard_map`` body with ``check_vma``,
-    which a backward template traced outside the body does not have)."""
+    which a backward template traced outside the body does not have), or a
+    window over the whole operand (`is_whole_window`)."""
     from ._sharding import VALUE_IDENTITY_PRIMITIVES
 
     if eqn.primitive.name in VALUE_IDENTITY_PRIMITIVES:
         return len(eqn.invars) == 1 and len(eqn.outvars) == 1
-    return is_noop_rounding(eqn)
+    return is_noop_rounding(eqn) or is_whole_window(eqn)
+
+
+def is_whole_window(eqn) -> bool:
+    """A ``dynamic_slice`` whose window is the operand's whole shape, or a
+    ``slice`` from 0 to each extent with unit strides: an identity.  A dynamic
+    start is clamped to ``[0, extent - size]``, which is ``[0, 0]`` here, so
+    whatever its value the output is the operand (haliax materialises a
+    mask through ``mask[QPos, dslice(0, QPos.size), ...]``, a ``dynamic_slice``
+    at traced-or-literal zeros over the full extents)."""
+    prim = eqn.primitive.name
+    if prim not in ("dynamic_slice", "slice") or len(eqn.outvars) != 1:
+        return False
+    shape = tuple(eqn.invars[0].aval.shape)
+    if tuple(eqn.outvars[0].aval.shape) != shape:
+        return False
+    if prim == "dynamic_slice":
+        return tuple(eqn.params.get("slice_sizes", ())) == shape
+    strides = eqn.params.get("strides")
+    return (
+        tuple(eqn.params.get("start_indices", ())) == (0,) * len(shape)
+        and tuple(eqn.params.get("limit_indices", ())) == shape
+        and (strides is None or all(s == 1 for s in strides))
+    )
 
 
 def bind_view_identity(eqn, value) -> list:
@@ -152,6 +176,8 @@ def bind_view_identity(eqn, value) -> list:
     original did not) passes it on as it is."""
     from ._sharding import varying_axes
 
+    if is_whole_window(eqn):  # its start indices select nothing: the operand itself
+        return [value]
     if eqn.primitive.name == "pvary":
         axes = eqn.params.get("axes", ())
         axes = set(axes) if isinstance(axes, tuple | list) else {axes}
