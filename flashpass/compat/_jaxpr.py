@@ -392,7 +392,22 @@ def dce_closed_jaxpr(closed, used_outputs=None):
     used = [True] * len(jaxpr.outvars) if used_outputs is None else list(used_outputs)
     # Since JAX 0.11 the constants stay attached (constvars are never pruned).
     new, _ = _pe.dce_jaxpr(jaxpr, used, instantiate=True)
-    return new if UNIFIED_JAXPR else closed_jaxpr(new, consts)
+    if UNIFIED_JAXPR:
+        return new
+    return closed_jaxpr(*_read_constants(new, consts))
+
+
+def _read_constants(jaxpr, consts) -> tuple:
+    """``(jaxpr, consts)`` without the constants no equation or output reads.
+    JAX's `dce_jaxpr` keeps every ``constvar``: a constant only dead
+    equations read (a causal buffer a rewritten site no longer slices) would
+    stay held by the closed jaxpr, and be an argument of the compiled program."""
+    read = {id(v) for eqn in jaxpr.eqns for v in eqn.invars if isinstance(v, _core.Var)}
+    read |= {id(v) for v in jaxpr.outvars if isinstance(v, _core.Var)}
+    kept = [(v, c) for v, c in zip(jaxpr.constvars, consts, strict=True) if id(v) in read]
+    if len(kept) == len(jaxpr.constvars):
+        return jaxpr, consts
+    return jaxpr.replace(constvars=[v for v, _ in kept]), [c for _, c in kept]
 
 
 def dce_loop_bodies(closed):
