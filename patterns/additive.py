@@ -18,8 +18,10 @@ with the ops' own ``keep`` on every row), the descriptors are all.  Otherwise
 that excludes the diagonal) an `EmptyRows` op follows them, and the rows
 they leave empty are computed as the original's ``softmax(s + fill)``
 (`flashpass.kernels.empty_rows`).  Only a factor that is itself a ``T x S``
-mask, or a second such additive mask on the site, keeps the bias whole, with
-the reason recorded for the report (`SiteBuilder.dense_notes`).  A fill of
+mask, a second such additive mask on the site, or another bias on the
+scores with no bound that the fill still excludes beyond (`_spread`), keeps
+the bias whole, with the reason recorded for the report
+(`SiteBuilder.dense_notes`).  A fill of
 exactly ``-inf`` makes such a row NaN in both spellings, but only the
 additive one passes that NaN on to the scores' cotangent (``where`` drops
 it at every excluded key, ``+`` does not), so q and k get NaN gradients
@@ -92,18 +94,62 @@ class AdditiveGroup:
     def why_dense(self, build, others) -> str | None:
         """Why the group must be the original bias again (None: it need not).
         ``others``: the site's ops outside the group."""
-        if any(isinstance(op, Bias) for op in others):
-            # Another bias can lower the keys this mask keeps to its fill's
-            # level, where s + fill and the fill itself no longer agree.
+        # Another bias can lower the keys this mask keeps to its fill's level,
+        # where s + fill and the fill itself no longer agree, unless its values
+        # are bounded: then it narrows the gap by at most its spread.
+        spread = _spread(build, [op for op in others if isinstance(op, Bias)])
+        if spread is None:
             return "the additive mask is added with another bias (it stays one dense array)"
         for i, op in enumerate(build.ops):
             if self.holds(op) and hasattr(op, "fill"):
                 if not excludes(fill_after(op.fill, build.ops[i + 1 :])):
                     return ""  # a later op undoes its exclusion: the literal bias, no note
+                if spread and not excludes(fill_after(op.fill, build.ops[i + 1 :]) + spread):
+                    return "the additive mask is added with another bias (it stays one dense array)"
         return None
 
     def literal(self, build):
         return literal_bias(build, self.profile, self.sign, self.filled)
+
+
+def _spread(build, biases) -> float | None:
+    """How far the biases ``biases`` (ops of ``build``) may move one key's
+    final score against another's: the sum of each bias's spread ``hi - lo``
+    (its values' interval, proven by `bounds.interval`), times the factors of
+    the `Scale` ops after it.  0 for none; None when a bias has no proven
+    bound, or an op after it does more than scale scores (a soft-cap).
+
+    Beside an additive mask with fill ``f``, an excluded key's final score is
+    ``s_j + b_j + f`` (in any association: ``(s + b) + m``, ``(s + m) + b``)
+    and a kept key's ``s_k + b_k``, so the excluded one's lead over the row's
+    best kept key is at most ``f + spread`` (the ``s`` differences taken as
+    for a mask alone): when that still `excludes`, its weight is exactly
+    zero in the original, as where the descriptors drop it.  A row the mask
+    empties is run with every bias (`EmptyRows`), as the original computes it.
+    Torch's BLOOM: ``alibi.baddbmm(q, k^T, beta=1, alpha=1/sqrt(d))`` then the
+    ``finfo.min`` mask added, ALiBi bounded from the int attention mask."""
+    from flashpass.ops import Scale
+    from flashpass.ops.base import ScoreOp
+
+    from .bounds import interval
+
+    total = 0.0
+    for bias in biases:
+        source = build.extras[bias.index]
+        if source.transform not in (None, Transform.NEG):
+            return None
+        bound = interval(build.scope, source.atom)
+        if bound is None:
+            return None
+        width = bound[1] - bound[0]
+        at = next(i for i, op in enumerate(build.ops) if op is bias)
+        for op in build.ops[at + 1 :]:
+            if isinstance(op, Scale):
+                width *= abs(float(op.value))
+            elif type(op).final_score is not ScoreOp.final_score:
+                return None
+        total += width
+    return total
 
 
 def settle(build) -> None:

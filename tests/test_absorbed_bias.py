@@ -81,7 +81,37 @@ def bloom_term_first(q, k, v, mask):
     return _attention(q, k, v, _alibi(mask) + jnp.where(keep, 0.0, MIN))
 
 
-POSITIVE = {"bloom": bloom, "term_first": bloom_term_first}
+def _baddbmm_scores(q, k, mask):
+    # Torch's BLOOM: alibi.baddbmm(q, k^T, beta=1, alpha=1/sqrt(d)) over B * H
+    # batches, viewed back as [B, H, T, S]: the term is added to the scores.
+    q3, k3 = (x.reshape(B * H, T, D) for x in (q, k))
+    alibi = _alibi(mask).reshape(B * H, 1, T)
+    scores = 1.0 * alibi + D**-0.5 * jnp.einsum("ntd,nsd->nts", q3, k3)
+    return scores.reshape(B, H, T, T)
+
+
+def _weights_times_v(s, v):
+    return jnp.einsum("bhts,bhsd->bhtd", jax.nn.softmax(s, axis=-1), v)
+
+
+def bloom_torch(q, k, v, mask, fill=MIN):
+    # ... then the additive mask added to that sum.
+    keep = _keep(mask)
+    return _weights_times_v(_baddbmm_scores(q, k, mask) + jnp.where(keep, 0.0, fill), v)
+
+
+def mask_then_term(q, k, v, mask):
+    # The mask added to the scores first, the term after it.
+    s = jnp.einsum("bhtd,bhsd->bhts", q, k) * D**-0.5 + jnp.where(_keep(mask), 0.0, MIN)
+    return _weights_times_v(s + _alibi(mask), v)
+
+
+POSITIVE = {
+    "bloom": bloom,
+    "term_first": bloom_term_first,
+    "torch": bloom_torch,
+    "mask_then_term": mask_then_term,
+}
 
 
 @pytest.mark.parametrize("name", sorted(POSITIVE))
@@ -100,9 +130,10 @@ def test_mask_and_term_become_descriptors(name, rng):
     assert_same_function(fn, flashpass.optimize(fn, kernel="blockwise"), *args, argnums=(0, 1, 2))
 
 
-def test_training_step_leaves_no_t_by_s(rng):
+@pytest.mark.parametrize("fn", [bloom, bloom_torch], ids=lambda f: f.__name__)
+def test_training_step_leaves_no_t_by_s(fn, rng):
     args = (*_qkv(rng), _mask())
-    report, rewritten, original = optimized_step(bloom, args)
+    report, rewritten, original = optimized_step(fn, args)
     assert [r.passes for r in report.rewrites] == ["forward+backward"], str(report)
     assert_no_t_by_s(rewritten, T, T, control=original)
 
@@ -179,6 +210,38 @@ def test_empty_rows_leave_the_absorbed_term_out(rng):
     np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
 
 
+def torch_large_term(q, k, v, mask):
+    # The term (up to 250, on the keys the mask keeps) added to the scores
+    # before a -1e9 mask (a unit of 64 there): the fill does not absorb it,
+    # but it still excludes every key it fills (-1e9 + 250 is far below any
+    # kept score).
+    keep = _keep(mask)
+    term = (1e3 * _slopes()[:, None] * (mask > 0)[:, None, :])[:, :, None, :]
+    s = jnp.einsum("bhtd,bhsd->bhts", q, k) * D**-0.5 + term
+    return _weights_times_v(s + jnp.where(keep, 0.0, -1e9), v)
+
+
+def test_empty_rows_keep_a_term_added_before_the_mask(rng):
+    # An empty row is (s + a) + f in the original: f's rounding keeps the
+    # term's steps, so the row's weights go to the keys it raises (not the
+    # uniform row of s + f).  The filled call adds the term before the fill.
+    args = (*_qkv(rng), _mask())
+    opt = flashpass.optimize(torch_large_term, kernel="blockwise")
+    got = jax.jit(opt)(*args)
+    report = opt.reports[-1]
+    assert len(report.rewrites) == 1 and not report.rewrites[0].dense, str(report)
+    assert_no_t_by_s(
+        kernel_operand_shapes(opt.rewritten_jaxpr(*args), constants=False, qkv=False), T, T
+    )
+    want = torch_large_term(*args)
+    v = args[2]
+    uniform = np.broadcast_to(np.mean(v[2], axis=1, keepdims=True), (H, 50, D))
+    assert not np.allclose(want[2, :, :50], uniform, atol=1e-3)  # the term counts there
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
+    optimized = flashpass.optimize(torch_large_term, kernel="blockwise")
+    assert_same_function(torch_large_term, optimized, *args, argnums=(0, 1, 2))
+
+
 # --------------------------------------------------------------------------- near misses
 
 
@@ -194,10 +257,26 @@ def float_term(q, k, v, mask, term):
     return _attention(q, k, v, jnp.where(_keep(mask), 0.0, MIN) + term)
 
 
-@pytest.mark.parametrize("fn", [small_fill, float_term], ids=lambda f: f.__name__)
+def torch_wide_term(q, k, v, mask):
+    # Torch's order, but ALiBi from an int32 cumsum may spread over 2**32
+    # quarter-units (0.25 * 2**32 > 1e9): a -1e9 mask beside it may no longer
+    # exclude a key.
+    return bloom_torch(q, k, v, mask, fill=-1e9)
+
+
+def torch_float_term(q, k, v, mask, term):
+    # A float input added to the scores before the mask: no bound.
+    s = jnp.einsum("bhtd,bhsd->bhts", q, k) * D**-0.5 + term
+    return _weights_times_v(s + jnp.where(_keep(mask), 0.0, MIN), v)
+
+
+NEAR_MISSES = [small_fill, float_term, torch_wide_term, torch_float_term]
+
+
+@pytest.mark.parametrize("fn", NEAR_MISSES, ids=lambda f: f.__name__)
 def test_near_misses_stay_dense_and_exact(fn, rng):
     args = (*_qkv(rng), _mask())
-    if fn is float_term:
+    if fn in (float_term, torch_float_term):
         args = (*args, jnp.asarray(rng.standard_normal((B, H, 1, T)), jnp.float32))
     opt = flashpass.optimize(fn, kernel="blockwise")
     got = jax.jit(opt)(*args)
