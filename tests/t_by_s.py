@@ -8,6 +8,10 @@ q, k and v (``[B, H, T, D]`` with ``D`` below the sequence length) do not
 qualify; test shapes must keep them out (``D < min(T, S)`` and ``B * H * D <
 S``), which `assert_no_t_by_s` checks through its positive control.  A 1-D
 buffer of ``T * S`` elements escapes the rule: XLA keeps a score matrix 2-D.
+The rule reads shapes, not provenance, so any other array with two axes of
+at least ``min(T, S)`` counts too: a model's MLP activations ``[B, T, F]``
+(a fused gate-and-up projection is ``2 * intermediate`` wide, a mixture of
+experts' ``[B * T * top_k, F, W]`` gathered weights) need ``F < min(T, S)``.
 """
 
 from __future__ import annotations

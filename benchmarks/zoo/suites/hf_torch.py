@@ -437,6 +437,10 @@ _GQA = dict(
     num_attention_heads=HEADS, num_key_value_heads=KV, max_position_embeddings=2 * T,
 )  # fmt: skip
 _MHA = {k: v for k, v in _GQA.items() if k != "num_key_value_heads"}
+# A fused gate-and-up projection is 2 * intermediate_size wide, an expert's
+# per token and expert: at 2 * (2 * W) = T it could hold a T x T matrix by
+# shape alone (tests/t_by_s.py), so those models take intermediate_size = W.
+_GQA_FUSED_MLP = _GQA | {"intermediate_size": W}
 _BERT = dict(
     vocab_size=VOCAB, hidden_size=W, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
     intermediate_size=2 * W, max_position_embeddings=T + 2,
@@ -503,7 +507,8 @@ _ENTRIES = [
         "MistralForCausalLM", "MistralConfig", i, sliding_window=None, **_GQA), _BOTH, False),
     ("MixtralForCausalLM", "decoder", lambda i: causal_lm(
         "MixtralForCausalLM", "MixtralConfig", i, sliding_window=None, num_local_experts=4,
-        num_experts_per_tok=2, experts_implementation="batched_mm", **_GQA), _BOTH, False),
+        num_experts_per_tok=2, experts_implementation="batched_mm", **_GQA_FUSED_MLP), _BOTH,
+        False),
     ("Qwen2ForCausalLM", "decoder", lambda i: causal_lm(
         "Qwen2ForCausalLM", "Qwen2Config", i, **_GQA), _BOTH, False),
     ("Qwen3ForCausalLM", "decoder", lambda i: causal_lm(
@@ -515,7 +520,7 @@ _ENTRIES = [
     ("PhiForCausalLM", "decoder", lambda i: causal_lm(
         "PhiForCausalLM", "PhiConfig", i, **_MHA), _BOTH, False),
     ("Phi3ForCausalLM", "decoder", lambda i: causal_lm(
-        "Phi3ForCausalLM", "Phi3Config", i, pad_token_id=0, **_GQA), _BOTH, False),
+        "Phi3ForCausalLM", "Phi3Config", i, pad_token_id=0, **_GQA_FUSED_MLP), _BOTH, False),
     ("GemmaForCausalLM", "decoder", lambda i: causal_lm(
         "GemmaForCausalLM", "GemmaConfig", i, head_dim=W // HEADS, **_GQA), _BOTH, False),
     ("Gemma2ForCausalLM", "decoder", lambda i: causal_lm(
