@@ -156,6 +156,10 @@ def save(suite: str, records: list[dict], command: str, wall_s: float, merge: bo
         # The sweep's own date and commit stay; the refresh says its own.
         refreshed = sorted({r["model"] for r in records if key(r) in mine})
         refreshes = list(old["meta"].get("refreshes", []))
+        last = refreshes[-1] if refreshes else None
+        if last and last["commit"] == meta["commit"] and set(last["models"]) <= set(refreshed):
+            # The same refresh saved again after its next model (`each`): one entry.
+            refreshes.pop()
         refreshes.append({"date": meta["date"], "commit": meta["commit"], "models": refreshed})
         meta["refreshes"] = refreshes
         for name in ("date", "commit", "command"):
