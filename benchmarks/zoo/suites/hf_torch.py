@@ -8,8 +8,9 @@ torchax's SDPA reference).  Models with both get two entries, ``[eager]`` and
 
 Tiny configs (hidden 64, 4 heads of 16, 2 layers, 2 KV heads where the
 model has grouped queries, MLPs of 128 so that no activation is as big as a
-256 x 256 score matrix for the T x S checks; BLOOM, whose MLP is 4x, has
-hidden 48), PyTorch's own random init under a fixed seed,
+256 x 256 score matrix for the T x S checks: 64 where gate and up are one
+fused projection of twice that width, Phi-3's and Mixtral's experts'; BLOOM,
+whose MLP is 4x, has hidden 48), PyTorch's own random init under a fixed seed,
 nothing downloaded.  Sequences of 256 (encoder-decoders: 256 encoder / 128
 decoder tokens; vision: 256 patches and a class token; Whisper: 256 encoder
 positions).  Text inputs carry a padding mask with the second example
