@@ -390,24 +390,31 @@ def dce_closed_jaxpr(closed, used_outputs=None):
     jaxpr, consts = closed_parts(closed)
     # JAX < 0.10 takes one bool per output (no bare ``True`` shorthand).
     used = [True] * len(jaxpr.outvars) if used_outputs is None else list(used_outputs)
-    # Since JAX 0.11 the constants stay attached (constvars are never pruned).
+    # Since JAX 0.11 the constants stay attached (dce_jaxpr keeps them).
     new, _ = _pe.dce_jaxpr(jaxpr, used, instantiate=True)
-    if UNIFIED_JAXPR:
-        return new
-    return closed_jaxpr(*_read_constants(new, consts))
+    new, consts = _read_constants(new, consts)
+    return new if UNIFIED_JAXPR else closed_jaxpr(new, consts)
 
 
 def _read_constants(jaxpr, consts) -> tuple:
     """``(jaxpr, consts)`` without the constants no equation or output reads.
     JAX's `dce_jaxpr` keeps every ``constvar``: a constant only dead
     equations read (a causal buffer a rewritten site no longer slices) would
-    stay held by the closed jaxpr, and be an argument of the compiled program."""
+    stay held by the closed jaxpr.  Since JAX 0.11 the values are attached to
+    the jaxpr and replaced with its ``constvars``; where that API differs,
+    the constants are kept (nothing reads them)."""
     read = {id(v) for eqn in jaxpr.eqns for v in eqn.invars if isinstance(v, _core.Var)}
     read |= {id(v) for v in jaxpr.outvars if isinstance(v, _core.Var)}
     kept = [(v, c) for v, c in zip(jaxpr.constvars, consts, strict=True) if id(v) in read]
     if len(kept) == len(jaxpr.constvars):
         return jaxpr, consts
-    return jaxpr.replace(constvars=[v for v, _ in kept]), [c for _, c in kept]
+    constvars, values = [v for v, _ in kept], [c for _, c in kept]
+    if not UNIFIED_JAXPR:
+        return jaxpr.replace(constvars=constvars), values
+    try:
+        return jaxpr.replace(constvars=constvars, consts=values), values
+    except (TypeError, ValueError):
+        return jaxpr, consts
 
 
 def dce_loop_bodies(closed):
