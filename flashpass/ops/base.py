@@ -14,7 +14,8 @@ also answers, for every consumer, what it means:
 
 Each kind names its ``stage``: a score op proper (``"scores"``), the
 softmax's normaliser (`Sink`), an op on the probabilities (`Dropout`), or the
-rows a mask empties (`EmptyRows`, run by combining two kernel calls); the spec
+rows a mask empties (`EmptyRows`, a combinator: it names the kernels module
+that runs a spec holding it as two kernel calls, `combinator`); the spec
 keeps each stage in a field of its own.  Consumers loop over a spec's ops and
 ask; none switches on the kind.
 """
@@ -89,6 +90,10 @@ class ScoreOp:
     stage: ClassVar[str] = "scores"
     #: A constant every score is multiplied by (`Scale`), else None.
     multiplier: ClassVar[float | None] = None
+    #: A combinator (an op no kernel sees: a spec holding it runs as several
+    #: calls of one kernel) names the module of `flashpass.kernels` that runs
+    #: it (`flashpass.kernels.combine`); None: the kernels apply the op.
+    combinator: ClassVar[str | None] = None
 
     def report_word(self, spec) -> str | None:
         """The word naming this op in a rewrite's ``mask`` field (`word`; a
