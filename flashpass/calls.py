@@ -14,7 +14,7 @@ import typing
 
 import jax
 
-from flashpass.kernels import empty_rows
+from flashpass.kernels import combine
 
 from .graph import KERNEL_PREFIX
 
@@ -68,7 +68,7 @@ class CacheInfo(typing.NamedTuple):
 
 def _make(kernel, spec, interpret: bool, kv_layout: str):
     def call(q, k, v, *extras):
-        return empty_rows.apply(
+        return combine.apply(
             kernel, spec, q, k, v, extras, interpret=interpret, kv_layout=kv_layout
         )
 

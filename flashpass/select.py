@@ -20,8 +20,8 @@ import jax
 from flashpass.kernels import (
     CheckContext,
     Kernel,
+    combine,
     default_order,
-    empty_rows,
     get_kernel,
     kernel_names,
 )
@@ -77,7 +77,7 @@ def choose(spec, kernels: list[Kernel], ctx: CheckContext, step: bool = False):
             rejections[kernel.name] = dropout_reasons(spec, kernel)
             continue
         try:
-            reasons = empty_rows.check(kernel, spec, ctx)
+            reasons = combine.check(kernel, spec, ctx)
             if step:
                 reasons += list(kernel.step_reasons(spec))
         except Exception as err:
@@ -180,11 +180,11 @@ def _materialised_note(kernel: Kernel, spec, closed, interpret: bool) -> str | N
         return None
     if any(_is_t_by_s(e.shape, t, s) for e in spec.extras):
         return None  # the site's own operand is T x S already
-    parts = empty_rows.split(spec)
+    parts = combine.parts(spec)
     if parts is not None:
-        # The kernel's own two calls, not the row pass around them (whose
-        # key chunks may span a short sequence).
-        for part in (parts.masked, parts.filled):
+        # The kernel's own calls, not the combinator's work around them (the
+        # empty rows' key chunks may span a short sequence).
+        for part in parts:
             call = kernel_call(kernel, part, interpret)
             note = _materialised_note(
                 kernel, part, jax.make_jaxpr(call)(*_operands(part)), interpret

@@ -121,6 +121,26 @@ def constrained(scope):
     return sharding_of
 
 
+def stated(site: AttentionSite, scope, kernel) -> ShardPlan | str | None:
+    """What the program (``scope``) states of how ``site`` runs on its
+    operands' mesh at trace time, for ``kernel``: `analyze` of their types,
+    k and v read from before the program's gathers (`before_gather`), or,
+    where that finds no ring, of the ``sharding_constraint``s on q/k/v
+    (`constrained`: how Auto-axes code says it, read only to find a ring).
+    A `ShardPlan`, None (unsharded) or the reason to keep the site."""
+    site = before_gather(site, scope)
+    result = mesh_of(site, lambda atom: compat.named_sharding_of(scope.aval(atom)))
+    if result is not None and not isinstance(result, str):
+        # (On Auto axes the types state nothing; XLA partitions a kernel it can.)
+        reason = auto_axes_reason(result, kernel)
+        result = reason if reason is not None else analyze(site, scope.aval)
+    if result is None or (isinstance(result, ShardPlan) and result.ring is None):
+        hinted = analyze(site, scope.aval, constrained(scope))
+        if isinstance(hinted, ShardPlan) and hinted.ring is not None:
+            result = hinted
+    return result
+
+
 def before_gather(site: AttentionSite, scope) -> AttentionSite:
     """With Explicit mesh axes, code attending a sequence-sharded q to k/v
     must gather k and v itself (``jax.sharding.reshard(k, P())``): read them

@@ -18,8 +18,10 @@ where their scores all round to the fill, for the mean of v only
 descriptors do, but its gradient is not theirs: the fill is then per row
 (`_minus_inf_rows`).
 
-Kernels never see `EmptyRows`: selection asks a kernel about both specs
-(`check`), and the named kernel call runs `apply` (`flashpass.calls`).
+Kernels never see `EmptyRows`: the op names this module as its combinator
+(`EmptyRows.combinator`), so selection asks a kernel about both specs
+(`check`, `parts`) and the named kernel call runs `apply`, both through
+`flashpass.kernels.combine`.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from flashpass.spec import AttentionSpec, ExtraSpec
 
 from . import uniform_rows
 from .blockwise.tiles import varying
+from .combine import in_layout
 
 #: Keys per chunk of the empty-row pass: a ``[B, H|1, T, KEY_CHUNK]`` boolean
 #: block at a time.
@@ -75,6 +78,13 @@ def split(spec: AttentionSpec) -> Split | None:
     return Split(masked, filled, tuple(ops[first:at]), op)
 
 
+def parts(spec: AttentionSpec) -> tuple[AttentionSpec, AttentionSpec] | None:
+    """The specs of the two kernel calls for ``spec`` (None: it has no
+    ``empty_rows``)."""
+    found = split(spec)
+    return None if found is None else (found.masked, found.filled)
+
+
 def check(kernel, spec: AttentionSpec, ctx) -> list[str]:
     """``kernel.check`` of both specs of ``spec`` (of ``spec`` itself without
     an `EmptyRows` op)."""
@@ -101,10 +111,7 @@ def apply(
 ):
     """``kernel.apply`` for ``spec``, running an `EmptyRows` op as described
     above; k and v in ``kv_layout`` (passed on where it is not canonical)."""
-    if kv_layout != "bhsd":
-        if kv_layout not in kernel.kv_layouts:
-            raise ValueError(f"{kernel.name} does not read k and v in layout {kv_layout!r}")
-        kernel = _InLayout(kernel, kv_layout)
+    kernel = in_layout(kernel, kv_layout)
     parts = split(spec)
     if parts is None:
         return kernel.apply(spec, q, k, v, extras, interpret=interpret)
@@ -235,22 +242,6 @@ def _empty_rows_gathered(kernel, parts: Split, q, k, v, extras, empty, out, inte
     slot = jnp.clip(jnp.cumsum(empty, axis=-1) - 1, 0, None).astype(jnp.int32)
     filled = jnp.take_along_axis(rows, slot[..., None], axis=2)  # [B, H, T, Dv]
     return jnp.where(empty[..., None], filled, out)
-
-
-class _InLayout:
-    """``kernel`` whose ``apply`` reads k and v in ``kv_layout``."""
-
-    def __init__(self, kernel, kv_layout: str):
-        self.kernel, self.kv_layout = kernel, kv_layout
-
-    @property
-    def plain_jax(self) -> bool:
-        return self.kernel.plain_jax
-
-    def apply(self, spec, q, k, v, extras=(), *, interpret: bool = False):
-        return self.kernel.apply(
-            spec, q, k, v, extras, interpret=interpret, kv_layout=self.kv_layout
-        )
 
 
 def empty_rows(spec: AttentionSpec, group, extras):

@@ -218,6 +218,21 @@ def query_key_axes(build, factor: Profile, fill):
     return axes if "T" in axes and "S" in axes else None
 
 
+def folded_matrix(scope, factor, axes):
+    """The constant factor as a ``[T, S]`` matrix (equal over every other axis)."""
+    base = scope.fold(factor.base)
+    if base is None:
+        return None
+    arr = np.asarray(base)
+    t_axis, s_axis = axes["T"], axes["S"]
+    others = [a for a in range(arr.ndim) if a not in (t_axis, s_axis)]
+    arr = np.transpose(arr, [*others, t_axis, s_axis])
+    arr = arr.reshape(-1, arr.shape[-2], arr.shape[-1])
+    if not np.all(arr == arr[:1]):
+        return None
+    return arr[0]
+
+
 def score_sizes(build) -> tuple[int, int]:
     """The query and key lengths ``(T, S)`` of the site being built."""
     return build.layout.sizes["T"], build.layout.sizes["S"]

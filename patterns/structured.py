@@ -30,7 +30,14 @@ import numpy as np
 from flashpass.graph import Const
 from flashpass.spec import Causal, Chunk, Prefix, Segments, Window, excludes
 
-from .common import affine, query_key_axes, scalar_value, score_sizes, unit_reshape_map
+from .common import (
+    affine,
+    folded_matrix,
+    query_key_axes,
+    scalar_value,
+    score_sizes,
+    unit_reshape_map,
+)
 from .indicators import COMPARISONS as _CMP
 from .masks import compose, halfspaces, mask_recogniser
 
@@ -177,7 +184,7 @@ def recognise_diagonal(build, factor, keep_when, fill) -> bool:
     if vec is not None:
         keep = vec.astype(bool) == keep_when
     else:
-        mat = _folded_matrix(scope, factor, axes)
+        mat = folded_matrix(scope, factor, axes)
         if mat is None:
             return False
         keep = _toeplitz(mat == keep_when)
@@ -187,21 +194,6 @@ def recognise_diagonal(build, factor, keep_when, fill) -> bool:
     if op is None or op == "all":
         return op == "all"
     return build.add_descriptor(op, factor, keep_when, fill)
-
-
-def _folded_matrix(scope, factor, axes):
-    """The constant factor as a ``[T, S]`` matrix (equal over every other axis)."""
-    base = scope.fold(factor.base)
-    if base is None:
-        return None
-    arr = np.asarray(base)
-    t_axis, s_axis = axes["T"], axes["S"]
-    others = [a for a in range(arr.ndim) if a not in (t_axis, s_axis)]
-    arr = np.transpose(arr, [*others, t_axis, s_axis])
-    arr = arr.reshape(-1, arr.shape[-2], arr.shape[-1])
-    if not np.all(arr == arr[:1]):
-        return None
-    return arr[0]
 
 
 def _toeplitz(keep: np.ndarray) -> np.ndarray | None:
@@ -228,7 +220,7 @@ def recognise_prefix(build, factor, keep_when, fill) -> bool:
     scope = build.scope
     length = _symbolic_prefix(scope, factor.base, axes)
     if length is None:
-        mat = _folded_matrix(scope, factor, axes)
+        mat = folded_matrix(scope, factor, axes)
         if mat is None or not mat.any():
             return False
         length = int(mat[0].sum())

@@ -360,6 +360,7 @@ WINDOW = 4  # keys i - 3 .. i
 CHUNK = 4
 PREFIX = 5
 SINK_TOKENS = 2
+BLOCK = 4
 
 
 def _positions(n):
@@ -434,6 +435,14 @@ def streaming_llm(q, k, v):
     return jax.nn.softmax(s, -1) @ v
 
 
+def block_diffusion(q, k, v):
+    # block diffusion LMs (BD3-LM): causal between blocks of BLOCK, bidirectional within
+    block = _positions(q.shape[2]) // BLOCK
+    keep = block[:, None] >= block[None, :]
+    s = jnp.where(keep, q @ k.swapaxes(-1, -2) * 0.3, -1e9)
+    return jax.nn.softmax(s, -1) @ v
+
+
 def packed_segments(q, k, v, segment_ids):
     # MaxText-style packed documents: same segment and causal
     same = segment_ids[:, :, None] == segment_ids[:, None, :]
@@ -481,6 +490,7 @@ STRUCTURED = {
     "llama4_chunked": (llama4_chunked, bnth, ("Chunk(4)", "Causal(0)")),
     "prefix_lm": (prefix_lm, bnth, ("Prefix(5)",)),
     "streaming_llm": (streaming_llm, bnth, ("SinkWindow(2, 4)",)),
+    "block_diffusion": (block_diffusion, bnth, ("BlockCausal(4)",)),
     "packed_segments": (packed_segments, _segment_args, ("Segments", "Causal(0)")),
     "packed_eos_cumsum": (packed_eos_cumsum, _token_args, ("Segments",)),
 }

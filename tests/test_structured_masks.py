@@ -30,7 +30,7 @@ import flashpass
 from flashpass import graph
 from flashpass.kernels.blockwise import BlockwiseKernel
 from flashpass.kernels.reference import reference_attention
-from flashpass.ops import KINDS, SinkWindow
+from flashpass.ops import KINDS, BlockCausal, SinkWindow
 from flashpass.spec import (
     AttentionSpec,
     Bias,
@@ -191,6 +191,27 @@ def _sink_window_shifted(q, k, v):
     return jax.nn.softmax(jnp.where(keep, q @ k.swapaxes(-1, -2), -1e9), -1) @ v
 
 
+def _block_causal_shifted(q, k, v):
+    # query blocks one position ahead of the key blocks: not the op as defined
+    pos = jnp.arange(q.shape[2])
+    keep = ((pos[:, None] + 1) // 4) >= (pos[None, :] // 4)
+    return jax.nn.softmax(jnp.where(keep, q @ k.swapaxes(-1, -2), -1e9), -1) @ v
+
+
+def _block_causal_uneven(q, k, v):
+    # query blocks of 4 against key blocks of 3
+    pos = jnp.arange(q.shape[2])
+    keep = (pos[:, None] // 4) >= (pos[None, :] // 3)
+    return jax.nn.softmax(jnp.where(keep, q @ k.swapaxes(-1, -2), -1e9), -1) @ v
+
+
+def _block_anticausal(q, k, v):
+    # the blocks after the row's own: keys ahead, not behind
+    pos = jnp.arange(q.shape[2])
+    keep = (pos[:, None] // 4) <= (pos[None, :] // 4)
+    return jax.nn.softmax(jnp.where(keep, q @ k.swapaxes(-1, -2), -1e9), -1) @ v
+
+
 MAXTEXT_FILL = -0.7 * float(np.finfo(np.float32).max)
 
 
@@ -242,6 +263,9 @@ NEAR_MISSES = {
     "sink_window_anticausal": (_sink_window_anticausal, bnth, ["Mask"]),
     "sink_window_on_queries": (_sink_window_on_queries, bnth, ["Mask"]),
     "sink_window_shifted": (_sink_window_shifted, bnth, ["Mask"]),
+    "block_causal_shifted": (_block_causal_shifted, bnth, ["Mask"]),
+    "block_causal_uneven": (_block_causal_uneven, bnth, ["Mask"]),
+    "block_anticausal": (_block_anticausal, bnth, ["Mask"]),
     "additive_ids_inverted": (_additive_ids_inverted, _with_ids, ["Mask"]),
     "additive_ids_traced_threshold": (
         _additive_ids_traced_threshold,
@@ -315,6 +339,9 @@ KERNEL_CASES = {
     "sink_window": lambda t, s: [Scale(0.3), SinkWindow(3, 6, -1e9)],
     "sink_window_inf": lambda t, s: [SinkWindow(3, 6, -math.inf)],
     "sink_window_softcap": lambda t, s: [SinkWindow(10, 5, -1e9), Softcap(3.0)],
+    # (blocks of 12 against tiles of 8: a query tile's keys end inside a tile.)
+    "block_causal": lambda t, s: [Scale(0.3), BlockCausal(12, -1e9)],
+    "block_causal_inf": lambda t, s: [BlockCausal(12, -math.inf)],
 }
 
 
@@ -364,6 +391,10 @@ def test_blockwise_skips_what_descriptors_exclude():
     assert sinks.khead == (0, 0, 0) + (1,) * 13
     assert sinks.kstart[3:] == tuple(range(2, 15)) and sinks.kend[3:] == tuple(range(4, 17))
     assert sinks.qstart[0] == 0 and sinks.qend[0] == 16  # every query sees the sinks
+    # Blocks of 256, two query tiles each: both visit every key tile up to
+    # their block's end.
+    blocks = kernel.plan(_spec(t, s, [BlockCausal(256, -math.inf)]))
+    assert blocks.tiles_computed() == sum(2 * (b // 2 + 1) for b in range(16))
     # Window tiles entirely inside the band run without a mask.
     plan = kernel.plan(_spec(t, s, [Window(300, 300, -math.inf)]))
     assert any(e > f for f, e in zip(plan.kfs, plan.kfull, strict=True))
@@ -515,6 +546,7 @@ MASK_ORDER = [
     "structured.recognise_prefix",
     "structured.recognise_chunk_or_segments",
     "sink_window.recognise_sink_window",
+    "block_causal.recognise_block_causal",
 ]
 
 

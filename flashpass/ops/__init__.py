@@ -12,6 +12,7 @@ from .alibi import Alibi
 from .band_select import BandSelect
 from .base import EXCLUDED, KeepOp, Positional, Positions, ScoreOp, apply_score_ops
 from .bias_mask import Bias, Mask, step_shape
+from .block_causal import BlockCausal
 from .causal import Causal
 from .chunk import Chunk
 from .dropout import Dropout
@@ -30,7 +31,7 @@ from .window import Window
 #: descriptors.
 KINDS = (Scale, Bias, Causal, Window, Chunk, Prefix, Segments, KvLengths, Sink, Mask)
 KINDS += (Softcap, Dropout, SinkWindow, PrefixLengths, PositionMask, Alibi, BandSelect)
-KINDS += (EmptyRows,)
+KINDS += (EmptyRows, BlockCausal)
 
 #: Score ops that exclude keys by position or segment id, so kernels may skip
 #: whole blocks (`Causal` is one of them).
@@ -50,6 +51,7 @@ __all__ = [
     "DESCRIPTORS",
     "Alibi",
     "BandSelect",
+    "BlockCausal",
     "EXCLUDED",
     "KINDS",
     "STRUCTURED",

@@ -9,12 +9,16 @@ also answers, for every consumer, what it means:
   which `tile_state` (which tiles are empty or full) follows;
 * `ScoreOp.at_offset`: the op in the local positions of a ring step;
 * `ScoreOp.localized`: the op on one shard (batch and heads divided);
+* `ScoreOp.row_keys`, `ScoreOp.meets_block`, `ScoreOp.empties_a_row`,
+  `ScoreOp.key_counts` and ``keeps_first_key``: what a ring (`flashpass.ring`)
+  may skip, and which extras it shifts to a visiting K/V block;
 * `ScoreOp.extras_read`, `ScoreOp.final_score`, and class attributes for the
   descriptor names, report word and decline-reason words.
 
 Each kind names its ``stage``: a score op proper (``"scores"``), the
 softmax's normaliser (`Sink`), an op on the probabilities (`Dropout`), or the
-rows a mask empties (`EmptyRows`, run by combining two kernel calls); the spec
+rows a mask empties (`EmptyRows`, a combinator: it names the kernels module
+that runs a spec holding it as two kernel calls, `combinator`); the spec
 keeps each stage in a field of its own.  Consumers loop over a spec's ops and
 ask; none switches on the kind.
 """
@@ -89,6 +93,17 @@ class ScoreOp:
     stage: ClassVar[str] = "scores"
     #: A constant every score is multiplied by (`Scale`), else None.
     multiplier: ClassVar[float | None] = None
+    #: A combinator (an op no kernel sees: a spec holding it runs as several
+    #: calls of one kernel) names the module of `flashpass.kernels` that runs
+    #: it (`flashpass.kernels.combine`); None: the kernels apply the op.
+    combinator: ClassVar[str | None] = None
+    #: The op never takes a row's first key (key 0) from it: it excludes no
+    #: key by data and, by position, only later ones (kv lengths: where each
+    #: is at least 1, which a ring checks at run time, `empties_a_row`).  A
+    #: ring with kv lengths skips a block past every row's length only where
+    #: every op says so (`flashpass.ring.step`); False where unsure (a bias
+    #: may hold -inf).
+    keeps_first_key: ClassVar[bool] = False
 
     def report_word(self, spec) -> str | None:
         """The word naming this op in a rewrite's ``mask`` field (`word`; a
@@ -129,6 +144,36 @@ class ScoreOp:
         shard's (batch and heads divided)."""
         return self
 
+    # -- what a ring may skip (`flashpass.ring`) --------------------------------------
+
+    def row_keys(self) -> str:
+        """What the op leaves every query row, for a ring that skips the K/V
+        blocks its masks exclude (`flashpass.ring.can_skip`): ``"some"`` (a
+        key, wherever the row stands), ``"own"`` (its own position and every
+        key before it), ``"not own"`` (it may exclude the row's own position),
+        ``"own id"`` (the keys whose id is the row's: a key wherever the row's
+        own position is kept) or ``"maybe none"`` (a row may keep no key).  A
+        weaker answer than the truth only makes the ring skip less."""
+        return "some"
+
+    def meets_block(self, r0, r1, c0, c1, extras, kv_len):
+        """Whether rows ``[r0, r1]`` may keep some key of ``[c0, c1]`` under the
+        op (a traced bool; ``extras`` as the visiting block reads them,
+        ``kv_len`` the global key count), or True: it excludes no block."""
+        return True
+
+    def empties_a_row(self, extras, kv_len):
+        """Whether, at run time, some row keeps no key under the op (a traced
+        bool: the original then needs every key's fill), or False: none does."""
+        return False
+
+    def key_counts(self, kv_len: int) -> dict[int, int]:
+        """The extras holding key counts (kv lengths), which a ring step
+        shifts to its K/V block, each with the bound it is clipped to first
+        (no count past it compares differently with a key position below
+        ``kv_len``)."""
+        return {}
+
 
 class KeepOp(ScoreOp):
     """An op that replaces the scores of the keys it excludes by ``fill``."""
@@ -162,6 +207,9 @@ class Positional(KeepOp):
         op keeps more than one), which sizes a kernel's tiles."""
         ranges = self.key_ranges(qi)
         return ranges[0] if len(ranges) == 1 else None
+
+    def meets_block(self, r0, r1, c0, c1, extras, kv_len):
+        return self.meets(r0, r1, c0, c1)
 
     def keep(self, qi, kj, extras, kv_len=None):
         keep = None

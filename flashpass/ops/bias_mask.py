@@ -73,6 +73,9 @@ class Mask(KeepOp):
     def keep(self, qi, kj, extras, kv_len=None):
         return extras[self.index]
 
+    def row_keys(self):
+        return "maybe none"
+
     def apply(self, s, extras, at):  # (no positions needed)
         return jnp.where(extras[self.index], s, jnp.asarray(self.fill, s.dtype))
 

@@ -28,6 +28,13 @@ class Causal(Positional):
     def keep(self, qi, kj, extras, kv_len=None):
         return kj <= qi + self.offset
 
+    @property
+    def keeps_first_key(self) -> bool:
+        return self.offset >= 0
+
+    def row_keys(self):
+        return "own" if self.offset >= 0 else "not own"
+
     def apply(self, s, extras, at):
         # On the raw positions: the transposed form (rows -k, columns -q)
         # reads -q <= -k + offset, the same test.

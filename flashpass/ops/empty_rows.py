@@ -35,7 +35,8 @@ class EmptyRows(ScoreOp):
     where the floor lifts them, and then ``added`` is the floor).
 
     A combinator, not a score op: the spec holds it apart (``spec.empty_rows``),
-    and `flashpass.kernels.empty_rows` runs a spec holding it as two kernel
+    and `flashpass.kernels.empty_rows` (its ``combinator``, which
+    `flashpass.kernels.combine` runs) runs a spec holding it as two kernel
     calls (the mask's descriptors, and, only when some row is empty, the mask's
     fill added to every score), selected per row.  ``stop`` is set where the
     spec sorts its ops into stages (`flashpass.spec`), from the op's place in
@@ -57,6 +58,7 @@ class EmptyRows(ScoreOp):
     stop: int = dataclasses.field(default=-1, metadata={"reported": "never"})
 
     stage = "rows"
+    combinator = "empty_rows"
 
     def __post_init__(self):
         object.__setattr__(self, "dtype", np.dtype(self.dtype))

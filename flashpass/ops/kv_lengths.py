@@ -33,9 +33,22 @@ class KvLengths(KeepOp):
 
     descriptors_doc = {"kv_lengths": "per-row kv lengths (`j < lengths[b]`)"}
     word = "kv_lengths"
+    keeps_first_key = True  # (a length of 0 aside: `empties_a_row`)
 
     def extras_read(self):
         return (self.index,)
+
+    def row_keys(self):
+        return "maybe none"
+
+    def meets_block(self, r0, r1, c0, c1, extras, kv_len):
+        return c0 < jnp.max(valid_lengths(self, extras[self.index], kv_len))
+
+    def empties_a_row(self, extras, kv_len):
+        return jnp.min(valid_lengths(self, extras[self.index], kv_len)) < 1
+
+    def key_counts(self, kv_len):
+        return {self.index: kv_len + abs(self.shift) + 1}
 
     def keep(self, qi, kj, extras, kv_len=None):
         return kj < valid_lengths(self, extras[self.index], kv_len)

@@ -17,6 +17,7 @@ class Scale(ScoreOp):
     value: float
 
     uniform = True
+    keeps_first_key = True
 
     @property
     def multiplier(self) -> float:
@@ -36,6 +37,7 @@ class Softcap(ScoreOp):
     cap: float
 
     uniform = True
+    keeps_first_key = True
     descriptors_doc = {"softcap": "logit soft-cap"}
 
     def final_score(self, value):

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax.numpy as jnp
+
 from .base import KeepOp
 
 
@@ -31,6 +33,13 @@ class Segments(KeepOp):
 
     def keep(self, qi, kj, extras, kv_len=None):
         return extras[self.q_index] == extras[self.kv_index]
+
+    def row_keys(self):
+        return "own id" if self.same else "maybe none"
+
+    def meets_block(self, r0, r1, c0, c1, extras, kv_len):
+        # Some query id among the block's key ids.
+        return jnp.any(self.keep(None, None, extras))
 
     def at_offset(self, d, t, s):
         return dataclasses.replace(self, same=self.same and d == 0)

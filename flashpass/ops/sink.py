@@ -25,6 +25,7 @@ class Sink(ScoreOp):
     shape: tuple[int, ...]
 
     uniform = True
+    keeps_first_key = True
     stage = "normaliser"
     descriptors_doc = {"sinks": "attention sinks (a per-row logit in the softmax)"}
     word = "sinks"

@@ -30,6 +30,10 @@ class Window(Positional):
         keep = kj >= qi - self.left
         return keep if self.right is None else keep & (kj <= qi + self.right)
 
+    def row_keys(self):
+        own = self.left >= 0 and (self.right is None or self.right >= 0)
+        return "some" if own else "not own"
+
     def key_ranges(self, qi):
         return ((qi - self.left, None if self.right is None else qi + self.right + 1),)
 

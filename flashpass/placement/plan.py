@@ -154,17 +154,7 @@ class InProgram:
         if self._pending(planned):
             return PENDING
         scope = self.scope
-        site = sharding.before_gather(planned.site, scope)
-        mesh = sharding.mesh_of(site, lambda atom: compat.named_sharding_of(scope.aval(atom)))
-        result = mesh  # None (unsharded), or the reason (several meshes)
-        if mesh is not None and not isinstance(mesh, str):
-            # (On Auto axes the types state nothing; XLA partitions a kernel it can.)
-            reason = sharding.auto_axes_reason(mesh, planned.kernel)
-            result = reason if reason is not None else sharding.analyze(site, scope.aval)
-        if result is None or (isinstance(result, sharding.ShardPlan) and result.ring is None):
-            hinted = sharding.analyze(site, scope.aval, sharding.constrained(scope))
-            if isinstance(hinted, sharding.ShardPlan) and hinted.ring is not None:
-                result = hinted
+        result = sharding.stated(planned.site, scope, planned.kernel)
         if result is None:
             result = _body_ring(planned.site, scope)
         return result

@@ -57,7 +57,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from ..ops import ScoreOp
-from ..spec import AttentionSpec, Causal, KvLengths, Mask, Segments, Window
+from ..spec import AttentionSpec
 from . import backward, cases, forward
 from .step import RingStep
 
@@ -90,17 +90,15 @@ def can_skip(spec: AttentionSpec, q_global: bool) -> bool:
     be skipped.  With kv lengths a row may keep no key at all, and the original
     then averages over every key's fill (those rings skip by length at run
     time only, `visible`); with segment ids too, unless its own position is
-    kept: one id array read at both positions (`Segments.same`) and masks
-    that all keep the diagonal.  A boolean mask may empty a row too."""
-    segments = spec.ops_of(Segments)
-    diagonal = all(op.same for op in segments) and any(
-        isinstance(op, Causal) and op.offset >= 0 for op in spec.ops
-    )
-    diagonal = diagonal and all(
-        op.left >= 0 and (op.right is None or op.right >= 0) for op in spec.ops_of(Window)
-    )
-    skippable = not spec.ops_of(KvLengths) and (not segments or (diagonal and q_global))
-    return skippable and not spec.ops_of(Mask)
+    kept: one id array read at both positions (`Segments.same`), a causal
+    mask, and no mask that may exclude the diagonal.  A boolean mask may empty
+    a row too.  Each op says which it is (`ScoreOp.row_keys`)."""
+    rows = {op.row_keys() for op in spec.ops}
+    if "maybe none" in rows:
+        return False
+    if "own id" in rows:
+        return q_global and "own" in rows and "not own" not in rows
+    return True
 
 
 def ring_attention(

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 
 from flashpass.kernels.base import CheckContext, Kernel
 
-from ..ops import EXCLUDED, KvLengths, step_shape
+from ..ops import EXCLUDED, step_shape
 from ..select import choose
 from ..spec import AttentionSpec, ExtraSpec
 
@@ -71,7 +71,7 @@ def step_spec(spec: AttentionSpec, ops: tuple) -> AttentionSpec:
     """``spec``'s step with score ops ``ops``: extras sized to the blocks, kv
     lengths int32 (the ring shifts them to the block, `shifted_lengths`), the
     output in float32 (the ring merges partial outputs in float32)."""
-    lengths = {op.index for op in ops if isinstance(op, KvLengths)}
+    lengths = {i for op in ops for i in op.key_counts(spec.kv_len)}
     extras = tuple(
         ExtraSpec(
             step_shape(e.shape, spec.q_len, spec.kv_len),

@@ -13,10 +13,9 @@ import jax.numpy as jnp
 from jax import lax
 
 from flashpass.kernels.dropout import apply_dropout, keep_mask
-from flashpass.ops import valid_lengths
 
-from ..ops import KeepOp, Positional, Positions
-from ..spec import AttentionSpec, Causal, KvLengths, Scale, Segments, Sink, Softcap
+from ..ops import KeepOp, Positions
+from ..spec import AttentionSpec
 from . import cases
 
 
@@ -46,11 +45,11 @@ class RingStep:
         self.chunks = spec.q_len // rows
         # Steps whose K/V block every position mask excludes are skipped (where
         # `can_skip`); with kv lengths a step is skipped only when, at run time,
-        # every row keeps key 0 (each length >= 1; only causal masks besides,
-        # which keep it too) and no row's length reaches the block; with segment
-        # ids (`can_skip`) when no query id meets a key id of the visiting block.
-        self.lengths = spec.ops_of(KvLengths)
-        self.segments = spec.ops_of(Segments)
+        # every row keeps key 0 (each length >= 1; only ops besides that keep
+        # it too, `ScoreOp.keeps_first_key`) and no row's length reaches the
+        # block; with segment ids (`can_skip`) when no query id meets a key id
+        # of the visiting block.  Each op answers for itself
+        # (`ScoreOp.meets_block`, `ScoreOp.empties_a_row`).
         self.skippable = skippable
         # Extras that vary along the keys: read at key positions only and, on a
         # sequence-sharded site, sharded like k (`moving`: they travel with K/V),
@@ -62,11 +61,11 @@ class RingStep:
         self.sliced = tuple(sorted(keyed - set(self.moving)))
         # (Their cotangents: biases, ALiBi slopes.)
         self.biases = tuple(sorted({i for op in spec.ops for i in op.grad_extras()}))
-        self.by_length = bool(self.lengths) and all(
-            isinstance(op, Scale | Softcap | Causal | KvLengths | Sink) for op in spec.ops
-        )
-        shifts = (abs(op.shift) for op in self.lengths)
-        self.length_bound = spec.kv_len * n + max(shifts, default=0) + 1
+        # Key counts (kv lengths): shifted to a step's K/V block, clipped first.
+        total = spec.kv_len * n
+        bounds = [b for op in spec.ops for b in op.key_counts(total).values()]
+        self.by_length = bool(bounds) and all(op.keeps_first_key for op in spec.ops)
+        self.length_bound = max(bounds, default=total + 1)
 
     def positions(self, step):
         """Row and (global) column offsets of this step's query and K/V blocks."""
@@ -78,23 +77,21 @@ class RingStep:
     def visible(self, q0, k0, extras):
         """Whether the K/V block at ``k0`` (``extras`` with its key ids) can
         hold a key the query block sees."""
-        spec, heads5 = self.spec, self.heads5
+        spec = self.spec
         ok = jnp.bool_(True)
         if not (self.skippable or self.by_length):
             return ok
-        for op in self.segments:  # some query id among the block's key ids
-            ok &= jnp.any(heads5(extras[op.q_index]) == heads5(extras[op.kv_index]))
         q_last, k_last = q0 + spec.q_len - 1, k0 + spec.kv_len - 1
+        total = spec.kv_len * self.n
         for op in spec.ops:
-            if isinstance(op, Positional):
-                ok &= op.meets(q0, q_last, k0, k_last)
-        if self.by_length:
-            total = spec.kv_len * self.n
-            valid = [valid_lengths(op, extras[op.index], total) for op in self.lengths]
-            for x in valid:
-                ok &= k0 < jnp.max(x)
-            # A row with no key needs every key's fill: then nothing is skipped.
-            ok |= jnp.any(jnp.stack([jnp.min(x) for x in valid]) < 1)
+            meets = op.meets_block(q0, q_last, k0, k_last, extras, total)
+            if meets is not True:
+                ok &= meets
+        # A row with no key needs every key's fill: then nothing is skipped.
+        empty = [op.empties_a_row(extras, total) for op in spec.ops]
+        empty = [e for e in empty if e is not False]
+        if empty:
+            ok |= jnp.any(jnp.stack(empty))
         return ok
 
     def scores(self, qf, kb, q0, k0, extras):
@@ -216,7 +213,7 @@ class RingStep:
         """The extras as the case's kernel reads them: kv lengths shifted to
         the visiting block (the bias, mask and id arrays are already its)."""
         out = list(here)
-        for i in {op.index for op in case.spec.ops_of(KvLengths)}:
+        for i in {i for op in case.spec.ops for i in op.key_counts(case.spec.kv_len)}:
             out[i] = cases.shifted_lengths(here[i], k0, self.length_bound)
         return tuple(out)
 

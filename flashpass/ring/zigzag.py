@@ -34,12 +34,14 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from flashpass.kernels.base import CheckContext, Kernel
 
+from ..ops import Positional
 from ..select import choose
-from ..spec import AttentionSpec, Causal
+from ..spec import AttentionSpec
 from . import merge
 
 
@@ -68,11 +70,20 @@ def reason(spec: AttentionSpec, n: int, q_global: bool) -> str | None:
         return "query and key blocks differ in length or are odd"
     if spec.extras:
         return "the site reads bias, mask or id arrays"
-    causal = [op for op in spec.ops if isinstance(op, Causal)]
-    others = [op for op in spec.ops if not (isinstance(op, Causal) or op.uniform)]
-    if others or len(causal) != 1 or causal[0].offset != 0:
+    masks = [op for op in spec.ops if not op.uniform]
+    if len(masks) != 1 or not _causal(masks[0], spec.q_len * n):
         return "only a causal mask (offset 0) with scales and soft-caps is balanced"
     return None
+
+
+def _causal(op, length: int) -> bool:
+    """Whether ``op`` keeps, in each of ``length`` rows, the keys up to the
+    row's own (its key ranges, `Positional.key_ranges`: ``j <= i``)."""
+    if not isinstance(op, Positional):
+        return False
+    rows = np.arange(length)
+    ranges = op.key_ranges(rows)
+    return len(ranges) == 1 and ranges[0][0] is None and np.array_equal(ranges[0][1], rows + 1)
 
 
 def plan(spec: AttentionSpec, n: int, q_global: bool, kernels, ctx: CheckContext | None):
@@ -84,12 +95,13 @@ def plan(spec: AttentionSpec, n: int, q_global: bool, kernels, ctx: CheckContext
     c = spec.q_len // 2
 
     def block(t, s, offset):
+        # The causal mask in the block's local positions (its own
+        # `at_offset`, None where it keeps every key), the scales as they are.
         ops = []
         for op in spec.ops:
-            if not isinstance(op, Causal):
-                ops.append(op)
-            elif offset is not None:
-                ops.append(Causal(offset, op.fill))
+            local = op if op.uniform else None if offset is None else op.at_offset(offset, t, s)
+            if local is not None:
+                ops.append(local)
         return spec.with_ops(ops, q_len=t, kv_len=s, out_dtype="float32")
 
     specs = (block(c, c, 0), block(c, 2 * c, c), block(2 * c, c, None), block(c, 2 * c, None))

@@ -71,7 +71,7 @@ from flashpass.kernels.pallas_gpu import PallasGpuKernel
 from flashpass.kernels.pallas_tpu import PallasTpuKernel
 from flashpass.kernels.splash import SplashKernel
 from flashpass.kernels.tokamax import TokamaxKernel
-from flashpass.ops import SinkWindow
+from flashpass.ops import BlockCausal, SinkWindow
 from flashpass.spec import (
     DESCRIPTORS,
     FLOAT_DTYPES,
@@ -208,6 +208,12 @@ def _sink_window(dtype):
     return spec_of(t=64, dtype=dtype, ops=[Scale(0.25), SinkWindow(3, 5, -1e9)]), []
 
 
+def _block_causal(dtype):
+    """Causal between blocks of 24 (bidirectional within one): with 16-wide
+    tiles a block's last query tile reaches past its own position."""
+    return spec_of(t=64, dtype=dtype, ops=[Scale(0.25), BlockCausal(24, -1e9)]), []
+
+
 def _alibi(dtype):
     """ALiBi slopes per head (one negative: a growing bias) and a causal mask."""
     ops = [Scale(0.25), Alibi(0, (1, 2, 1, 1), 1, 0), Causal(0, -1e9)]
@@ -267,6 +273,7 @@ CASES = {
     "kv_lengths": _kv_lengths,
     "sinks": _sinks,
     "sink_window": _sink_window,
+    "block_causal": _block_causal,
     "alibi": _alibi,
     "prefix_lengths": _prefix_lengths,
     "positions": _positions,
@@ -373,6 +380,7 @@ WORDS = {
     "kv_lengths": "kv lengths",
     "sinks": "sink",
     "sink_window": "sink tokens",
+    "block_causal": "block-causal",
     "alibi": "ALiBi",
     "prefix_lengths": "prefix",
     "positions": "positions",
@@ -407,6 +415,7 @@ DEFAULT_NUMERICS = {
         ("sinks", "f32"),
         ("sinks", "bf16"),
         ("sink_window", "bf16"),
+        ("block_causal", "f32"),
     },
     "blockwise_heads": {(c, "f32") for c in CASES} | {("gqa", "bf16"), ("bias", "bf16")},
     "pallas_tpu": {("padding", "f32"), ("segments", "f32")},

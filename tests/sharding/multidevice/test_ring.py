@@ -304,6 +304,15 @@ def _streaming(q, k, v):
     return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1), v)
 
 
+def _block_causal(q, k, v):
+    """Block diffusion: causal between blocks of 12 keys (a `BlockCausal`), which
+    cross the device blocks of 8."""
+    block = jnp.arange(q.shape[1]) // 12
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, k) * 0.25
+    s = jnp.where(block[:, None] >= block[None, :], s, -jnp.inf)
+    return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1), v)
+
+
 def _padded(q, k, v, lengths):
     keep = jnp.arange(k.shape[1])[None, :] < lengths[:, None]
     s = jnp.einsum("bqhd,bkhd->bhqk", q, k) * 0.25
@@ -371,6 +380,7 @@ BLOCKWISE_STEPS = {
     "sinks": "blockwise, plain JAX",
     "packed": "blockwise, plain JAX",
     "streaming": "plain JAX",
+    "block_causal": "plain JAX",
 }
 
 
@@ -387,6 +397,7 @@ BLOCKWISE_STEPS = {
         "bias",
         "masks",
         "streaming",
+        "block_causal",
     ],
 )
 def test_windowed_and_padded_rings(case, kernel):
@@ -408,6 +419,8 @@ def test_windowed_and_padded_rings(case, kernel):
         attend, extra = _bidirectional, []
     elif case == "streaming":  # sink keys on device 0: every step whose block they hold runs
         attend, extra = _streaming, []
+    elif case == "block_causal":  # steps past a row's block skipped at run time (`meets_block`)
+        attend, extra = _block_causal, []
     elif case == "padded":
         attend, extra = _padded, [put(m, P(), np.array([40, 0], np.int32))]
     elif case == "softcap":
