@@ -35,14 +35,14 @@ from flashpass.spec import AttentionSpec, ExtraSpec
 from . import chain as chain_mod
 from .backward import match_backward, match_ungathered
 from .builder import SiteBuilder
-from .common import ESCAPE_HINT, Miss, profile, where
+from .common import ESCAPE_HINT, NO_KERNEL, Miss, profile, where
 from .products import output_product, score_products
 from .regroup import PRIMS as REGROUP_PRIMS
 from .regroup import batch_splits, product_axes, regroup
 from .row_wipe import absorb_row_wipe
 from .scans import match_pair, match_remat
 from .softmax import match_softmax
-from .softmax_like import softmax_like
+from .softmax_like import normalised_projection, softmax_like
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -113,6 +113,10 @@ def find_sites(scope: Scope) -> tuple[list[AttentionSite], list]:
                 raise
             text = errors.describe(err)
             site = Miss(f"internal matcher error ({text}){where(node)}", node, internal=text)
+        if isinstance(site, Miss) and site.relevant and normalised_projection(scope, node):
+            # A softmax over a projection that gives its values too (CoaT's
+            # factorised attention): no score matrix, so no attention site.
+            site = Miss(f"the softmax normalises a projection{where(node)}", node, relevant=False)
         if not site and not site.relevant:
             # Silent, unless the exp looks like attention's (patterns/softmax_like.py).
             like = softmax_like(scope, node, site)
@@ -211,8 +215,8 @@ def _mixed_scores(scope: Scope, dot, key_out_axis: int) -> Miss | None:
     return Miss(
         f"the scores of the product{where(inner)} are mixed across heads before the "
         f"softmax: the product{where(dot)} contracts one of their batch axes (talking-heads "
-        "attention), so each softmax row reads several heads' scores, which no attention "
-        "kernel computes; kept as written",
+        f"attention), so each softmax row reads several heads' scores, {NO_KERNEL}; kept as "
+        "written",
         dot,
     )
 

@@ -22,6 +22,21 @@ GELU in a lifted `jax.export` artifact (``exp(-x*x)`` times a rational
 function of ``x``), SiLU written as ``x * exp(x) / (1 + exp(x))``.  A
 select's predicate counts as a mask even when it compares the scores
 (``where(s > t, exp(s), 0)`` is still softmax-like).
+
+Not softmax-like either: a softmax over the columns of a *projection* whose
+output also gives the values it weighs (`normalised_projection`).  CoaT's
+factorised attention (timm's ``FactorAttnConvRelPosEnc``) computes
+``qkv = x·W``, ``softmax(k, axis=tokens)ᵀ·v`` and then ``q·(that)``: its
+``exp`` is as big as a score matrix (tokens × channels) and reaches a
+product, but what it normalises is a slice of the layer's own ``x·W``, the
+same product whose other slices are the queries and the values.  A score
+matrix is a product *of* queries and keys and never holds values, so no
+queries·keys matrix exists there to be rewritten (the flash kernels'
+``softmax(q·kᵀ)·v`` is a different function from ``q·(softmax(k)ᵀ·v)``).
+Attention with a learned query (a latent or class token that is a
+parameter: Perceiver, timm's attention pooling, CaiT's class attention) is
+unaffected: its scores are a product of that query with the keys, and its
+values come from another product.
 """
 
 from __future__ import annotations
@@ -31,7 +46,7 @@ import jax.numpy as jnp
 from flashpass import compat
 from flashpass.graph import Const, Node, Scope
 
-from .common import Miss, where
+from .common import Miss, profile, where
 
 #: Two axes at least this long make an exp as big as a score matrix: the
 #: shortest sequence the forced kernels are tested at (tests/spellings.py).
@@ -107,6 +122,12 @@ def reached_product(scope: Scope, exp: Node) -> Node | None:
     """The first ``dot_general`` the exp's values reach as they are, if any:
     not through a combination with another function of the exp's own input
     (`combines_own`), where they are an activation's."""
+    return next(reached_products(scope, exp), None)
+
+
+def reached_products(scope: Scope, exp: Node):
+    """Each ``dot_general`` the exp's values reach as they are, first found
+    first (`reached_product`; a training step's backward reads them too)."""
     own: set | None = None  # the exp's input's own values, when first needed
     stack, seen = [exp.out], set()
     while stack and len(seen) < _MAX_STEPS:
@@ -115,7 +136,8 @@ def reached_product(scope: Scope, exp: Node) -> Node | None:
                 continue
             seen.add(node)
             if node.prim == "dot_general":
-                return node
+                yield node
+                continue
             if node.prim not in _CARRY:
                 continue
             if node.prim in ("mul", "div", "select_n"):
@@ -123,7 +145,90 @@ def reached_product(scope: Scope, exp: Node) -> Node | None:
                 if combines_own(scope, node, pos, own):
                     continue
             stack += [o for o in node.outs if o is not None]
+
+
+#: Equations `source_product` reads back through: layout, slices of a
+#: product's output (``split`` into q, k, v; ``slice``), casts and copies.
+_LAID_OUT = frozenset(
+    {
+        "reshape",
+        "transpose",
+        "squeeze",
+        "expand_dims",
+        "slice",
+        "split",
+        "convert_element_type",
+        "copy",
+        "copy_p",
+        "reshard",
+        "sharding_constraint",
+        *compat.VALUE_IDENTITY_PRIMITIVES,
+    }
+)
+
+
+def source_product(scope: Scope, atom) -> Node | None:
+    """The ``dot_general`` whose output ``atom`` is, laid out or sliced, and
+    shifted or scaled by terms shared along an axis (a bias, a row max, a
+    constant: operands smaller than the value), if any."""
+    for _ in range(_MAX_STEPS):
+        node = scope.producer(atom)
+        if node is None:
+            return None
+        if node.prim == "dot_general":
+            return node
+        if node.prim in _LAID_OUT:
+            atom = node.ins[0]
+            continue
+        if node.prim not in ("add", "sub", "mul", "div"):
+            return None
+        full = [a for a in node.ins if not _shared(scope, a, scope.shape(node.outs[0]))]
+        if len(full) != 1:  # two full-size operands: no term shared along an axis
+            return None
+        atom = full[0]
     return None
+
+
+def _shared(scope: Scope, atom, shape) -> bool:
+    """Whether ``atom`` is shared along an axis of ``shape`` (a constant, or
+    broadcast along one: a bias, a row max), explicitly broadcast or not."""
+    if isinstance(atom, Const):
+        return True
+    try:
+        return None in profile(scope, atom, shape).axes
+    except ValueError:  # does not broadcast to the shape
+        return False
+
+
+def normalised_projection(scope: Scope, exp: Node) -> Node | None:
+    """The product whose output ``exp`` normalises when that same product also
+    gives the values that a product the exp's values reach weighs with them,
+    else None.
+
+    Then the softmax normalises the columns of a projection (``qkv = x·W``:
+    the exp reads its ``k`` slice, ``softmax(k)ᵀ·v`` its ``v`` slice), not a
+    score matrix: a product of queries and keys holds no values."""
+    source = source_product(scope, exp.ins[0])
+    if source is None:
+        return None
+    for product in reached_products(scope, exp):
+        if any(source_product(scope, a) is source for a in product.ins):
+            return source
+    return None
+
+
+def is_softmax_like(scope: Scope, exp: Node) -> Node | None:
+    """The product a softmax-like ``exp`` reaches, or None where the exp is
+    not softmax-like: smaller than a score matrix, not a float, reaching no
+    product, or normalising a projection that gives its values too."""
+    if exp.prim != "exp" or not is_big(scope.shape(exp.out)):
+        return None
+    if not _is_float(scope, exp.out):
+        return None
+    product = reached_product(scope, exp)
+    if product is None or normalised_projection(scope, exp) is not None:
+        return None
+    return product
 
 
 def own_values(scope: Scope, atom) -> set:
@@ -169,9 +274,7 @@ def softmax_like(scope: Scope, exp: Node, miss: Miss) -> SoftmaxLike | None:
     """``miss`` (the matcher's silent reason for ``exp``) as a `SoftmaxLike`
     when the exp is softmax-like, else None."""
     shape = scope.shape(exp.out)
-    if not is_big(shape) or not jnp.issubdtype(scope.dtype(exp.out), jnp.floating):
-        return None
-    product = reached_product(scope, exp)
+    product = is_softmax_like(scope, exp)
     if product is None:
         return None
     broke = miss.node if miss.node is not None else exp

@@ -23,9 +23,7 @@ def softmax_like_exps(closed) -> list:
     found = []
     for scope in build_scopes(compat.dce_closed_jaxpr(closed)):
         for node in scope.nodes:
-            if node.prim != "exp" or not softmax_like.is_big(scope.shape(node.out)):
-                continue
-            if softmax_like.reached_product(scope, node) is not None:
+            if softmax_like.is_softmax_like(scope, node) is not None:
                 found.append((scope, node))
     return found
 

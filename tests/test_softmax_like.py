@@ -262,3 +262,113 @@ def test_exact_gelu_in_an_exported_artifact_is_not_softmax_like(rng):
     attn = fx.load(jax.export.export(jax.jit(unnormalised))(*_qkv(rng)).serialize())
     (u,) = fx.explain(attn, kernel="blockwise").unrecognised
     assert "exp is not normalised by a sum" in u.reason
+
+
+# ------------------------------------------- a softmax over a projection, learned queries
+#
+# CoaT's factorised attention (timm's FactorAttnConvRelPosEnc) normalises the
+# key slice of its own ``qkv = x·W`` over the tokens and weighs the value
+# slice of the same product with it: no queries·keys score matrix exists, so
+# it is no attention site (patterns/softmax_like.py `normalised_projection`).
+# Learned-query attention (a parameter as the query) keeps its score matrix
+# and is one, even where its keys and values are slices of one product.
+
+HEADS, WIDTH = 4, 128  # 32 channels a head: an exp of tokens x channels is "big"
+
+
+def factorised(x, w, b):
+    batch, n, c = x.shape
+    qkv = (x @ w.T + b).reshape(batch, n, 3, HEADS, c // HEADS).transpose(2, 0, 3, 1, 4)
+    q, k, v = (jnp.squeeze(t, 0) for t in jnp.split(qkv, 3, axis=0))  # torch's unbind
+    context = jax.nn.softmax(k, axis=2).swapaxes(-1, -2) @ v  # [B, h, Ch, Ch]
+    return (q @ context).swapaxes(1, 2).reshape(batch, n, c)
+
+
+def _factorised_args(rng):
+    x = jnp.asarray(rng.standard_normal((2, T + 8, WIDTH)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((3 * WIDTH, WIDTH)) * 0.1, jnp.float32)
+    b = jnp.asarray(rng.standard_normal((3 * WIDTH,)), jnp.float32)
+    return x, w, b
+
+
+def latent_query(latent, x, wq, wkv):
+    """timm's AttentionPoolLatent: a learned latent broadcast to the batch and
+    projected is the query; keys and values are the two slices of one ``x·W``."""
+    batch, n, c = x.shape
+    d = c // HEADS
+    q = (jnp.broadcast_to(latent, (batch, *latent.shape)) @ wq).reshape(batch, -1, HEADS, d)
+    kv = (x @ wkv).reshape(batch, n, 2, HEADS, d).transpose(2, 0, 3, 1, 4)
+    k, v = (jnp.squeeze(t, 0) for t in jnp.split(kv, 2, axis=0))
+    s = q.transpose(0, 2, 1, 3) @ k.swapaxes(-1, -2) * d**-0.5
+    return jax.nn.softmax(s, axis=-1) @ v
+
+
+def raw_latent_query(latent, x, wk, wv):
+    """A learned query used as is (broadcast to the batch, not projected)."""
+    q = jnp.broadcast_to(latent, (x.shape[0], *latent.shape))
+    s = q @ (x @ wk).swapaxes(-1, -2) * latent.shape[-1] ** -0.5
+    return jax.nn.softmax(s, axis=-1) @ (x @ wv)
+
+
+def _latent_args(rng, t=T):
+    latent = jnp.asarray(rng.standard_normal((t, WIDTH)), jnp.float32)
+    x = jnp.asarray(rng.standard_normal((2, T + 8, WIDTH)), jnp.float32)
+    w1 = jnp.asarray(rng.standard_normal((WIDTH, WIDTH)) * 0.1, jnp.float32)
+    w2 = jnp.asarray(rng.standard_normal((WIDTH, 2 * WIDTH)) * 0.1, jnp.float32)
+    return latent, x, w1, w2
+
+
+def test_softmax_over_a_projection_giving_its_values_is_no_site(rng):
+    from no_silent import softmax_like_exps
+
+    args = _factorised_args(rng)
+    assert not softmax_like_exps(jax.make_jaxpr(factorised)(*args))
+    report = _silent(factorised, *args)
+    assert not report.fallbacks, str(report)
+
+    # the same program as a training step: the backward holds no site either
+    def step(w, x, b):
+        return jax.value_and_grad(lambda w: jnp.sum(factorised(x, w, b) ** 2))(w)
+
+    assert not softmax_like_exps(jax.make_jaxpr(step)(args[1], args[0], args[2]))
+    report = _silent(step, args[1], args[0], args[2])
+    assert not report.fallbacks, str(report)
+
+
+def test_softmax_over_a_projection_in_an_exported_artifact(rng):
+    # the lifted module slices the product (`slice`, not `split`)
+    args = _factorised_args(rng)
+    exp = fx.load(jax.export.export(jax.jit(factorised))(*args).serialize())
+    report = fx.explain(exp, kernel="blockwise")
+    assert not report.unrecognised and not report.fallbacks and not report.rewrites, str(report)
+
+
+def test_the_projection_rule_reads_the_values_source(rng):
+    # the same softmax weighing values from another product is softmax-like:
+    # reported (its chain breaks at the slice), not silent
+    x, w, b = _factorised_args(rng)
+    wv = jnp.asarray(rng.standard_normal((WIDTH, WIDTH)) * 0.1, jnp.float32)
+
+    def other_values(x, w, b, wv):
+        batch, n, c = x.shape
+        k = (x @ w.T + b)[..., c : 2 * c].reshape(batch, n, HEADS, c // HEADS)
+        v = (x @ wv).reshape(batch, n, HEADS, c // HEADS)
+        return jnp.einsum("bnhc,bnhd->bhcd", jax.nn.softmax(k, axis=1), v)
+
+    report = flashpass.optimize(other_values, kernel="blockwise").explain(x, w, b, wv)
+    assert report.unrecognised or report.fallbacks, str(report)
+
+
+@pytest.mark.parametrize("fn", [latent_query, raw_latent_query])
+def test_learned_query_attention_is_a_site(fn, rng):
+    from no_silent import softmax_like_exps
+
+    latent, x, w1, w2 = _latent_args(rng)
+    args = (latent, x, w1, w2) if fn is latent_query else (latent, x, w1, w2[:, :WIDTH])
+    assert len(softmax_like_exps(jax.make_jaxpr(fn)(*args))) == 1
+    opt = flashpass.optimize(fn, kernel="blockwise")
+    out = jax.jit(opt)(*args)
+    report = opt.reports[-1]
+    assert len(report.rewrites) == 1 and not report.fallbacks, str(report)
+    np.testing.assert_allclose(out, fn(*args), rtol=1e-5, atol=1e-5)
+    assert_no_silent_miss(opt, report, *args)

@@ -268,7 +268,11 @@ def _export_mode(model, built, route, rec, t, s, ref):
         raise
     rec.update(_report_fields(report))
     if report.route == "kept":  # every site of the artifact is kept, for that reason
-        rec["kept"] = [f"artifact kept unchanged: {report.kept_reason}"] * max(1, rec["sites"])
+        # (one with no site and no report entry keeps nothing: it holds no attention)
+        held = rec["sites"] or rec["kept"] or rec["unrecognised"] or rec["internal_errors"]
+        rec["kept"] = [f"artifact kept unchanged: {report.kept_reason}"] * (
+            max(1, rec["sites"]) if held else 0
+        )
     rec["kept"] += [f"not spliced: {n}" for n in getattr(report, "splice_notes", ())]
     rec["islands"] = sorted({i.op for i in report.islands})
     rec["silent"] = _silent(rec)

@@ -131,3 +131,16 @@ def test_an_export_whose_gradient_differs_fails(monkeypatch):
     (rec,) = harness.run_model(model, modes=["export_lift"])
     assert rec["fwd_err"] < 1e-5, rec
     assert rec["status"] == "fail" and "gradient numerics" in rec["problems"], rec
+def _mlp(params, x):
+    return jax.nn.gelu(x @ params["w"]) @ params["w"].T
+
+
+def test_an_artifact_without_attention_keeps_nothing():
+    # route "kept" (nothing rewritten) on a program with no site and no report
+    # entry: no kept site to count (CoaT's factorised attention is no site)
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((2, 32, 16)), jnp.float32)
+    w = jnp.asarray(np.random.default_rng(1).standard_normal((16, 16)), jnp.float32)
+    built = Built(forward=_mlp, params={"w": w}, inputs=(x,), seq=(32, 32))
+    model = ZooModel("jax_native", "mlp", "test", lambda: built, ("direct", "export"))
+    for rec in harness.run_model(model, modes=["export_splice", "export_lift"]):
+        assert rec["status"] == "ok" and rec["sites"] == 0 and not rec["kept"], rec
