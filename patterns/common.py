@@ -12,13 +12,6 @@ from flashpass import compat
 from flashpass.graph import Const, Node, Scope
 from flashpass.spec import excludes
 
-#: The words of a kept site's reason when no attention kernel computes the
-#: site as written (its softmax rows read scores outside their own query's).
-#: The zoo's site rate leaves exactly the kept sites whose reason holds them
-#: out of its count (benchmarks/zoo/render.py `excused`), so a reason says
-#: this only where it is so.
-NO_KERNEL = "which no attention kernel computes"
-
 ESCAPE_HINT = (
     "; to rewrite it, do not return or reuse the attention weights (autodiff's own "
     "backward of the site may read them: a training step is rewritten forward and backward)"

@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 
 from .chain import rule
-from .common import NO_KERNEL, Miss, where
+from .common import Miss, where
 
 
 @rule("conv_general_dilated")
@@ -30,7 +30,7 @@ def _conv(scope, node, out):
     return Miss(
         f"a convolution over the scores mixes the scores of other {what} into each one "
         "before the softmax (talking-heads attention), so each softmax row reads scores "
-        f"outside its own query's, {NO_KERNEL}{where(node)}; kept as "
-        "written",
+        "outside its own query's: a kernel computes that only on the mixed queries' and keys' "
+        f"copies side by side, which the pass does not build{where(node)}; kept as written",
         node,
     )

@@ -35,7 +35,7 @@ from flashpass.spec import AttentionSpec, ExtraSpec
 from . import chain as chain_mod
 from .backward import match_backward, match_ungathered
 from .builder import SiteBuilder
-from .common import ESCAPE_HINT, NO_KERNEL, Miss, profile, where
+from .common import ESCAPE_HINT, Miss, profile, where
 from .products import output_product, score_products
 from .regroup import PRIMS as REGROUP_PRIMS
 from .regroup import batch_splits, product_axes, regroup
@@ -215,8 +215,9 @@ def _mixed_scores(scope: Scope, dot, key_out_axis: int) -> Miss | None:
     return Miss(
         f"the scores of the product{where(inner)} are mixed across heads before the "
         f"softmax: the product{where(dot)} contracts one of their batch axes (talking-heads "
-        f"attention), so each softmax row reads several heads' scores, {NO_KERNEL}; kept as "
-        "written",
+        "attention), so each softmax row reads several heads' scores: a kernel computes that "
+        "only on every head's queries and keys side by side (head dimension heads x D), "
+        "which the pass does not build; kept as written",
         dot,
     )
 

@@ -131,6 +131,8 @@ def test_an_export_whose_gradient_differs_fails(monkeypatch):
     (rec,) = harness.run_model(model, modes=["export_lift"])
     assert rec["fwd_err"] < 1e-5, rec
     assert rec["status"] == "fail" and "gradient numerics" in rec["problems"], rec
+
+
 def _mlp(params, x):
     return jax.nn.gelu(x @ params["w"]) @ params["w"].T
 
