@@ -11,7 +11,7 @@ from jax import lax
 from flashpass import compat
 
 from . import sharded
-from .rules import NoRule, _rule
+from .rules import NoRule, _attr, _rule
 from .values import LiftError, Splat, constant_value, dense_constant, materialize, tensor_aval
 
 # --------------------------------------------------------------------------- control flow
@@ -142,3 +142,38 @@ def _sharding_constraint(interp, op, operands):
     if not interp.lifted.meshes or isinstance(x, Splat):  # one device, or a splat constant:
         return operands  # the constraint changes no value
     return [sharded.constrain(materialize(x), str(op.attributes["sharding"]), interp.lifted.meshes)]
+
+
+# --------------------------------------------------------------------------- composites
+
+#: The composites JAX lowers elementwise functions to (``jax.export`` of
+#: ``lax.erf``, ``jnp.sinh``, ``jnp.arcsin``, ...): the `lax` function again,
+#: which exports to the same composite and differentiates as the function.
+_COMPOSITES = {
+    "chlo.erf": lax.erf,
+    "chlo.sinh": lax.sinh,
+    "chlo.cosh": lax.cosh,
+    "chlo.asin": lax.asin,
+    "chlo.acos": lax.acos,
+    "chlo.atan": lax.atan,
+    "chlo.asinh": lax.asinh,
+    "chlo.acosh": lax.acosh,
+    "chlo.atanh": lax.atanh,
+    "chlo.tan": lax.tan,
+}
+
+
+@_rule("stablehlo.composite")
+def _composite(interp, op, operands):
+    ir = compat.ir_module()
+    name = ir.StringAttr(op.attributes["name"]).value
+    fn = _COMPOSITES.get(name)
+    attrs = _attr(op, "composite_attributes")
+    if fn is not None and len(operands) == len(op.results) == 1 and not attrs:
+        (x,) = operands
+        if isinstance(x, Splat):
+            with compat.compile_time_eval():
+                return [Splat(np.asarray(fn(x.value), x.dtype), x.shape)]
+        return [fn(x)]
+    # Any other composite is its decomposition, a function of the module.
+    return interp.call(ir.FlatSymbolRefAttr(op.attributes["decomposition"]).value, operands)
