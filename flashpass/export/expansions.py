@@ -42,7 +42,10 @@ from .values import LiftError, Splat, tensor_aval
 
 #: Ops that act elementwise: a subgraph of them is one function of its input.
 ELEMENTWISE = frozenset(
-    [f"stablehlo.{n}" for n in (*_UNARY, *_BINARY, "compare", "convert", "select", "clamp")]
+    [
+        f"stablehlo.{n}"
+        for n in (*_UNARY, *_BINARY, "compare", "convert", "bitcast_convert", "select", "clamp")
+    ]
     + ["chlo.erf"]
 )
 #: A subgraph of fewer ops is left alone (one op's lifted derivative is its own).
@@ -283,6 +286,18 @@ def _round_afz(x):
     return np.sign(x) * np.floor(np.abs(x) + 0.5).astype(x.dtype)
 
 
+def _clz(x):
+    bits = x.dtype.itemsize * 8
+    u = x.view(np.dtype(f"u{x.dtype.itemsize}")).astype(np.float64)
+    length = np.where(u > 0, np.floor(np.log2(np.maximum(u, 1.0))) + 1, 0)
+    return (bits - length).astype(x.dtype)
+
+
+def _shift_right_logical(x, n):
+    unsigned = np.dtype(f"u{x.dtype.itemsize}")
+    return np.right_shift(x.view(unsigned), n.astype(unsigned)).view(x.dtype)
+
+
 def _erf(x):
     return _special("erf")(x.astype(np.float64)).astype(x.dtype)
 
@@ -292,6 +307,7 @@ _NUMPY = {
     "abs": np.abs,
     "ceil": np.ceil,
     "cosine": np.cos,
+    "count_leading_zeros": _clz,
     "exponential": np.exp,
     "exponential_minus_one": np.expm1,
     "floor": np.floor,
@@ -322,6 +338,9 @@ _NUMPY = {
     "remainder": np.fmod,
     "subtract": np.subtract,
     "xor": np.bitwise_xor,
+    "shift_left": np.left_shift,
+    "shift_right_arithmetic": np.right_shift,
+    "shift_right_logical": _shift_right_logical,
     "select": np.where,
     "clamp": lambda low, x, high: np.minimum(np.maximum(x, low), high),
     "erf": _erf,
@@ -346,6 +365,8 @@ def _probe_op(op, name: str, operands: list):
         fn = _NUMPY_COMPARE[sh.ComparisonDirectionAttr(op.attributes["comparison_direction"]).value]
     elif short == "convert":
         return np.asarray(operands[0]).astype(tensor_aval(op.results[0].type).dtype)
+    elif short == "bitcast_convert":
+        return np.asarray(operands[0]).view(tensor_aval(op.results[0].type).dtype)
     elif short == "divide" and not np.issubdtype(np.asarray(operands[0]).dtype, np.inexact):
         raise NoRule  # lax's integer division rounds toward zero
     else:

@@ -147,10 +147,12 @@ def _sharding_constraint(interp, op, operands):
 # --------------------------------------------------------------------------- composites
 
 #: The composites JAX lowers elementwise functions to (``jax.export`` of
-#: ``lax.erf``, ``jnp.sinh``, ``jnp.arcsin``, ...): the `lax` function again,
-#: which exports to the same composite and differentiates as the function.
+#: ``lax.erf``, ``jnp.sinh``, ``jnp.arcsin``, on JAX 0.12 ``lax.erfc``, ...): the
+#: `lax` function again, which exports to the same composite and differentiates
+#: as the function.
 _COMPOSITES = {
     "chlo.erf": lax.erf,
+    "chlo.erfc": lax.erfc,  # JAX 0.12 (0.10 expands it)
     "chlo.sinh": lax.sinh,
     "chlo.cosh": lax.cosh,
     "chlo.asin": lax.asin,

@@ -34,14 +34,16 @@ def _grad(fn):
 
 
 @pytest.mark.parametrize(
-    "fn", [lax.erf, jnp.sinh, jnp.cosh, jnp.arcsin, jnp.arccos, jnp.arcsinh, jnp.arctanh]
+    "fn",
+    [lax.erf, lax.erfc, jnp.sinh, jnp.cosh, jnp.arcsin, jnp.arccos, jnp.arcsinh, jnp.arctanh],
 )
 def test_a_composite_is_lifted_as_its_function(fn):
     """``jax.export`` writes these as ``stablehlo.composite "chlo.erf"`` with a
     decomposition function: lifted as the `lax` function (not an island)."""
     x = _points(POINTS)
     exp, module, lifted = _lifted(fn)
-    assert "stablehlo.composite" in exp.mlir_module()
+    if "stablehlo.composite" not in exp.mlir_module():
+        pytest.skip("this JAX expands it (0.10: erfc; 0.12: arcsin)")
     np.testing.assert_array_equal(jax.jit(lifted)(x), exp.call(x))
     assert not module.islands  # not an island (whose clone lacked the decomposition)
     np.testing.assert_allclose(_grad(lifted)(x), _grad(fn)(x), rtol=1e-6)
