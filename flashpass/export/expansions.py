@@ -133,9 +133,18 @@ class Plan:
     inside: set
 
 
+def _aval(value):
+    """The value's aval, None for a type the lifter has none for (``i4``, tokens:
+    lifting fails at that op, with its reason, not here)."""
+    try:
+        return tensor_aval(value.type)
+    except LiftError:
+        return None
+
+
 def _float_type(value):
-    aval = tensor_aval(value.type)
-    return aval if jnp.issubdtype(aval.dtype, jnp.floating) else None
+    aval = _aval(value)
+    return aval if aval is not None and jnp.issubdtype(aval.dtype, jnp.floating) else None
 
 
 def plan(block) -> Plan:
@@ -176,7 +185,7 @@ def plan(block) -> Plan:
 
 
 def _region(x, y, producer, const, index) -> Region | None:
-    if tensor_aval(x.type) != tensor_aval(y.type):
+    if _aval(x) is None or _aval(x) != _aval(y):
         return None
     ops, seen, stack = {}, set(), [y]
     while stack:
