@@ -18,7 +18,7 @@ import numpy as np
 
 from flashpass import compat
 
-from . import islands, ops
+from . import expansions, islands, ops
 from .values import LiftError, Splat, tensor_aval
 
 #: The argument attribute JAX puts on the platform index of a multi-platform module.
@@ -50,6 +50,9 @@ class LiftedModule:
     #: Each lifted op's ``loc(...)``, by the index its name scope carries
     #: (``OP_SCOPE``): the report points at the artifact's own locations.
     op_locations: list = dataclasses.field(default_factory=list)
+    #: Each block's elementwise regions of one input (`expansions.plan`), found
+    #: and probed once: they depend on the module's ops and constants only.
+    plans: dict = dataclasses.field(default_factory=dict)
 
     def function(self, platform_index: int = 0, platforms=("cpu",), record=None):
         """A JAX function ``f(*arrays) -> tuple of arrays`` computing ``main``.
@@ -146,19 +149,53 @@ class _Interpreter:
     def run_block(self, block, args: list) -> list:
         env = self.envs[-1]
         env.update(zip(block.arguments, args, strict=True))
+        plan = self.lifted.plans.get(block)
+        if plan is None:
+            plan = self.lifted.plans[block] = expansions.plan(block)
         for op in block.operations:
             name = op.operation.name
-            operands = [env[v] for v in op.operands]
             if name in ("func.return", "stablehlo.return"):
-                return operands
-            results = self.run_op(op, name, operands)
-            if len(results) != len(op.results):
-                raise LiftError(f"{name}: {len(results)} results for {len(op.results)}")
-            for value, result in zip(op.results, results, strict=True):
-                env[value] = result
-                if self.record is not None and compat.is_tracer(result):
-                    self.record.append((value, result))
+                return [env[v] for v in op.operands]
+            self.step(op, name, env, plan)
         raise LiftError("a block without a return")
+
+    def step(self, op, name: str, env: dict, plan) -> None:
+        """Lift ``op`` into ``env``; an op of an elementwise region of one input
+        (`expansions`) is lifted with its region, when its last op is reached."""
+        region = plan.by_last.get(op.operation)
+        if region is not None:
+            results = self.run_expansion(region, env)
+        elif op.operation in plan.inside:
+            return
+        else:
+            results = self.run_op(op, name, [env[v] for v in op.operands])
+        if len(results) != len(op.results):
+            raise LiftError(f"{name}: {len(results)} results for {len(op.results)}")
+        for value, result in zip(op.results, results, strict=True):
+            env[value] = result
+            if self.record is not None and compat.is_tracer(result):
+                self.record.append((value, result))
+
+    def run_expansion(self, region, env: dict) -> list:
+        """A region identified as a known function: its ops under a
+        `jax.custom_jvp` with that function's derivative; else op by op."""
+        known = None
+        if compat.is_tracer(env[region.x]):
+            known = expansions.identify(self, region, env)
+        if known is not None:
+
+            def forward(x):
+                return expansions.run_ops(self, region.ops, env, {region.x: x})[region.y]
+
+            return [expansions.with_derivative(forward, known)(env[region.x])]
+        inner = expansions.level(region.inner)
+        for op in region.ops[:-1]:
+            self.step(op, op.operation.name, env, inner)
+        last = region.ops[-1]
+        nearer = inner.by_last.get(last.operation)  # the same output, from a nearer input
+        if nearer is not None:
+            return self.run_expansion(nearer, env)
+        return self.run_op(last, last.operation.name, [env[v] for v in last.operands])
 
     def run_op(self, op, name: str, operands: list) -> list:
         if name == "func.call":

@@ -75,6 +75,7 @@ _UNARY = {
     "abs": lax.abs,
     "ceil": lax.ceil,
     "cosine": lax.cos,
+    "count_leading_zeros": lax.clz,
     "exponential": lax.exp,
     "exponential_minus_one": lax.expm1,
     "floor": lax.floor,
@@ -135,6 +136,17 @@ def _convert(interp, op, operands):
     if isinstance(x, Splat):
         return [Splat(np.asarray(x.value).astype(aval.dtype), aval.shape)]
     return [_fold(lax.convert_element_type(x, aval.dtype))]
+
+
+@_rule("stablehlo.bitcast_convert")
+def _bitcast_convert(interp, op, operands):
+    aval = _aval(op)
+    (x,) = operands
+    if np.dtype(x.dtype).itemsize != np.dtype(aval.dtype).itemsize:
+        raise NoRule  # a change of width changes the shape: not covered
+    if isinstance(x, Splat):
+        return [Splat(np.asarray(x.value).view(aval.dtype), aval.shape)]
+    return [_fold(lax.bitcast_convert_type(x, aval.dtype))]
 
 
 @_rule("stablehlo.select")

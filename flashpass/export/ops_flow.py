@@ -14,28 +14,6 @@ from . import sharded
 from .rules import NoRule, _attr, _int, _rule
 from .values import LiftError, Splat, constant_value, dense_constant, materialize, tensor_aval
 
-# --------------------------------------------------------------------------- composites
-
-
-@_rule("stablehlo.composite")
-def _composite(interp, op, operands):
-    """A composite (how JAX lowers ``lax.top_k``, and how libraries wrap an op
-    with a portable definition): the op its name stands for where lax has it,
-    else its ``decomposition`` function, which is its meaning."""
-    ir = compat.ir_module()
-    name = ir.StringAttr(op.attributes["name"]).value
-    attrs = _attr(op, "composite_attributes")
-    attrs = ir.DictAttr(attrs) if attrs is not None else {}
-    if name == "chlo.top_k" and len(operands) == 1 and "k" in attrs:
-        k = _int(attrs["k"])
-        values, indices = lax.top_k(materialize(operands[0]), k)
-        want = tensor_aval(op.results[1].type)
-        if values.shape == tensor_aval(op.results[0].type).shape and indices.dtype == want.dtype:
-            return [values, indices]
-    callee = ir.FlatSymbolRefAttr(op.attributes["decomposition"]).value
-    return interp.call(callee, list(operands))
-
-
 # --------------------------------------------------------------------------- control flow
 
 
@@ -164,3 +142,50 @@ def _sharding_constraint(interp, op, operands):
     if not interp.lifted.meshes or isinstance(x, Splat):  # one device, or a splat constant:
         return operands  # the constraint changes no value
     return [sharded.constrain(materialize(x), str(op.attributes["sharding"]), interp.lifted.meshes)]
+
+
+# --------------------------------------------------------------------------- composites
+
+#: The composites JAX lowers elementwise functions to (``jax.export`` of
+#: ``lax.erf``, ``jnp.sinh``, ``jnp.arcsin``, on JAX 0.12 ``lax.erfc``, ...): the
+#: `lax` function again, which exports to the same composite and differentiates
+#: as the function.
+_COMPOSITES = {
+    "chlo.erf": lax.erf,
+    "chlo.erfc": lax.erfc,  # JAX 0.12 (0.10 expands it)
+    "chlo.sinh": lax.sinh,
+    "chlo.cosh": lax.cosh,
+    "chlo.asin": lax.asin,
+    "chlo.acos": lax.acos,
+    "chlo.atan": lax.atan,
+    "chlo.asinh": lax.asinh,
+    "chlo.acosh": lax.acosh,
+    "chlo.atanh": lax.atanh,
+    "chlo.tan": lax.tan,
+}
+
+
+@_rule("stablehlo.composite")
+def _composite(interp, op, operands):
+    """A composite (how JAX lowers ``lax.top_k`` and, on some versions, erf,
+    sinh, ...; how libraries wrap an op with a portable definition): the lax
+    function its name stands for where lax has it, else its ``decomposition``
+    function, which is its meaning."""
+    ir = compat.ir_module()
+    name = ir.StringAttr(op.attributes["name"]).value
+    fn = _COMPOSITES.get(name)
+    attrs = _attr(op, "composite_attributes")
+    if fn is not None and len(operands) == len(op.results) == 1 and not attrs:
+        (x,) = operands
+        if isinstance(x, Splat):
+            with compat.compile_time_eval():
+                return [Splat(np.asarray(fn(x.value), x.dtype), x.shape)]
+        return [fn(x)]
+    attrs = ir.DictAttr(attrs) if attrs is not None else {}
+    if name == "chlo.top_k" and len(operands) == 1 and len(op.results) == 2 and "k" in attrs:
+        values, indices = lax.top_k(materialize(operands[0]), _int(attrs["k"]))
+        want = [tensor_aval(r.type) for r in op.results]
+        if [(x.shape, x.dtype) for x in (values, indices)] == [(a.shape, a.dtype) for a in want]:
+            return [values, indices]
+    # Any other composite is its decomposition, a function of the module.
+    return interp.call(ir.FlatSymbolRefAttr(op.attributes["decomposition"]).value, operands)

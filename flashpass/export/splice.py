@@ -257,7 +257,8 @@ def _disjoint(cuts: list, notes: list) -> tuple[list, list]:
     taken: set = set()
     out = []
     for cut in cuts:
-        mine = {id(op) for op in cut.ops}
+        # A constant hoisted out of a loop body may be read by several cuts.
+        mine = {id(op) for op in cut.ops if _op_id(op).name != "stablehlo.constant"}
         if mine & taken:
             notes.append("two sites share ops; the second is kept")
             continue
@@ -323,7 +324,7 @@ def _slice(product, block) -> tuple[list, list] | None:
     them (no softmax reaches the product)."""
     ir = compat.ir_module()
     order = {_op_id(op): i for i, op in enumerate(block.operations)}
-    inside, leaves, seen = {}, [], set()
+    inside, leaves, seen, hoisted = {}, [], set(), {}
     inside[_op_id(product.operation)] = product.operation
     work = list(product.operands)
     while work:
@@ -331,6 +332,9 @@ def _slice(product, block) -> tuple[list, list] | None:
         if value in seen:
             continue
         seen.add(value)
+        if _hoisted_constant(value, order):
+            hoisted[_op_id(value.owner.operation)] = value.owner.operation
+            continue
         if isinstance(value.owner, ir.Block) or _op_id(value.owner.operation) not in order:
             leaves.append(value)
             continue
@@ -351,7 +355,7 @@ def _slice(product, block) -> tuple[list, list] | None:
             work.extend(_captured(op))
     if not any(op.name == "stablehlo.exponential" for op in inside.values()):
         return None
-    ops_in_order = [op for op in block.operations if _op_id(op) in inside]
+    ops_in_order = [*hoisted.values(), *(op for op in block.operations if _op_id(op) in inside)]
     leaves.sort(key=_leaf_order(order))
     return leaves, ops_in_order
 
@@ -397,7 +401,7 @@ def _cut(root, stops) -> _Cut:
     root_op = root.owner.operation
     block = root_op.block
     order = {_op_id(op): i for i, op in enumerate(block.operations)}
-    inside, leaves, seen = {}, [], set()
+    inside, leaves, seen, hoisted = {}, [], set(), {}
     work = [root]
     while work:
         value = work.pop()
@@ -407,6 +411,9 @@ def _cut(root, stops) -> _Cut:
         if value in stops or isinstance(value.owner, ir.Block):
             leaves.append(value)
             continue
+        if _hoisted_constant(value, order):
+            hoisted[_op_id(value.owner.operation)] = value.owner.operation
+            continue
         op = value.owner.operation
         if _op_id(op) not in order:
             raise SpliceError("its ops are not in one block")
@@ -414,9 +421,21 @@ def _cut(root, stops) -> _Cut:
         work.extend(op.operands)
         if len(op.regions):  # a case's branches read values from around it
             work.extend(_captured(op))
-    ops_in_order = [op for op in block.operations if _op_id(op) in inside]
+    ops_in_order = [*hoisted.values(), *(op for op in block.operations if _op_id(op) in inside)]
     leaves.sort(key=_leaf_order(order))
     return _Cut(root, leaves, ops_in_order, order[_op_id(root_op)])
+
+
+def _hoisted_constant(value, order) -> bool:
+    """A constant defined outside the block (JAX 0.12 hoists a loop body's
+    constants out of its ``while``): lifted with the slice or cut as the
+    constant it is, not read as an input (a traced ``-inf`` reduce init or
+    scale would hide the softmax from the matcher)."""
+    ir = compat.ir_module()
+    if isinstance(value.owner, ir.Block):
+        return False
+    op = value.owner.operation
+    return op.name == "stablehlo.constant" and _op_id(op) not in order
 
 
 def _captured(op) -> list:

@@ -88,6 +88,20 @@ def test_sort_is_lifted():
     np.testing.assert_array_equal(new.call(x), exp.call(x))
 
 
+def test_bitcast_convert_and_count_leading_zeros_are_lifted():
+    """JAX 0.12 writes ``lax.lgamma`` with both (a software ``log``)."""
+
+    def fn(x):
+        bits = lax.bitcast_convert_type(x, jnp.int32)
+        return lax.bitcast_convert_type(bits + lax.clz(bits), jnp.float32)
+
+    exp = _exported(fn, jax.ShapeDtypeStruct((8,), jnp.float32))
+    new, report = fx.rewrite_and_explain(exp)
+    assert report.route == "lift" and not report.islands, str(report)
+    x = jnp.asarray([0.0, -0.0, 1.5, -2.0, 3e-39, 7.0, -1e30, 0.25], jnp.float32)
+    np.testing.assert_array_equal(new.call(x), exp.call(x))
+
+
 def test_a_float_sort_is_an_island_with_its_comparator():
     """JAX's float comparator (NaN and -0 made canonical, then a total order)
     reads constants from around the sort: the island takes them as arguments."""
