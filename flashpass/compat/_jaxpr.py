@@ -224,6 +224,36 @@ def passthrough_operands(eqn, name: str, index: int | None) -> dict[int, int]:
     return {}
 
 
+_REMAT_PRIMITIVES = frozenset({"checkpoint", "remat", "remat2"})
+
+
+def threads_operands(eqn, name: str, index: int | None) -> bool:
+    """Whether `with_leading_operands` can give ``eqn``'s body ``name`` more
+    operands: a ``scan``'s (as constants: the ``num_consts`` form) or a
+    ``remat``'s.  Other bodies (``cond``, ``while``, custom derivatives,
+    ``shard_map``) keep their signatures."""
+    prim = eqn.primitive.name
+    if name != "jaxpr" or index is not None:
+        return False
+    if prim == "scan":
+        return "num_consts" in eqn.params
+    return prim in _REMAT_PRIMITIVES
+
+
+def with_leading_operands(eqn, new_body, count: int) -> dict:
+    """``eqn``'s params with its body (param ``jaxpr``) replaced by
+    ``new_body``, whose first ``count`` inputs are new operands bound before
+    the equation's own (`threads_operands`): a scan's new loop-invariant
+    constants, a remat's new operands."""
+    params = dict(eqn.params)
+    params["jaxpr"] = new_body
+    if eqn.primitive.name == "scan":
+        params["num_consts"] = params["num_consts"] + count
+        if "linear" in params:
+            params["linear"] = (False,) * count + tuple(params["linear"])
+    return params
+
+
 def sliced_operands(eqn, name: str) -> dict[int, int]:
     """``{body input position: operand position}`` for a ``scan`` body's scanned
     inputs: each iteration receives one slice of the operand along its axis 0."""
