@@ -236,8 +236,17 @@ def threads_operands(eqn, name: str, index: int | None) -> bool:
     if name != "jaxpr" or index is not None:
         return False
     if prim == "scan":
-        return "num_consts" in eqn.params
+        return "num_consts" in eqn.params or _flattree() is not None
     return prim in _REMAT_PRIMITIVES
+
+
+def _flattree():
+    """JAX's ``flattree`` module (a scan's ``ft_in`` since JAX 0.11), or None."""
+    try:
+        from jax._src import flattree
+    except ImportError:  # pragma: no cover - JAX < 0.11 (num_consts)
+        return None
+    return flattree if hasattr(flattree, "pack") and hasattr(flattree, "nones") else None
 
 
 def with_leading_operands(eqn, new_body, count: int) -> dict:
@@ -247,10 +256,14 @@ def with_leading_operands(eqn, new_body, count: int) -> dict:
     constants, a remat's new operands."""
     params = dict(eqn.params)
     params["jaxpr"] = new_body
-    if eqn.primitive.name == "scan":
+    if eqn.primitive.name == "scan" and "num_consts" in params:
         params["num_consts"] = params["num_consts"] + count
         if "linear" in params:
             params["linear"] = (False,) * count + tuple(params["linear"])
+    elif eqn.primitive.name == "scan":  # ft_in: prepended as JAX's own partial eval does
+        ft = _flattree()
+        consts, carry, xs = params["ft_in"].unpack()
+        params["ft_in"] = ft.pack(((ft.nones(count), consts), carry, xs))
     return params
 
 
