@@ -104,14 +104,26 @@ class Scope:
     """The view of one jaxpr with transparent calls inlined."""
 
     def __init__(
-        self, closed, prefix: Path = (), outer: dict | None = None, sliced: dict | None = None
+        self,
+        closed,
+        prefix: Path = (),
+        outer: dict | None = None,
+        sliced: dict | None = None,
+        parent: Scope | None = None,
+        threaded: bool = False,
     ):
         """``outer``: body input key -> ``(parent Scope, operand atom)`` for the
         inputs that hold an operand of the enclosing equation unchanged
-        (`compat.passthrough_operands`): constant folding follows them out."""
+        (`compat.passthrough_operands`): constant folding follows them out.
+        ``parent``: the enclosing scope (None at the top level); ``threaded``:
+        whether the rewriter can give this body more operands
+        (`compat.threads_operands`), so a site here may read values of the
+        enclosing scopes (`Scope.outside`)."""
         self.closed = closed = compat.as_closed(closed)
         self.prefix = prefix
         self.outer = outer or {}
+        self.parent = parent
+        self.threaded = threaded
         #: body input key -> (parent Scope, operand atom) of which each iteration
         #: gets a slice (a scan's scanned inputs): a uniform operand, a uniform slice.
         self.sliced = sliced or {}
@@ -222,7 +234,30 @@ class Scope:
         atom = self.resolve(atom)
         if isinstance(atom, Const):
             return atom.aval
+        if atom not in self._avals and self.parent is not None:
+            return self.parent.aval(atom)  # a value of an enclosing scope (`outside`)
         return self._avals[atom]
+
+    def owns(self, atom) -> bool:
+        """Whether ``atom`` is a constant or a value of this scope's own jaxpr
+        (not one of an enclosing scope's, which a site reads through `outside`)."""
+        atom = self.resolve(atom)
+        return isinstance(atom, Const) or atom in self._avals
+
+    def outside(self, atom):
+        """``(enclosing Scope, operand atom)`` when ``atom`` is an input of this
+        body that holds the enclosing equation's operand unchanged on every
+        iteration (a ``scan``'s loop-invariant constant, any operand of a
+        ``remat`` body: never a carry or a scanned slice) and the rewriter can
+        thread that scope's values into this body (``threaded``); else None.
+        Mask reading follows it to read the mask where it is built."""
+        atom = self.resolve(atom)
+        if not self.threaded or isinstance(atom, Const) or atom not in self.outer:
+            return None
+        if self.producer(atom) is not None:
+            return None
+        parent, outer = self.outer[atom]
+        return parent, parent.resolve(outer)
 
     def shape(self, atom) -> tuple[int, ...]:
         return tuple(self.aval(atom).shape)
@@ -329,13 +364,20 @@ def is_kernel_call(eqn) -> bool:
 def build_scopes(closed) -> list[Scope]:
     """The top-level scope and, recursively, every opaque body's scope."""
     scopes: list[Scope] = []
-    pending = [(closed, (), None, None)]
+    pending = [(closed, (), None, None, None, False)]
     while pending:
-        jaxpr, prefix, outer, sliced = pending.pop(0)
-        scope = Scope(jaxpr, prefix, outer, sliced)
+        jaxpr, prefix, outer, sliced, parent, threaded = pending.pop(0)
+        scope = Scope(jaxpr, prefix, outer, sliced, parent, threaded)
         scopes.append(scope)
         pending.extend(
-            (c.closed, c.prefix, scope.outer_of(c), scope.outer_of(c, sliced=True))
+            (
+                c.closed,
+                c.prefix,
+                scope.outer_of(c),
+                scope.outer_of(c, sliced=True),
+                scope,
+                compat.threads_operands(c.node.eqn, c.param, c.index),
+            )
             for c in scope.children
         )
     return scopes

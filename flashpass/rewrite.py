@@ -65,6 +65,23 @@ class Plan:
                     self.pairs.setdefault(pair.forward.path, []).append(p)
                 self.pairs.setdefault(pair.backward.path, []).append(p)
                 self.site_prefixes.add(p.site.backward.scope_prefix)
+        # Values of enclosing scopes a site reads (a mask read where it is built,
+        # outside its scan or remat body: `Scope.outside`), per body they are
+        # threaded into as new leading operands, outermost body first.
+        self.threads: dict = {}  # body prefix -> keys of enclosing scopes
+        for p in planned:
+            for extra in p.site.extras:
+                chain, scope = [], self.scopes[p.site.scope_prefix]
+                key = scope.resolve(extra.atom)
+                while scope is not None and not scope.owns(key):
+                    chain.append(scope)
+                    scope = scope.parent
+                if scope is None:
+                    continue  # (no enclosing scope holds it: read as before)
+                for body in chain:
+                    keys = self.threads.setdefault(body.prefix, [])
+                    if key not in keys:
+                        keys.append(key)
         # Equations whose bodies hold sites (a prefix's steps into a body are strings).
         self.holders = {
             sp[:j]
@@ -96,14 +113,20 @@ class _State:
 
 
 def _rewrite(closed, state: _State, prefix: tuple):
-    """The rewritten version of ``closed`` (the jaxpr at ``prefix``)."""
+    """The rewritten version of ``closed`` (the jaxpr at ``prefix``); a body
+    that sites read enclosing scopes' values in (`Plan.threads`) gets them as
+    new leading inputs, in that order."""
     jaxpr, consts = compat.closed_parts(closed)
+    threads = state.plan.threads.get(prefix, [])
+    scope = state.plan.scopes.get(prefix)
     # Re-traced on the inputs' own types: shardings and, inside a user's
     # shard_map, varying manual axes included.
-    avals = [v.aval for v in jaxpr.invars]
+    avals = [scope.aval(k) for k in threads] + [v.aval for v in jaxpr.invars]
 
     def run(*args):
-        return _Evaluator(state, prefix).run(jaxpr, consts, args, prefix)
+        ev = _Evaluator(state, prefix)
+        ev.env.update(zip(threads, args[: len(threads)], strict=True))
+        return ev.run(jaxpr, consts, args[len(threads) :], prefix)
 
     new = jax.make_jaxpr(run)(*avals)
     return compat.dce_closed_jaxpr(new)
@@ -180,6 +203,8 @@ class _Evaluator:
                 invals = [self.read(inst, a) for a in eqn.invars]
                 if path not in plan.holders:
                     outs = compat.bind_equation(eqn, invals)
+                elif (*path, "jaxpr") in plan.threads:
+                    outs = self._threaded(eqn, path, invals)
                 elif compat.is_shard_map(eqn) and self.plan.touches((*path, "jaxpr")):
                     outs = self._shard_map(eqn, invals, (*path, "jaxpr"))
                 else:
@@ -245,8 +270,11 @@ class _Evaluator:
             dropped = {i for p in planned for i in p.site.backward.pair.dropped_outputs}
             xs = invals[n_consts + n_carry :]
 
+            threads = self._threads(prefix)
+
             def step(carry, x):
                 ev = _Evaluator(self.state, prefix)
+                ev.env.update(threads)  # closed over: lax.scan makes them constants
                 outs = ev.run(body, body_consts, [*consts, *carry, *x], prefix)
                 ys = [y for i, y in enumerate(outs) if i >= n_carry and i not in dropped]
                 return outs[:n_carry], (ys, [ev.saved.pop(p) for p in planned])
@@ -263,6 +291,7 @@ class _Evaluator:
         dropped = {i for p in planned for i in p.site.backward.pair.dropped_operands}
         kept = [i for i in range(n_consts + n_carry, len(invals)) if i not in dropped]
         leaves = [self.stacked.pop(p) for p in planned]
+        threads = self._threads(prefix)
 
         def step(carry, x):
             xs, given = x
@@ -270,6 +299,7 @@ class _Evaluator:
             for i, value in zip(kept, xs, strict=True):
                 args[i] = value
             ev = _Evaluator(self.state, prefix)
+            ev.env.update(threads)
             ev.given = dict(zip(planned, given, strict=True))
             outs = ev.run(body, body_consts, args, prefix)
             return outs[:n_carry], outs[n_carry:]
@@ -287,12 +317,14 @@ class _Evaluator:
         dropped = {i for p in planned for i in p.site.backward.pair.dropped_operands}
         kept = [i for i in range(len(invals)) if i not in dropped]
         leaves = [self.saved.pop(p) for p in planned]
+        threads = self._threads(prefix)
 
         def run(values, given):
             args = [_MISSING] * len(invals)
             for i, value in zip(kept, values, strict=True):
                 args[i] = value
             ev = _Evaluator(self.state, prefix)
+            ev.env.update(threads)  # closed over: jax.checkpoint makes them operands
             ev.given = dict(zip(planned, given, strict=True))
             return ev.run(body, body_consts, args, prefix)
 
@@ -300,6 +332,34 @@ class _Evaluator:
         if eqn.params.get("policy") is not None:
             options["policy"] = eqn.params["policy"]
         return jax.checkpoint(run, **options)([invals[i] for i in kept], leaves)
+
+    def _threads(self, prefix: tuple) -> dict:
+        """The enclosing scopes' values the body at ``prefix`` reads
+        (`Plan.threads`), for a body re-emitted with ``lax.scan`` or
+        ``jax.checkpoint``, which close over them."""
+        return {k: self.read_key(k) for k in self.plan.threads.get(prefix, [])}
+
+    def _threaded(self, eqn, path, invals) -> list:
+        """A ``scan`` or ``remat`` whose body's sites read values of enclosing
+        scopes (a mask read where it was built, `Plan.threads`): re-bound
+        with its body rewritten and those values as new leading operands (a
+        scan's loop-invariant constants).  If the body cannot be rewritten
+        its sites fall back and the equation is bound as written."""
+        prefix = (*path, "jaxpr")
+        keys = self.plan.threads[prefix]  # (in `_rewrite`'s order: its new inputs)
+        body = eqn.params["jaxpr"]
+        try:
+            new = compat.rebuild_body(
+                eqn, "jaxpr", body, _rewrite(compat.as_closed(body), self.state, prefix)
+            )
+            params = compat.with_leading_operands(eqn, new, len(keys))
+            values = list(self._threads(prefix).values())
+        except Exception as err:
+            if errors.strict():
+                raise
+            self.state.failures[prefix] = errors.describe(err)
+            return compat.bind_equation(eqn, invals)
+        return compat.bind_equation(eqn, [*values, *invals], params)
 
     def _shard_map(self, eqn, invals, prefix: tuple) -> list:
         """A ``shard_map`` whose body holds sites, re-bound with the body

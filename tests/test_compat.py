@@ -84,6 +84,40 @@ def test_scan_counts():
         assert compat.scan_counts(scan.params) == (2, 1)  # w, u; c; then xs
 
 
+def test_leading_operands():
+    """A scan or remat body given more leading inputs binds with them as new
+    operands (a scan's constants): how a mask read outside reaches the body."""
+    with uses("scan params: num_consts (JAX < 0.11), ft_in (jax._src.flattree.pack, nones)"):
+
+        def f(x, w):
+            y = jax.lax.scan(lambda c, _: (c * w, None), x, None, length=2)[0]
+            return jax.checkpoint(lambda a: jnp.sin(a) * w)(y)
+
+        x, w, extra = jnp.ones(3), jnp.full(3, 2.0), jnp.full(3, 0.5)
+        closed = jax.make_jaxpr(f)(x, w)
+        jaxpr, consts = compat.closed_parts(closed)
+        env = dict(zip(jaxpr.invars, (x, w), strict=True))
+        for eqn in jaxpr.eqns:
+            invals = [
+                env[v] if not compat.is_literal(v) else compat.literal_value(v) for v in eqn.invars
+            ]
+            [(name, index, body)] = compat.bodies_in_params(eqn.params)
+            assert compat.threads_operands(eqn, name, index)
+            inner, inner_consts = compat.closed_parts(compat.as_closed(body))
+
+            def run(e, *args, inner=inner, inner_consts=inner_consts):
+                return compat.eval_jaxpr(inner, inner_consts, *(a + e for a in args))
+
+            avals = [jax.typeof(extra), *(v.aval for v in inner.invars)]
+            new = compat.rebuild_body(eqn, name, body, jax.make_jaxpr(run)(*avals))
+            params = compat.with_leading_operands(eqn, new, 1)
+            outs = compat.bind_equation(eqn, [extra, *invals], params)
+            env.update(zip(eqn.outvars, outs, strict=True))
+        # every input of both bodies read 0.5 more: scan (x+.5)*(w+.5) twice, then sin
+        c = (1.5 * 2.5 + 0.5) * 2.5
+        np.testing.assert_allclose(env[jaxpr.outvars[0]], np.sin(c + 0.5) * 2.5, rtol=1e-6)
+
+
 def test_open_bodies():
     """``remat``'s body is evaluated without constants: it stays constant-free."""
     with uses("jax._src.core.Jaxpr (open bodies: remat)"):

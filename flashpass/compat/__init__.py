@@ -81,8 +81,10 @@ from ._jaxpr import (  # noqa: F401
     sliced_operands,
     struct_aval,
     subjaxprs_of_params,
+    threads_operands,
     user_frames,
     user_location,
+    with_leading_operands,
 )
 from ._kernels import (  # noqa: F401
     _ASSUMED_CUDNN,

@@ -224,6 +224,49 @@ def passthrough_operands(eqn, name: str, index: int | None) -> dict[int, int]:
     return {}
 
 
+_REMAT_PRIMITIVES = frozenset({"checkpoint", "remat", "remat2"})
+
+
+def threads_operands(eqn, name: str, index: int | None) -> bool:
+    """Whether `with_leading_operands` can give ``eqn``'s body ``name`` more
+    operands: a ``scan``'s (as constants: the ``num_consts`` form) or a
+    ``remat``'s.  Other bodies (``cond``, ``while``, custom derivatives,
+    ``shard_map``) keep their signatures."""
+    prim = eqn.primitive.name
+    if name != "jaxpr" or index is not None:
+        return False
+    if prim == "scan":
+        return "num_consts" in eqn.params or _flattree() is not None
+    return prim in _REMAT_PRIMITIVES
+
+
+def _flattree():
+    """JAX's ``flattree`` module (a scan's ``ft_in`` since JAX 0.11), or None."""
+    try:
+        from jax._src import flattree
+    except ImportError:  # pragma: no cover - JAX < 0.11 (num_consts)
+        return None
+    return flattree if hasattr(flattree, "pack") and hasattr(flattree, "nones") else None
+
+
+def with_leading_operands(eqn, new_body, count: int) -> dict:
+    """``eqn``'s params with its body (param ``jaxpr``) replaced by
+    ``new_body``, whose first ``count`` inputs are new operands bound before
+    the equation's own (`threads_operands`): a scan's new loop-invariant
+    constants, a remat's new operands."""
+    params = dict(eqn.params)
+    params["jaxpr"] = new_body
+    if eqn.primitive.name == "scan" and "num_consts" in params:
+        params["num_consts"] = params["num_consts"] + count
+        if "linear" in params:
+            params["linear"] = (False,) * count + tuple(params["linear"])
+    elif eqn.primitive.name == "scan":  # ft_in: prepended as JAX's own partial eval does
+        ft = _flattree()
+        consts, carry, xs = params["ft_in"].unpack()
+        params["ft_in"] = ft.pack(((ft.nones(count), consts), carry, xs))
+    return params
+
+
 def sliced_operands(eqn, name: str) -> dict[int, int]:
     """``{body input position: operand position}`` for a ``scan`` body's scanned
     inputs: each iteration receives one slice of the operand along its axis 0."""
