@@ -190,19 +190,8 @@ def backward(plan: Plan, q, k, v, extras, out, m, den, dout, wanted):
     kp = _util.pad_axis(k, 2, sp)
     do5 = _util.pad_axis(grouped(plan, dout), -2, tp)
     out5 = _util.pad_axis(grouped(plan, out), -2, tp)
-    # dS = p * (dP - delta), dP = dO V^T and delta = rowsum(dO * O) from two
-    # separately rounded products: a component V's keys share (a large mean)
-    # cancels there and leaves both products' rounding, which autodiff's
-    # delta = rowsum(p * dP) partly cancels and this one does not (2-3x its
-    # dq and dk error).  Where each row's weights sum to one, dS is the same
-    # for V - c and O - c with any c constant along the keys: V is centred on
-    # its mean over the keys first.  Not with dropout's keep-mask or a sink,
-    # whose weights do not sum to one.
     v_dtype = v.dtype
-    if spec.dropout is None and spec.sink is None:
-        centre = jnp.mean(v.astype(cdt), axis=2, keepdims=True)  # [B, Hkv, 1, Dv]
-        v = v.astype(cdt) - centre
-        out5 = out5.astype(cdt) - (centre if spec.groups == 1 else centre[:, :, None])
+    v, out5 = _centred(spec, v, out5, cdt)
     vp = _util.pad_axis(v, 2, sp)
     key, kernel_extras = _split_key(spec, extras)
     _, kernel_extras = _split_sink(spec, kernel_extras, cdt)  # its cotangent: `_sink_cotangent`
@@ -332,6 +321,23 @@ def backward(plan: Plan, q, k, v, extras, out, m, den, dout, wanted):
     grads = {i: g[:, :, :, : extras[i].shape[2], : extras[i].shape[3]] for i, g in dbias.items()}
     dextras = extra_cotangents(extras, wanted, grads)
     return dq, dk[:, :, :S].astype(k.dtype), dv.astype(v_dtype), dextras
+
+
+def _centred(spec, v, out5, cdt):
+    """``v`` and ``out5`` less V's mean over the keys, where that changes no dS.
+
+    dS = p * (dP - delta), dP = dO V^T and delta = rowsum(dO * O) from two
+    separately rounded products: a component V's keys share (a large mean)
+    cancels there and leaves both products' rounding, which autodiff's
+    delta = rowsum(p * dP) partly cancels and this one does not (2-3x its dq
+    and dk error).  Where each row's weights sum to one, dS is the same for
+    V - c and O - c with any c constant along the keys.  Not with dropout's
+    keep-mask or a sink, whose weights do not sum to one."""
+    if spec.dropout is not None or spec.sink is not None:
+        return v, out5
+    centre = jnp.mean(v.astype(cdt), axis=2, keepdims=True)  # [B, Hkv, 1, Dv]
+    v = v.astype(cdt) - centre
+    return v, out5.astype(cdt) - (centre if spec.groups == 1 else centre[:, :, None])
 
 
 def _skipped_dv(plan: Plan, m, inv_den, do5):
