@@ -91,10 +91,68 @@ def _reduce(interp, op, operands):
         return [_fold(out)]
 
     def computation(a, b):
-        return tuple(interp.run_region(op.regions[0], [*a, *b]))
+        return tuple(materialize(x) for x in interp.run_region(op.regions[0], [*a, *b]))
 
     init_values = [materialize(x) for x in inits]
+    inexact = [jnp.issubdtype(x.dtype, jnp.inexact) for x in inputs]
+    if any(inexact) and not all(inexact):
+        return list(_mixed_reduce(computation, dims, inexact)(*inputs, *init_values))
     return list(lax.reduce(tuple(inputs), tuple(init_values), computation, dims))
+
+
+def _mixed_reduce(computation, dims, inexact):
+    """``lax.reduce`` of float and integer operands (an argmax: the values and
+    their positions), with a derivative.  JAX's own JVP of a general reduce
+    reshapes every operand's tangent, and an integer operand's is a symbolic
+    zero, which fails; this one differentiates the same pairwise tree of the
+    body (what JAX's rule does) in the float operands alone."""
+    n = len(inexact)
+
+    @jax.custom_jvp
+    def reduce(*operands):
+        xs, inits = operands[:n], operands[n:]
+        return tuple(lax.reduce(tuple(xs), tuple(inits), computation, dims))
+
+    @reduce.defjvp
+    def jvp(primals, tangents):
+        xs, inits = primals[:n], primals[n:]
+        floats = [i for i in range(n) if inexact[i]]
+
+        def tree(*float_xs):
+            full = list(xs)
+            for i, x in zip(floats, float_xs, strict=True):
+                full[i] = x
+            return _reduce_tree(computation, full, inits, dims)
+
+        out = reduce(*primals)
+        _, tangent = jax.jvp(tree, [xs[i] for i in floats], [tangents[i] for i in floats])
+        return out, tuple(tangent)
+
+    return reduce
+
+
+def _reduce_tree(computation, xs, inits, dims):
+    """The reduction of ``xs`` over ``dims`` as a pairwise tree of ``computation``
+    (`lax`'s general reduce JVP, jax/_src/lax/lax.py ``_reduce_jvp``)."""
+    shape = xs[0].shape
+    rest = [d for d in range(len(shape)) if d not in dims]
+    size = int(np.prod([shape[d] for d in dims]))
+    flat = (size, *(shape[d] for d in rest))
+    xs = [lax.reshape(x, flat, (*dims, *rest)) for x in xs]
+    reducer = lambda *ab: computation(ab[: len(xs)], ab[len(xs) :])  # noqa: E731
+    for _ in range(len(rest) + 1):
+        reducer = jax.vmap(reducer)
+    while xs[0].shape[0] > 1:
+        half = (xs[0].shape[0] + 1) // 2
+        first = [lax.slice_in_dim(x, 0, half) for x in xs]
+        second = [lax.slice_in_dim(x, half, None) for x in xs]
+        if second[0].shape[0] != half:
+            pads = [(0, 1, 0)] + [(0, 0, 0)] * len(rest)
+            second = [lax.pad(x, i, pads) for x, i in zip(second, inits, strict=True)]
+        xs = list(reducer(*first, *second))
+    if xs[0].shape[0] == 0:
+        return tuple(lax.full(flat[1:], i, i.dtype) for i in inits)
+    return tuple(lax.squeeze(x, (0,)) for x in xs)
 
 
 def _padding_pairs(attr, rank: int) -> list:
