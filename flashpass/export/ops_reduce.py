@@ -11,7 +11,7 @@ from jax import lax
 from flashpass import compat
 
 from .rules import RULES, NoRule, _attr, _aval, _fold, _i64s, _index_vector_last, _int, _rule
-from .values import constant_value, materialize
+from .values import constant_value, dense_constant, materialize, tensor_aval
 
 # --------------------------------------------------------------------------- contractions
 
@@ -91,10 +91,68 @@ def _reduce(interp, op, operands):
         return [_fold(out)]
 
     def computation(a, b):
-        return tuple(interp.run_region(op.regions[0], [*a, *b]))
+        return tuple(materialize(x) for x in interp.run_region(op.regions[0], [*a, *b]))
 
     init_values = [materialize(x) for x in inits]
+    inexact = [jnp.issubdtype(x.dtype, jnp.inexact) for x in inputs]
+    if any(inexact) and not all(inexact):
+        return list(_mixed_reduce(computation, dims, inexact)(*inputs, *init_values))
     return list(lax.reduce(tuple(inputs), tuple(init_values), computation, dims))
+
+
+def _mixed_reduce(computation, dims, inexact):
+    """``lax.reduce`` of float and integer operands (an argmax: the values and
+    their positions), with a derivative.  JAX's own JVP of a general reduce
+    reshapes every operand's tangent, and an integer operand's is a symbolic
+    zero, which fails; this one differentiates the same pairwise tree of the
+    body (what JAX's rule does) in the float operands alone."""
+    n = len(inexact)
+
+    @jax.custom_jvp
+    def reduce(*operands):
+        xs, inits = operands[:n], operands[n:]
+        return tuple(lax.reduce(tuple(xs), tuple(inits), computation, dims))
+
+    @reduce.defjvp
+    def jvp(primals, tangents):
+        xs, inits = primals[:n], primals[n:]
+        floats = [i for i in range(n) if inexact[i]]
+
+        def tree(*float_xs):
+            full = list(xs)
+            for i, x in zip(floats, float_xs, strict=True):
+                full[i] = x
+            return _reduce_tree(computation, full, inits, dims)
+
+        out = reduce(*primals)
+        _, tangent = jax.jvp(tree, [xs[i] for i in floats], [tangents[i] for i in floats])
+        return out, tuple(tangent)
+
+    return reduce
+
+
+def _reduce_tree(computation, xs, inits, dims):
+    """The reduction of ``xs`` over ``dims`` as a pairwise tree of ``computation``
+    (`lax`'s general reduce JVP, jax/_src/lax/lax.py ``_reduce_jvp``)."""
+    shape = xs[0].shape
+    rest = [d for d in range(len(shape)) if d not in dims]
+    size = int(np.prod([shape[d] for d in dims]))
+    flat = (size, *(shape[d] for d in rest))
+    xs = [lax.reshape(x, flat, (*dims, *rest)) for x in xs]
+    reducer = lambda *ab: computation(ab[: len(xs)], ab[len(xs) :])  # noqa: E731
+    for _ in range(len(rest) + 1):
+        reducer = jax.vmap(reducer)
+    while xs[0].shape[0] > 1:
+        half = (xs[0].shape[0] + 1) // 2
+        first = [lax.slice_in_dim(x, 0, half) for x in xs]
+        second = [lax.slice_in_dim(x, half, None) for x in xs]
+        if second[0].shape[0] != half:
+            pads = [(0, 1, 0)] + [(0, 0, 0)] * len(rest)
+            second = [lax.pad(x, i, pads) for x, i in zip(second, inits, strict=True)]
+        xs = list(reducer(*first, *second))
+    if xs[0].shape[0] == 0:
+        return tuple(lax.full(flat[1:], i, i.dtype) for i in inits)
+    return tuple(lax.squeeze(x, (0,)) for x in xs)
 
 
 def _padding_pairs(attr, rank: int) -> list:
@@ -160,44 +218,157 @@ def _reduce_window(interp, op, operands):
     return list(out) if n > 1 else [out]
 
 
-def _compare_of_args(op, first: int, second: int) -> tuple | None:
-    """``(direction, compare_type)`` of a comparator body ``return compare(arg_first,
-    arg_second)``, else None."""
-    block = op.regions[0].blocks[0]
-    body = list(block.operations)
-    args = list(block.arguments)
-    if len(body) != 2 or body[0].operation.name != "stablehlo.compare":
+def _owner(value, name: str):
+    """The op defining ``value`` where it is a ``name`` op, else None."""
+    owner = value.owner
+    if hasattr(owner, "operation") and owner.operation.name == name:
+        return owner.operation
+    return None
+
+
+def _constant_of(value) -> np.ndarray | None:
+    """The value of a ``stablehlo.constant`` (a comparator's ``0.0`` or NaN), else None."""
+    owner = _owner(value, "stablehlo.constant")
+    if owner is None:
         return None
-    compare, ret = body
-    if list(compare.operands) != [args[first], args[second]]:
-        return None
-    if list(ret.operands) != [compare.results[0]]:
-        return None
+    return constant_value(dense_constant(owner.attributes["value"], tensor_aval(value.type)))
+
+
+def _direction(op) -> str:
     sh = compat.stablehlo_dialect()
-    direction = sh.ComparisonDirectionAttr(compare.attributes["comparison_direction"]).value
+    return sh.ComparisonDirectionAttr(op.attributes["comparison_direction"]).value
+
+
+def _is_compare(op, direction: str, lhs, rhs) -> bool:
+    return (
+        op is not None
+        and _direction(op) == direction
+        and list(op.operands) == [lhs, rhs]
+        and "TOTALORDER" not in str(_attr(op, "compare_type"))
+    )
+
+
+def _comparator_operand(value, args: list) -> tuple | None:
+    """``(i, canonical)`` where ``value`` is the comparator's argument ``i``
+    (``canonical=False``) or JAX's canonical form of it for sorting floats,
+    ``select(x != x, NaN, select(x == 0, 0, x))`` (every NaN one NaN, -0 equal
+    to 0; ``canonical=True``); else None."""
+    if value in args:
+        return args.index(value), False
+    outer = _owner(value, "stablehlo.select")
+    if outer is None:
+        return None
+    is_nan, nan, inner = outer.operands
+    inner_op = _owner(inner, "stablehlo.select")
+    if inner_op is None:
+        return None
+    is_zero, zero, x = inner_op.operands
+    if x not in args:
+        return None
+    nan_value, zero_value = _constant_of(nan), _constant_of(zero)
+    if nan_value is None or zero_value is None or nan_value.size != 1 or zero_value.size != 1:
+        return None
+    if not np.isnan(nan_value).all() or not (zero_value == 0).all():
+        return None
+    if not _is_compare(_owner(is_nan, "stablehlo.compare"), "NE", x, x):
+        return None
+    if not _is_compare(_owner(is_zero, "stablehlo.compare"), "EQ", x, zero):
+        return None
+    return args.index(x), True
+
+
+def _sort_order(op) -> tuple | None:
+    """``(key, descending, canonical, compare_type)`` of a comparator that orders by operand
+    ``key`` alone: ``return compare(LT or GT, f(a_key), f(b_key))`` with ``f``
+    the identity or JAX's canonical float form (`_comparator_operand`), either
+    argument first; else None."""
+    block = op.regions[0].blocks[0]
+    args = list(block.arguments)
+    body = [o for o in block.operations if o.operation.name != "stablehlo.constant"]
+    ret = body[-1]
+    if len(ret.operands) != 1:
+        return None
+    compare = _owner(ret.operands[0], "stablehlo.compare")
+    if compare is None or _direction(compare) not in ("LT", "GT"):
+        return None
+    lhs, rhs = (_comparator_operand(v, args) for v in compare.operands)
+    if lhs is None or rhs is None or lhs[1] != rhs[1]:
+        return None
+    first, second = lhs[0], rhs[0]
+    if first // 2 != second // 2 or first == second:
+        return None
+    canonical = lhs[1]
+    if len(body) != 2 + (8 if canonical else 0):
+        return None  # the comparator computes something besides (another key)
+    swapped = first % 2 == 1  # compare(b, a): the other direction
+    descending = (_direction(compare) == "GT") != swapped
     kind = _attr(compare, "compare_type")
-    return direction, "" if kind is None else str(kind)
+    return first // 2, descending, canonical, "" if kind is None else str(kind)
+
+
+def _total_order_bits(x):
+    """Integers ordered as ``x``'s floats are in IEEE total order (-NaN < -inf
+    < ... < -0 < 0 < ... < inf < NaN, every bit pattern its own rank)."""
+    width = jnp.dtype(x.dtype).itemsize * 8
+    bits = lax.bitcast_convert_type(x, jnp.dtype(f"int{width}"))
+    magnitude = np.asarray(np.iinfo(bits.dtype).max, bits.dtype)
+    return lax.select(bits < 0, lax.bitwise_xor(bits, lax.full_like(bits, magnitude)), bits)
+
+
+def _canonical(x):
+    """JAX's canonical float for sorting: every NaN one NaN, -0 as 0."""
+    zero, nan = lax.full_like(x, 0), lax.full_like(x, np.nan)
+    return lax.select(lax.ne(x, x), nan, lax.select(lax.eq(x, zero), zero, x))
 
 
 @_rule("stablehlo.sort")
 def _sort(interp, op, operands):
-    # lax.sort's order: ascending, floats in total order, keyed on the first operand.
-    found = _compare_of_args(op, 0, 1)
-    if found is None or found[0] != "LT":
+    """A sort keyed on one operand, ascending or descending: `lax.sort`.
+
+    lax.sort orders floats as JAX's comparator does (canonical NaN and 0, then
+    total order, ascending).  Any other order of one key (the raw IEEE total
+    order, which tells -0 from 0 and NaNs apart, or descending, as
+    ``chlo.top_k``'s decomposition sorts) sorts on an integer key of the same
+    order, prepended to the operands, which are carried along unchanged: the
+    values are the module's bit for bit and their derivative is the
+    permutation's."""
+    found = _sort_order(op)
+    if found is None:
         raise NoRule
+    key, descending, canonical, kind = found
     inputs = [materialize(x) for x in operands]
-    floating = jnp.issubdtype(inputs[0].dtype, jnp.floating)
-    if floating and "TOTALORDER" not in found[1]:
-        raise NoRule  # a partial float order (-0 == 0) is not lax.sort's
+    dtype = jnp.dtype(inputs[key].dtype)
+    floating = jnp.issubdtype(dtype, jnp.floating)
+    if floating and "TOTALORDER" not in kind:
+        raise NoRule  # a partial float order (NaN unordered) is no strict weak order
+    if not floating:
+        signed = jnp.issubdtype(dtype, jnp.signedinteger)
+        if canonical or not (
+            signed or jnp.issubdtype(dtype, jnp.unsignedinteger) or dtype.kind == "b"
+        ):
+            raise NoRule
+        if kind and kind.rstrip(">").split()[-1] != ("SIGNED" if signed else "UNSIGNED"):
+            raise NoRule  # e.g. signed integers compared unsigned: another order
     dimension = _int(op.attributes["dimension"])
     stable = _attr(op, "is_stable")
-    out = lax.sort(
-        tuple(inputs),
-        dimension=dimension,
-        is_stable=stable is not None and str(stable) == "true",
-        num_keys=1,
-    )
-    return [_fold(x) for x in out]
+    is_stable = stable is not None and str(stable) == "true"
+    if not descending and (canonical or not floating):
+        # lax.sort's own order: the key first, the others after it.
+        order = [key] + [i for i in range(len(inputs)) if i != key]
+        out = lax.sort(
+            tuple(inputs[i] for i in order), dimension=dimension, is_stable=is_stable, num_keys=1
+        )
+        results = [None] * len(inputs)
+        for i, x in zip(order, out, strict=True):
+            results[i] = x
+        return [_fold(x) for x in results]
+    k = inputs[key]
+    if floating:
+        k = _total_order_bits(_canonical(k) if canonical else k)
+    if descending:
+        k = lax.bitwise_not(k)  # reverses an integer order exactly
+    out = lax.sort((k, *inputs), dimension=dimension, is_stable=is_stable, num_keys=1)
+    return [_fold(x) for x in out[1:]]
 
 
 def _updated_value_body(op) -> str | None:

@@ -102,15 +102,19 @@ def test_bitcast_convert_and_count_leading_zeros_are_lifted():
     np.testing.assert_array_equal(new.call(x), exp.call(x))
 
 
-def test_a_float_sort_is_an_island_with_its_comparator():
-    """JAX's float comparator (NaN and -0 made canonical, then a total order)
-    reads constants from around the sort: the island takes them as arguments."""
-    exp = _exported(lambda x: jnp.sort(x), jax.ShapeDtypeStruct((8,), jnp.float32))
+def test_a_float_sort_on_two_keys_is_an_island_with_its_comparator():
+    """JAX's float comparator (NaN and -0 made canonical, then a total order) on
+    two keys has no rule and reads constants from around the sort: the island
+    takes them as arguments.  (One key is lifted: tests/export/test_sort.py.)"""
+    s = jax.ShapeDtypeStruct((8,), jnp.float32)
+    exp = _exported(_two_key_sort, s, s)
     new, report = fx.rewrite_and_explain(exp)
     assert report.route == "lift", str(report)
     assert [i.op for i in report.islands] == ["stablehlo.sort"], str(report)
     x = jnp.asarray([3.0, -0.0, 0.0, -1.0, jnp.nan, 2.0, -jnp.inf, 1.0])
-    np.testing.assert_array_equal(new.call(x), exp.call(x))
+    y = jnp.asarray([0.0, 2.0, 1.0, 0.0, 1.0, 3.0, 1.0, 1.0])
+    for got, want in zip(new.call(x, y), exp.call(x, y), strict=True):
+        np.testing.assert_array_equal(got, want)
 
 
 def _two_key_sort(x, y):
