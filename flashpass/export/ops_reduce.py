@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -29,6 +31,78 @@ def _dot_general(interp, op, operands):
     )
     out = lax.dot_general(lhs, rhs, dims, preferred_element_type=_aval(op).dtype)
     return [_fold(out)]
+
+
+@_rule("stablehlo.convolution")
+def _convolution(interp, op, operands):
+    """``lax.conv_general_dilated`` (a ViT's or a speech model's patch and
+    feature convolutions): every dimension number, stride, padding, dilation
+    and group count read from the op, and its operands' precisions; a
+    reversed window is kept as an island."""
+    sh = compat.stablehlo_dialect()
+    dn = sh.ConvDimensionNumbers(op.attributes["dimension_numbers"])
+    spatial = len(dn.input_spatial_dimensions)
+    reversal = _attr(op, "window_reversal")
+    if reversal is not None and any(str(x).lower() == "true" for x in _bools(reversal)):
+        raise NoRule
+    ones = (1,) * spatial
+    padding = _attr(op, "padding")
+    pads = [(0, 0)] * spatial
+    if padding is not None:
+        pads = [tuple(int(v) for v in row) for row in np.asarray(padding).reshape(spatial, 2)]
+    numbers = lax.ConvDimensionNumbers(
+        lhs_spec=(
+            dn.input_batch_dimension,
+            dn.input_feature_dimension,
+            *dn.input_spatial_dimensions,
+        ),
+        rhs_spec=(
+            dn.kernel_output_feature_dimension,
+            dn.kernel_input_feature_dimension,
+            *dn.kernel_spatial_dimensions,
+        ),
+        out_spec=(
+            dn.output_batch_dimension,
+            dn.output_feature_dimension,
+            *dn.output_spatial_dimensions,
+        ),
+    )
+    lhs, rhs = (materialize(x) for x in operands)
+    out = lax.conv_general_dilated(
+        lhs,
+        rhs,
+        window_strides=_i64s(_attr(op, "window_strides")) or ones,
+        padding=pads,
+        lhs_dilation=_i64s(_attr(op, "lhs_dilation")) or ones,
+        rhs_dilation=_i64s(_attr(op, "rhs_dilation")) or ones,
+        dimension_numbers=numbers,
+        feature_group_count=_int(op.attributes["feature_group_count"]),
+        batch_group_count=_int(op.attributes["batch_group_count"]),
+        precision=_precision(op),
+        preferred_element_type=_aval(op).dtype,
+    )
+    if out.shape != _aval(op).shape:
+        raise NoRule  # a form this reading misses: kept as written
+    return [_fold(out)]
+
+
+def _precision(op):
+    """The op's ``precision_config`` as lax's pair, or None (the default)."""
+    config = _attr(op, "precision_config")
+    if config is None:
+        return None
+    names = re.findall(r"precision\s+(\w+)", str(config))
+    if len(names) != 2 or any(n not in ("DEFAULT", "HIGH", "HIGHEST") for n in names):
+        raise NoRule
+    return tuple(lax.Precision[n] for n in names)
+
+
+def _bools(attr) -> list:
+    ir = compat.ir_module()
+    try:
+        return list(ir.DenseBoolArrayAttr(attr))
+    except (ValueError, TypeError):
+        return list(np.asarray(attr).ravel())
 
 
 @_rule("stablehlo.dot")
