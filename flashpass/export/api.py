@@ -44,33 +44,78 @@ def explain(exp: jax.export.Exported, *, platforms=None, **options) -> ExportRep
 
 
 def rewrite(
-    exp: jax.export.Exported, *, platforms=None, route: str = "lift", **options
+    exp: jax.export.Exported,
+    *,
+    platforms=None,
+    route: str = "lift",
+    backward: str = "auto",
+    **options,
 ) -> jax.export.Exported:
     """``exp`` with its attention sites rewritten to flash-attention kernels.
 
     The result is an `Exported` with the same input and output structure,
     avals and platforms (``platforms=`` retargets a single-platform module);
     it calls, serializes (use ``vjp_order=1`` to ship the derivative) and
-    deserializes like any other.  An artifact that cannot be lifted (sharded
-    over several devices, shape-polymorphic, with effects) is returned
-    unchanged; `explain` says why.  An artifact exported over several devices
-    keeps its input and output shardings and its sharding constraints (a
-    mesh of all-Auto or all-Explicit axes; this host needs as many devices).
+    deserializes like any other.  Its derivative (``backward=``): by default
+    the artifact's own where it carries one (``has_vjp()``: exported in this
+    process, or serialized with ``vjp_order=1``), which keeps what the
+    exporter differentiated (``stop_gradient``, custom derivatives) but runs
+    the original backward; ``backward="lifted"``: the rewritten program's,
+    the kernels' own backward, exact except where the exporter's derivative
+    rules are lost (StableHLO holds the primal ops only; docs/stablehlo.md).
+    An artifact that cannot be lifted (sharded over several devices,
+    shape-polymorphic, with effects) is returned unchanged; `explain` says why.
+    An artifact exported over several devices keeps its input and output
+    shardings and its sharding constraints (a mesh of all-Auto or
+    all-Explicit axes; this host needs as many devices).
 
     ``route="splice"`` replaces only each site's ops with a call to the
     rewritten site, exported on its own, and leaves every other op of the
-    module as it was (single-device artifacts, each platform its kernel; its
-    derivative is the lift route's).  See docs/stablehlo.md.
+    module as it was (single-device artifacts, each platform its kernel; with
+    ``backward="lifted"`` its derivative is the lift route's).  See
+    docs/stablehlo.md.
     """
-    return rewrite_and_explain(exp, platforms=platforms, route=route, **options)[0]
+    return rewrite_and_explain(exp, platforms=platforms, route=route, backward=backward, **options)[
+        0
+    ]
 
 
 def rewrite_and_explain(
-    exp: jax.export.Exported, *, platforms=None, route: str = "lift", **options
+    exp: jax.export.Exported,
+    *,
+    platforms=None,
+    route: str = "lift",
+    backward: str = "auto",
+    **options,
 ) -> tuple[jax.export.Exported, ExportReport]:
     """`rewrite` and `explain` at once (the module is lifted once)."""
     if route not in ("lift", "splice"):
         raise ValueError(f"route={route!r}: 'lift' or 'splice'")
+    if backward not in BACKWARDS:
+        raise ValueError(f"backward={backward!r}: one of {', '.join(map(repr, BACKWARDS))}")
+    if backward == "artifact" and isinstance(exp, jax.export.Exported) and not exp.has_vjp():
+        raise ValueError(
+            "backward='artifact': this artifact carries no derivative "
+            "(serialize it with vjp_order=1, or use backward='lifted')"
+        )
+    new, report = _rewrite(exp, platforms, route, options)
+    if new is not exp and backward != "lifted" and exp.has_vjp():
+        # The artifact's own derivative: what its exporter differentiated,
+        # stop_gradient and custom_jvp/vjp rules included, which StableHLO's
+        # primal ops do not hold (a jax.export VJP recomputes from the primal
+        # inputs, so it pairs with any forward of the same function).
+        new = compat.exported_with_vjp(new, lambda _: exp.vjp())
+        report = dataclasses.replace(report, backward="artifact")
+    return new, report
+
+
+#: ``backward=``: "auto" (the artifact's own derivative where it carries one,
+#: else the lifted program's), "artifact" (the artifact's own, required) or
+#: "lifted" (the lifted program's: the kernels' backward; see docs/stablehlo.md).
+BACKWARDS = ("auto", "artifact", "lifted")
+
+
+def _rewrite(exp, platforms, route, options):
     with _x64_scope(exp):
         plan = _plan(exp, platforms, options)
         if route == "splice":

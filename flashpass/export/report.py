@@ -55,6 +55,9 @@ class ExportReport(Report):
     #: The artifact has 64-bit types (int64 tokens): x64 must be on to call it
     #: (as the original); lifting and re-exporting turn it on in a scope.
     needs_x64: bool = False
+    #: The rewritten artifact's derivative: "lifted" (the rewritten program's,
+    #: the kernels' backward) or "artifact" (the original artifact's own VJP).
+    backward: str = "lifted"
 
     def to_dict(self) -> dict:
         out = super().to_dict()
@@ -67,6 +70,7 @@ class ExportReport(Report):
             splice_notes=list(self.splice_notes),
             sites=[dataclasses.asdict(s) for s in self.sites],
             needs_x64=self.needs_x64,
+            backward=self.backward,
         )
         return out
 
@@ -81,6 +85,11 @@ class ExportReport(Report):
         if self.route == "kept":
             return f"{head}{x64}\n  kept unchanged: {self.kept_reason}"
         lines = [head + x64]
+        if self.backward == "artifact":
+            lines.append(
+                "  derivative: the artifact's own (its exporter's rules kept; the original "
+                "backward runs); backward='lifted' for the kernels' backward"
+            )
         lines += [f"  site at {s.location}: {s.route} ({s.why})" for s in self.sites]
         lines += [f"  not spliced (kept as written): {note}" for note in self.splice_notes]
         for island in self.islands:

@@ -181,7 +181,7 @@ def _lift_vjp(exp, options) -> jax.export.Exported:
     route's runs the kernels' own backward."""
     from .api import rewrite_and_explain
 
-    lifted, report = rewrite_and_explain(exp, route="lift", **options)
+    lifted, report = rewrite_and_explain(exp, route="lift", backward="lifted", **options)
     if lifted is exp:
         raise ValueError(
             f"the spliced artifact has no derivative: the lift route kept it ({report.kept_reason})"

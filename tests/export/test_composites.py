@@ -59,7 +59,7 @@ def test_top_k_beside_an_attention_is_lifted_and_the_site_rewritten(route):
 
 def test_top_k_gradient_through_the_lifted_artifact():
     args = _args()
-    new = fx.rewrite(_export(_routed_attention, *args), kernel=KERNEL)
+    new = fx.rewrite(_export(_routed_attention, *args), kernel=KERNEL, backward="lifted")
 
     def loss(call):
         return lambda x, w: jnp.sum(call(x, w)[0] ** 2)
@@ -89,7 +89,7 @@ def test_an_unknown_composite_is_lifted_through_its_decomposition():
     args = _args()
     exp = _export(_attention_with_composite, *args)
     assert "mylib.quick_gelu" in exp.mlir_module()
-    new, report = fx.rewrite_and_explain(exp, kernel=KERNEL)
+    new, report = fx.rewrite_and_explain(exp, kernel=KERNEL, backward="lifted")
     assert len(report.rewrites) == 1 and not report.islands, str(report)
     np.testing.assert_allclose(
         np.asarray(new.call(*args)), np.asarray(_attention_with_composite(*args)), atol=2e-5

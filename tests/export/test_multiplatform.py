@@ -18,7 +18,7 @@ KERNELS = ["splash", "blockwise"]  # splash where it lowers (TPU), else blockwis
 def rewritten():
     x = jax.ShapeDtypeStruct(SHAPE, jnp.float32)
     exp = jax.export.export(jax.jit(causal), platforms=("cpu", "tpu"))(x, x, x)
-    new, report = fx.rewrite_and_explain(exp, kernel=KERNELS)
+    new, report = fx.rewrite_and_explain(exp, backward="lifted", kernel=KERNELS)
     return exp, new, report
 
 

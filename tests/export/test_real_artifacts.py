@@ -313,9 +313,9 @@ def test_splice_finds_sites_where_the_lift_route_keeps_the_module():
     q, k, v = (jnp.asarray(rng.standard_normal((1, 128, 2, 16)), jnp.float32) for _ in range(3))
     args = (w4, x, q, k, v)
     exp = jax.export.export(jax.jit(fn))(*_structs(args))
-    lifted, kept = fx.rewrite_and_explain(exp, kernel="blockwise")
+    lifted, kept = fx.rewrite_and_explain(exp, kernel="blockwise", backward="lifted")
     assert lifted is exp and kept.route == "kept" and "i4" in kept.kept_reason, str(kept)
-    new, report = fx.rewrite_and_explain(exp, route="splice", kernel="blockwise")
+    new, report = fx.rewrite_and_explain(exp, route="splice", kernel="blockwise", backward="lifted")
     assert report.route == "splice" and len(report.rewrites) == 1, str(report)
     (site,) = report.sites
     assert site.route == "splice" and "found in its own block" in site.why, str(report)
@@ -334,7 +334,7 @@ def test_splice_in_a_loop_body():
     ``while`` body and hoists its constants (the softmax's ``-inf`` init, the
     scale) out of the loop: they are lifted with the cut as constants."""
     exp, args = _exported_spelling("scan_layers")
-    new, report = fx.rewrite_and_explain(exp, route="splice", kernel="blockwise")
+    new, report = fx.rewrite_and_explain(exp, route="splice", kernel="blockwise", backward="lifted")
     assert report.route == "splice" and len(report.rewrites) == 1, str(report)
     (site,) = report.sites
     assert "found in its own block" in site.why and not report.splice_notes, str(report)
@@ -354,7 +354,7 @@ def test_splice_with_an_island():
     q, k, v = (jnp.asarray(rng.standard_normal((1, 128, 2, 16)), jnp.float32) for _ in range(3))
     n = jnp.arange(4, dtype=jnp.int32)
     exp = jax.export.export(jax.jit(fn))(*_structs((q, k, v, n)))
-    new, report = fx.rewrite_and_explain(exp, route="splice", kernel="blockwise")
+    new, report = fx.rewrite_and_explain(exp, route="splice", kernel="blockwise", backward="lifted")
     assert report.route == "splice" and len(report.rewrites) == 1, str(report)
     assert "stablehlo.popcnt" in new.mlir_module()  # left as written
     for got, want in zip(new.call(q, k, v, n), exp.call(q, k, v, n), strict=True):

@@ -62,7 +62,7 @@ def _is_subsequence(small, big) -> bool:
 def test_splice_variants(name):
     variant = BY_NAME[name]
     exp = jax.export.export(jax.jit(variant.fn))(*variant.structs())
-    new, report = fx.rewrite_and_explain(exp, route="splice", kernel=KERNEL)
+    new, report = fx.rewrite_and_explain(exp, backward="lifted", route="splice", kernel=KERNEL)
     assert report.route == "splice" and len(report.rewrites) == 1, str(report)
     assert report.rewrites[0].kernel == "blockwise"
     new = jax.export.deserialize(new.serialize())
@@ -117,7 +117,7 @@ def test_surroundings_are_kept_byte_for_byte():
     exp = jax.export.export(jax.jit(_two_layers))(
         *(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in args)
     )
-    new, report = fx.rewrite_and_explain(exp, route="splice", kernel=KERNEL)
+    new, report = fx.rewrite_and_explain(exp, backward="lifted", route="splice", kernel=KERNEL)
     assert report.route == "splice" and len(report.rewrites) == 2, str(report)
     np.testing.assert_allclose(new.call(*args), exp.call(*args), atol=1e-4, rtol=0)
     before, after = _functions(exp.mlir_module()), _functions(new.mlir_module())
@@ -161,7 +161,7 @@ def test_a_site_that_cannot_be_spliced_is_kept_and_noted(monkeypatch):
         return real(fn, **kw)
 
     monkeypatch.setattr(jax.export, "export", export)
-    new, report = fx.rewrite_and_explain(exp, route="splice", kernel=KERNEL)
+    new, report = fx.rewrite_and_explain(exp, backward="lifted", route="splice", kernel=KERNEL)
     monkeypatch.undo()
     assert report.route == "splice" and len(report.rewrites) == 1, str(report)
     assert len(report.splice_notes) == 1 and "simulated" in report.splice_notes[0]
@@ -175,7 +175,7 @@ def test_a_site_that_cannot_be_spliced_is_kept_and_noted(monkeypatch):
 def test_no_site_is_returned_unchanged():
     variant = NEGATIVES[0]
     exp = jax.export.export(jax.jit(variant.fn))(*variant.structs())
-    new, report = fx.rewrite_and_explain(exp, route="splice", kernel=KERNEL)
+    new, report = fx.rewrite_and_explain(exp, backward="lifted", route="splice", kernel=KERNEL)
     assert new is exp
     assert report.route == "kept" and "no attention site" in report.kept_reason, str(report)
     assert "kept unchanged" in str(report)
@@ -188,7 +188,9 @@ def test_multi_platform_each_platform_gets_its_kernel():
     x = jax.ShapeDtypeStruct(shape, jnp.float32)
     causal = BY_NAME["causal"].fn
     exp = jax.export.export(jax.jit(causal), platforms=("cpu", "tpu"))(x, x, x)
-    new, report = fx.rewrite_and_explain(exp, route="splice", kernel=["splash", "blockwise"])
+    new, report = fx.rewrite_and_explain(
+        exp, backward="lifted", route="splice", kernel=["splash", "blockwise"]
+    )
     assert report.route == "splice", str(report)
     assert report.by_platform["tpu"].kernels == ["splash"], str(report)
     assert report.by_platform["cpu"].kernels == ["blockwise"], str(report)
@@ -222,7 +224,9 @@ def test_a_platform_this_host_cannot_emit_keeps_the_site():
     the site is kept, and the report says why."""
     x = jax.ShapeDtypeStruct((1, T, 2, 128), jnp.float32)
     exp = jax.export.export(jax.jit(BY_NAME["causal"].fn), platforms=("cpu", "cuda"))(x, x, x)
-    new, report = fx.rewrite_and_explain(exp, route="splice", kernel=["pallas_gpu", "blockwise"])
+    new, report = fx.rewrite_and_explain(
+        exp, backward="lifted", route="splice", kernel=["pallas_gpu", "blockwise"]
+    )
     assert new is exp and report.route == "kept", str(report)
     assert "cuda kernel cannot be exported from this host" in report.kept_reason
 
@@ -241,7 +245,7 @@ def test_an_export_failure_for_one_platform_keeps_the_site(monkeypatch):
         return real(fn, platforms=platforms, **kw)
 
     monkeypatch.setattr(jax.export, "export", export)
-    new, report = fx.rewrite_and_explain(exp, route="splice", kernel="blockwise")
+    new, report = fx.rewrite_and_explain(exp, backward="lifted", route="splice", kernel="blockwise")
     assert new is exp and report.route == "kept", str(report)
     assert "cuda kernel cannot be exported from this host" in report.kept_reason
     assert "no cuda lowering here" in report.kept_reason
@@ -256,7 +260,7 @@ def test_the_derivative_is_the_lift_routes(name):
     variant = BY_NAME[name]
     exp = jax.export.export(jax.jit(variant.fn))(*variant.structs())
     new = jax.export.deserialize(
-        fx.rewrite(exp, route="splice", kernel=KERNEL).serialize(vjp_order=1)
+        fx.rewrite(exp, backward="lifted", route="splice", kernel=KERNEL).serialize(vjp_order=1)
     )
     assert new.has_vjp() and "call @_flashpass_splice0_" in new.mlir_module()
     args = variant.args()
@@ -282,7 +286,7 @@ def test_int64_artifacts_are_spliced_too():
     structs = (jax.ShapeDtypeStruct((1, T), jnp.int64), jax.ShapeDtypeStruct((50, 16), jnp.float32))
     with compat.x64_scope(True):
         exp = jax.export.export(jax.jit(fn))(*structs)
-    new, report = fx.rewrite_and_explain(exp, route="splice", kernel=KERNEL)
+    new, report = fx.rewrite_and_explain(exp, backward="lifted", route="splice", kernel=KERNEL)
     assert report.route == "splice", str(report)
     assert new.in_avals == exp.in_avals and new.out_avals == exp.out_avals
     tokens = np.arange(T, dtype=np.int64).reshape(1, T) % 50
@@ -297,4 +301,4 @@ def test_unknown_route():
     variant = BY_NAME["plain"]
     exp = jax.export.export(jax.jit(variant.fn))(*variant.structs())
     with pytest.raises(ValueError, match="route"):
-        fx.rewrite(exp, route="graft")
+        fx.rewrite(exp, backward="lifted", route="graft")
