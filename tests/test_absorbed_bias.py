@@ -197,13 +197,7 @@ def test_empty_rows_leave_the_absorbed_term_out(rng):
     q = q.at[..., 0].set(2e5 + 10.0 * q[..., 0])
     k = jnp.zeros((B, H, T, D), jnp.float32).at[..., 0].set(2e4)
     args = (q, k, v, _mask())
-    opt = flashpass.optimize(bloom_small_term, kernel="blockwise")
-    got = jax.jit(opt)(*args)
-    report = opt.reports[-1]
-    assert len(report.rewrites) == 1 and not report.rewrites[0].dense, str(report)
-    assert_no_t_by_s(
-        kernel_operand_shapes(opt.rewritten_jaxpr(*args), constants=False, qkv=False), T, T
-    )
+    got = _rewritten_without_t_by_s(bloom_small_term, args)
     want = bloom_small_term(*args)
     uniform = np.broadcast_to(np.mean(v[2], axis=1, keepdims=True), (H, 50, D))
     np.testing.assert_allclose(want[2, :, :50], uniform, rtol=1e-5, atol=1e-6)  # as said
@@ -226,13 +220,7 @@ def test_empty_rows_keep_a_term_added_before_the_mask(rng):
     # term's steps, so the row's weights go to the keys it raises (not the
     # uniform row of s + f).  The filled call adds the term before the fill.
     args = (*_qkv(rng), _mask())
-    opt = flashpass.optimize(torch_large_term, kernel="blockwise")
-    got = jax.jit(opt)(*args)
-    report = opt.reports[-1]
-    assert len(report.rewrites) == 1 and not report.rewrites[0].dense, str(report)
-    assert_no_t_by_s(
-        kernel_operand_shapes(opt.rewritten_jaxpr(*args), constants=False, qkv=False), T, T
-    )
+    got = _rewritten_without_t_by_s(torch_large_term, args)
     want = torch_large_term(*args)
     v = args[2]
     uniform = np.broadcast_to(np.mean(v[2], axis=1, keepdims=True), (H, 50, D))
@@ -285,3 +273,16 @@ def test_near_misses_stay_dense_and_exact(fn, rng):
     operands = kernel_operand_shapes(opt.rewritten_jaxpr(*args), constants=False, qkv=False)
     assert t_by_s_shapes(operands, T, T), operands  # the sum, one dense bias
     np.testing.assert_allclose(got, fn(*args), rtol=2e-5, atol=2e-5)
+
+
+def _rewritten_without_t_by_s(fn, args):
+    """``fn``'s optimized output, first called under jit, after checking its one
+    site is rewritten with no dense operand and no T x S kernel operand."""
+    opt = flashpass.optimize(fn, kernel="blockwise")
+    got = jax.jit(opt)(*args)
+    report = opt.reports[-1]
+    assert len(report.rewrites) == 1 and not report.rewrites[0].dense, str(report)
+    assert_no_t_by_s(
+        kernel_operand_shapes(opt.rewritten_jaxpr(*args), constants=False, qkv=False), T, T
+    )
+    return got

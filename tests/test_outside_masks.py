@@ -20,12 +20,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from t_by_s import kernel_operand_shapes, t_by_s_shapes
+from test_whole_windows import B, D, H, T, _attend, _padding  # haliax's spelling, sizes
 
 import flashpass
 from flashpass import compat
 from flashpass.testing import assert_same_function
 
-B, T, H, D, L = 2, 32, 2, 8, 2
+L = 2
 
 
 def _x(seed=0):
@@ -36,16 +37,6 @@ def _x(seed=0):
 def _w(seed=1):
     rng = np.random.default_rng(seed)
     return jnp.asarray(rng.standard_normal((L, 3, D, D)) / np.sqrt(D), jnp.float32)
-
-
-def _padding():
-    return jnp.arange(T)[None, :] < jnp.asarray([T, 20])[:, None]
-
-
-def _attend(q, k, v, mask):
-    s = jnp.einsum("bhqd,bhkd->bhqk", q / jnp.sqrt(float(D)), k)
-    s = jnp.where(mask, s, -1e9)
-    return jnp.einsum("bhqk,bhkd->bhqd", jax.nn.softmax(s, axis=-1), v)
 
 
 def _mask(padding, heads=1):
