@@ -316,7 +316,10 @@ FORMS = {
     "int_segments_product": (int_segments_product, _ids, ["Causal(0)", "Segments"]),
     "int_minimum_additive": (int_minimum_additive, _none, CW),
     "keras_hub_causal": (keras_hub_causal, _none, ["Causal(0)"]),
-    "keras_hub_sliding": (keras_hub_sliding, _none, ["Causal(0)", f"Window({W - 1}, {W - 1})"]),
+    # Its whole-array dynamic_slice is read through (an identity): the triu * tril
+    # product is read factor by factor, as gemma's, where the folded constant
+    # was one Window(W - 1, W - 1) before; the same keys.
+    "keras_hub_sliding": (keras_hub_sliding, _none, [*CW, f"Causal({W - 1})"]),
     "flax_combine": (flax_combine, _none, CW),
     "hf_flax_buffer": (hf_flax_buffer, _none, ["Causal(0)"]),
     "gemma_sliding": (gemma_sliding, _none, [*CW, f"Causal({W - 1})"]),
