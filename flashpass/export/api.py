@@ -75,9 +75,10 @@ def rewrite(
     ``backward="lifted"`` its derivative is the lift route's).  See
     docs/stablehlo.md.
     """
-    return rewrite_and_explain(exp, platforms=platforms, route=route, backward=backward, **options)[
-        0
-    ]
+    new, _ = rewrite_and_explain(
+        exp, platforms=platforms, route=route, backward=backward, **options
+    )
+    return new
 
 
 def rewrite_and_explain(
