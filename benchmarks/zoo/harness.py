@@ -152,6 +152,7 @@ class _Reference:
     def __init__(self, built: Built):
         self.built = built
         self._done = False
+        self._grad = None  # (gradient, error) of the original artifact
 
     def get(self):
         if not self._done:
@@ -173,6 +174,20 @@ class _Reference:
             args = (self.built.params, *self.built.inputs)
             self._exact = truth.evaluate_like(self.original, self.want, *args)
         return self._exact
+
+    def artifact_gradient(self, exp):
+        """The original artifact's gradient (`_artifact_gradient`), computed
+        once and shared by both export routes (each exports the same
+        function); raises what computing it raised."""
+        if self._grad is None:
+            try:
+                self._grad = (_artifact_gradient(self.built, exp.call), None)
+            except Exception as err:
+                self._grad = (None, err)
+        grad, err = self._grad
+        if err is not None:
+            raise err
+        return grad
 
 
 def _forward_mode(model, built, mode, rec, t, s, ref):
@@ -278,18 +293,18 @@ def _export_mode(model, built, route, rec, t, s, ref):
     rec["silent"] = _silent(rec)
     rec["dense_operands"] = []
     rec["fwd_err"] = checks.tree_rel_error(got, want)
-    _export_gradient(rec, built, exp, new)
+    _export_gradient(rec, built, exp, new, ref)
     _truth_errors(rec, ref.exact, got, want, train=False)
 
 
-def _export_gradient(rec, built, exp, new) -> None:
+def _export_gradient(rec, built, exp, new, ref) -> None:
     """``grad_err``: the rewritten artifact's gradient (of the mean square of
     its floating outputs, in its floating params) against the original
     artifact's.  Where the original has none (JAX cannot differentiate it),
     ``grad_note`` says so and nothing is compared; where only the rewritten
     one has none (an island without a derivative), the error is infinite."""
     try:
-        want = _artifact_gradient(built, exp.call)
+        want = ref.artifact_gradient(exp)
     except Exception as err:
         rec["grad_note"] = f"the original artifact has no gradient: {_error_text(err)}"
         return
