@@ -213,6 +213,27 @@ def test_export_report_points_at_the_artifacts_locations():
     assert "ops.py" not in str(report) and "no location in the artifact" in str(report)
 
 
+def test_export_dense_notes_name_no_lifter_line():
+    # A learned bias beside a length mask keeps the mask dense (the bias is
+    # unbounded); the note says where from the artifact's side, never the
+    # lifter's own rule that built the add.
+    def biased(q, k, v, bias, lengths):
+        s = jnp.einsum("bhtd,bhsd->bhts", q, k) / 4.0
+        keep = jnp.arange(s.shape[-1])[None, :] < lengths[:, None]
+        s = s + bias[None]
+        s = s + jnp.where(keep, 0.0, -1e9)[:, None, None, :]
+        return jnp.einsum("bhts,bhsd->bhtd", jax.nn.softmax(s, -1), v)
+
+    t = Q.shape[2]
+    bias = jnp.zeros((Q.shape[1], t, t), Q.dtype)
+    lengths = jnp.full((Q.shape[0],), t, jnp.int32)
+    exp = jax.export.export(jax.jit(biased))(Q, Q, Q, bias, lengths)
+    report = flashpass.export.explain(exp, kernel="blockwise")
+    (r,) = report.rewrites
+    assert r.dense and all(note.endswith("at the lifted module") for note in r.dense), r.dense
+    assert "flashpass/export" not in str(report) and "ops.py" not in str(report), str(report)
+
+
 def _strip_locations(text: str, replacement: str) -> str:
     import re
 

@@ -148,6 +148,9 @@ def relocated(report: Report, op_locations: list, scope_prefix: str) -> Report:
             value = getattr(entry, name, None)
             if isinstance(value, str) and _OWN_PATH.search(value):
                 changes[name] = text(value)
+        dense = getattr(entry, "dense", ())  # a rewrite's notes on masks kept dense
+        if any(_OWN_PATH.search(note) for note in dense):
+            changes["dense"] = tuple(text(note) for note in dense)
         return dataclasses.replace(entry, **changes) if changes else entry
 
     out = dataclasses.replace(
