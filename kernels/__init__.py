@@ -50,6 +50,7 @@ __all__ = [
 #: kernel whose JAX module is missing only fails when it is asked for.
 _BUILTIN = {
     "blockwise": "blockwise:BlockwiseKernel",
+    "chunked": "chunked:ChunkedKernel",
     "cudnn": "cudnn:CudnnKernel",
     "flash_gpu": "flash_gpu:FlashGpuKernel",
     "flash_tpu": "flash_tpu:FlashTpuKernel",

@@ -63,6 +63,7 @@ from kernel_testing import (
 from flashpass import compat
 from flashpass.kernels import Causal, CheckContext, Kernel, Scale, Softcap
 from flashpass.kernels.blockwise import BlockwiseKernel
+from flashpass.kernels.chunked import ChunkedKernel
 from flashpass.kernels.cudnn import CudnnKernel
 from flashpass.kernels.flash_gpu import FlashGpuKernel
 from flashpass.kernels.flash_tpu import FlashTpuKernel
@@ -311,6 +312,8 @@ ADAPTERS = {
     "blockwise_heads": Adapter(
         lambda: BlockwiseKernel(block_q=16, block_k=16, head_loop=True), HERE
     ),
+    # 16-row chunks: most cases cross chunks and end in a shorter tail chunk.
+    "chunked": Adapter(lambda: ChunkedKernel(chunk=16), HERE),
     "pallas_tpu": Adapter(lambda: PallasTpuKernel(max_block=128), INTERPRET, interpret=True),
     # Our own Pallas TPU kernel: 16-row query tiles, so most cases cross several.
     "flash_tpu": Adapter(
@@ -418,6 +421,9 @@ DEFAULT_NUMERICS = {
         ("block_causal", "f32"),
     },
     "blockwise_heads": {(c, "f32") for c in CASES} | {("gqa", "bf16"), ("bias", "bf16")},
+    # Every per-query extra (sliced per chunk), a tail chunk, bfloat16 once.
+    "chunked": {(c, "f32") for c in ("bias", "odd", "segments", "sinks", "positions", "kv_lengths")}
+    | {("padding", "bf16")},
     "pallas_tpu": {("padding", "f32"), ("segments", "f32")},
     # (tests/kernels/test_flash_tpu.py runs its own matrix on larger tiles.)
     "flash_tpu": {("padding", "f32"), ("sinks", "bf16"), ("alibi", "f32"), ("positions", "f32")},

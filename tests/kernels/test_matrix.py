@@ -61,8 +61,8 @@ def test_sharding_reads_partitionable_and_plain_jax():
     assert not hasattr(sharding, "PARTITIONABLE") and not hasattr(sharding, "PLAIN_JAX")
     partitionable = {n for n in kernel_names() if get_kernel(n).partitionable}
     plain = {n for n in kernel_names() if get_kernel(n).plain_jax}
-    assert partitionable == {"blockwise", "reference", "cudnn"}
-    assert plain == {"blockwise", "reference"}
+    assert partitionable == {"blockwise", "chunked", "reference", "cudnn"}
+    assert plain == {"blockwise", "chunked", "reference"}
 
 
 def test_capability_defaults_and_the_old_supports_grad_name():
