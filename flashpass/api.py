@@ -200,6 +200,9 @@ class Optimized:
         except Exception as err:
             if foreign:  # lowering a kernel of the other platform here failed
                 self._check_runs_here(args, kwargs, cause=err)
+            if compat.is_forward_mode_error(err):
+                err.add_note(errors.FORWARD_MODE)
+                raise
             if not isinstance(err, TypeError | ValueError | OverflowError):
                 raise
             # ``jit`` rejected the arguments, or the function raised: say which

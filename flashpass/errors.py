@@ -26,6 +26,15 @@ HOW_TO_REPORT = (
     f"(set {STRICT_ENV}=1 to raise it with a traceback)"
 )
 
+#: The note added to JAX's error when an optimized function is differentiated
+#: forward through a kernel whose backward is its own (a ``custom_vjp``).
+FORWARD_MODE = (
+    "flashpass: the rewritten attention runs a flash kernel with its own backward "
+    "(a custom_vjp), which JAX differentiates in reverse mode only; for jax.jvp, "
+    "jax.jacfwd or jax.linearize, optimize with kernel='chunked' (plain JAX, both "
+    "modes, chunk x S memory) or call the original function"
+)
+
 _STRICT: contextvars.ContextVar[bool | None] = contextvars.ContextVar(
     "flashpass_strict", default=None
 )

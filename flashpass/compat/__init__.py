@@ -98,6 +98,7 @@ from ._kernels import (  # noqa: F401
     gpu_attention_module,
     gpu_attention_with_lse,
     gpu_compute_capability,
+    is_forward_mode_error,
     lower_for_gpu,
     lower_for_tpu,
     make_splash_kernel,

@@ -439,3 +439,10 @@ def tokamax_module():
     if not flags.FLAGS.is_parsed():
         flags.FLAGS.mark_as_parsed()
     return tokamax
+
+
+def is_forward_mode_error(err: BaseException) -> bool:
+    """Whether ``err`` is JAX's refusal to differentiate a ``custom_vjp``
+    forward (``jax.jvp``, ``jax.jacfwd`` or ``jax.linearize`` through a
+    kernel with its own backward); JAX 0.9 through 0.12 word it so."""
+    return isinstance(err, TypeError) and "forward-mode autodiff" in str(err)

@@ -93,3 +93,10 @@ def test_chunked_is_named_never_defaulted_and_declines_dropout():
     (reason,) = get_kernel("chunked").check(spec, CheckContext("cpu"))
     assert "dropout" in reason and "blockwise" in reason, reason
 
+
+def test_forward_mode_through_a_custom_vjp_kernel_says_what_to_do():
+    q, k, v, lengths = _inputs()
+    opt = flashpass.optimize(_attention, kernel="blockwise")
+    with pytest.raises(TypeError, match="forward-mode") as info:
+        jax.jvp(lambda x: opt(x, k, v, lengths), (q,), (k,))
+    assert any("kernel='chunked'" in note for note in info.value.__notes__), info.value
