@@ -29,10 +29,12 @@ chosen by XLA after tracing, so:
 
 A site whose query and key sequence axes are sharded alike (sequence
 parallelism) runs as a ring (`flashpass.ring`; `analyze` names its mesh
-axes).  A site is kept as written, with its reason, when only one of its
-sequence axes is sharded, when the ring does not support its score ops, when
-its head dim is sharded, or when its operands shard one axis over different
-mesh axes or unevenly.
+axes).  A site whose queries alone are sequence-sharded, its keys whole on
+every device, runs each device's query rows against all the keys
+(`ShardPlan.queries`; no communication).  A site is kept as written, with its
+reason, when its keys alone are sequence-sharded, when the ring does not
+support its score ops, when its head dim is sharded, or when its operands
+shard one axis over different mesh axes or unevenly.
 
 `analyze` is this module's answer; `flashpass.placement.decide` turns it into
 a placement, and `flashpass.placement.emit` emits it (the ``shard_map``, the
@@ -73,6 +75,17 @@ class ShardPlan:
     root_spec: PartitionSpec | None  # the original output's spec, when it differs
     ring: tuple | None = None  # mesh axes of a sharded sequence: run as a ring (flashpass.ring)
     site: AttentionSite | None = None  # the site as planned (k/v read before a gather)
+    #: Mesh axes of the query sequence where it alone is sharded (the keys whole).
+    queries: tuple | None = None
+
+    def query_reason(self) -> str:
+        """Why no kernel call per shard runs a site whose queries alone are
+        sequence-sharded where the decision may not place it so (the words
+        `analyze` used before such sites had a placement)."""
+        return (
+            f"sequence-sharded: q's query sequence axis is sharded over mesh axis "
+            f"{'x'.join(self.queries)}, the other sequence axis is not sharded"
+        )
 
     def ring_size(self) -> int:
         """Devices along the ring's mesh axes."""
@@ -234,8 +247,10 @@ def analyze(site: AttentionSite, aval_of, sharding_of=None) -> ShardPlan | str |
                 f"{name} varies along an axis merged from several head axes while "
                 f"{_role_name(site.layout, split[0])} is sharded; kept as written"
             )
-    ring_axes = None
-    if "T" in axes or "S" in axes:
+    ring_axes = queries = None
+    if "T" in axes and "S" not in axes:
+        queries = axes["T"]  # each device its query rows against every key
+    elif "T" in axes or "S" in axes:
         ring_axes = _ring_axes(site, axes)
         if isinstance(ring_axes, str):
             return ring_axes
@@ -260,7 +275,11 @@ def analyze(site: AttentionSite, aval_of, sharding_of=None) -> ShardPlan | str |
             atoms.append(atom)
             in_specs.append(spec)
         elif in_specs[index] != spec:
-            return "one array is both a q/k/v and a bias/mask operand in two layouts"
+            return (
+                "one array is read in two shardings (as q/k/v and as a bias/mask, or "
+                "segment ids at the query and at the key positions while only the queries "
+                "are sharded); kept as written"
+            )
     for scale in site.q_scales:  # a scalar (a per-head one is an operand above)
         if find(atoms, scale.atom) is None:
             atoms.append(scale.atom)
@@ -274,7 +293,7 @@ def analyze(site: AttentionSite, aval_of, sharding_of=None) -> ShardPlan | str |
         if entries(wanted, ndim) != entries(out_spec, ndim):
             root_spec = wanted
     plan = ShardPlan(mesh, axes, tuple(atoms), tuple(in_specs), out_spec, root_spec, ring_axes)
-    return dataclasses.replace(plan, site=site)
+    return dataclasses.replace(plan, site=site, queries=queries)
 
 
 def mesh_of(site: AttentionSite, sharding_of):

@@ -8,6 +8,8 @@ bodies hold sites are re-bound by `rebind_shard_map`.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
@@ -15,7 +17,7 @@ from .. import compat, ring, sharding
 from ..calls import KERNEL_PREFIX, kernel_call
 from ..ring import zigzag
 from ..site import AttentionSite
-from .types import BodyRing, Deferred, Local, PerShard, Placed, Ring
+from .types import BodyRing, Deferred, Local, PerShard, Placed, QueryShards, Ring
 
 
 def emit(placed: Placed, read):
@@ -80,6 +82,27 @@ def _body_ring(placed: Placed, read):  # already in the user's shard_map
     return ring_output(p.site, read, p.ring, p.size, q_global=False)
 
 
+def _query_shards(placed: Placed, read):
+    p, planned = placed.placement, placed.planned
+    atoms = p.shard.atoms
+
+    def compute(local, read):
+        def branch(spec):
+            site = dataclasses.replace(local, spec=spec)
+            return lambda *v: kernel_output(
+                site, planned.kernel, planned.interpret, reader(atoms, v)
+            )
+
+        values = [read(a) for a in atoms]
+        if all(spec == p.specs[0] for spec in p.specs):  # no op reads the rows' offset
+            return branch(p.specs[0])(*values)
+        axes = p.shard.queries
+        index = jax.lax.axis_index(axes[0] if len(axes) == 1 else axes)
+        return jax.lax.switch(index, [branch(spec) for spec in p.specs], *values)
+
+    return _in_shard_map(p.shard, placed.site, read, compute)
+
+
 def _deferred(placed: Placed, read):  # placed by XLA's partitioner
     from .deferred import emit_deferred  # (deferred.py builds on this module)
 
@@ -92,6 +115,7 @@ EMIT = {
     PerShard: _per_shard,
     Ring: _ring,
     BodyRing: _body_ring,
+    QueryShards: _query_shards,
     Deferred: _deferred,
 }
 

@@ -15,7 +15,9 @@ readers of the shardings:
   nothing stated).
 
 So a site is placed per shard, as a ring, as a ring inside the user's
-``shard_map``, where it stands, deferred, or kept with the reason.  A
+``shard_map``, by query rows (its queries alone sequence-sharded: at trace
+time only, since a partition runs no per-shard offsets), where it stands,
+deferred, or kept with the reason.  A
 differentiated ring reads k and v from before the program's gathers, with
 the backward that matching proved for those reads (`AttentionSite.ungathered`,
 stage 3); a ring's step kernels are chosen as a site's kernel is
@@ -30,10 +32,24 @@ import contextvars
 import dataclasses
 
 from .. import compat, errors, ring, sharding
+from ..ops import EXCLUDED, step_shape
+from ..ring import cases as ring_cases
 from ..ring import zigzag as zigzag_ring
 from ..select import PlannedSite
 from ..site import AttentionSite
-from .types import BodyRing, Context, Deferred, Kept, Local, PerShard, Placed, Placement, Ring
+from ..spec import ExtraSpec
+from .types import (
+    BodyRing,
+    Context,
+    Deferred,
+    Kept,
+    Local,
+    PerShard,
+    Placed,
+    Placement,
+    QueryShards,
+    Ring,
+)
 
 RING_IN_TRAINING = (
     "a sequence-sharded site would run as a ring attention, which reads k and v from "
@@ -86,6 +102,8 @@ def decide(planned: PlannedSite, shardings, kernels, context: Context) -> Placem
     if found is PENDING:
         return Deferred(tuple(kernels), context)
     gathered = ""
+    if shardings.at_partitioning and getattr(found, "queries", None) is not None:
+        found = found.query_reason()  # gathered below: a partition runs no row offsets
     if isinstance(found, str) and shardings.at_partitioning:
         # The call must run on what XLA chose: gather to the nearest sharding
         # the kernel runs on (batch and heads kept, sequences and head dims
@@ -97,6 +115,8 @@ def decide(planned: PlannedSite, shardings, kernels, context: Context) -> Placem
         return Local(gathered)
     if isinstance(found, str):
         return Kept(found)
+    if getattr(found, "queries", None) is not None:
+        return _query_shards(planned, found, context)
     if isinstance(found, sharding.ShardPlan) and found.ring is None:
         return PerShard(found, gathered)
     if planned.site.backward is not None:
@@ -113,6 +133,35 @@ def decide(planned: PlannedSite, shardings, kernels, context: Context) -> Placem
     steps = ring.plan(local.spec, n, True, kernels, check)
     balanced = zigzag_ring.plan(local.spec, n, True, kernels, check) if context.zigzag else None
     return Ring(found, steps, balanced)
+
+
+def _query_shards(planned: PlannedSite, found, context: Context) -> Placement:
+    """`QueryShards`: shard ``i``'s spec is the site's at its rows' offset
+    ``i * t`` from the keys (every key on each device), which the site's
+    kernel must accept; else the site is kept, saying why."""
+    local = sharding.localize(found.site or planned.site, found.counts())
+    spec, axes = local.spec, "x".join(found.queries)
+    t, s = spec.q_len, spec.kv_len
+    where = f"sequence-sharded queries over mesh axis {axes} (keys whole)"
+    problem = ring.unsupported(spec)
+    if problem is not None:
+        return Kept(f"{where}: {problem}; kept as written")
+    extras = tuple(
+        ExtraSpec(step_shape(e.shape, t, s), e.dtype) if len(e.shape) == 4 else e
+        for e in spec.extras
+    )
+    specs = []
+    for i in range(planned.site.layout.sizes["T"] // t):
+        ops = ring_cases.local_ops(spec, i * t)
+        if ops is EXCLUDED or isinstance(ops, str):
+            why = ops if isinstance(ops, str) else "the masks exclude every key of its rows"
+            return Kept(f"{where}: shard {i}: {why}; kept as written")
+        shard_spec = spec.with_ops(ops, extras=extras)
+        reasons = planned.kernel.check(shard_spec, context.check) if context.check else []
+        if reasons:
+            return Kept(f"{where}: {planned.kernel.name} on shard {i}: {'; '.join(reasons)}")
+        specs.append(shard_spec)
+    return QueryShards(found, tuple(specs))
 
 
 def _trained_ring(site: AttentionSite, ring_site: AttentionSite) -> AttentionSite | None:

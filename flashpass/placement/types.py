@@ -9,6 +9,9 @@
   its sequences (`flashpass.ring`), each step run as ``steps`` says;
 * `BodyRing`: a site inside the user's ``shard_map`` whose k and v are
   all-gathered there, as a ring over the gathers' manual axes;
+* `QueryShards`: a site whose queries alone are sequence-sharded, its keys
+  whole on every device: each device runs its query rows against every key,
+  in a ``shard_map`` of its own (no communication);
 * `Deferred`: a decision still pending: its operands live on a mesh with Auto
   axes and carry no sharding at trace time, so `decide` runs again when XLA's
   partitioner has chosen their shardings (`flashpass.placement.deferred`);
@@ -172,6 +175,21 @@ class BodyRing(_Described):
 
 
 @dataclasses.dataclass(frozen=True)
+class QueryShards(_Described):
+    """The site runs per shard of its query sequence (``shard.queries``, with
+    any batch and head shards), every key on each device: shard ``i`` runs
+    ``specs[i]``, the site's spec at its rows' offset (its position masks in
+    local positions, `flashpass.ring.cases.local_ops`)."""
+
+    shard: ShardPlan
+    specs: tuple
+
+    @property
+    def how(self) -> str:
+        return f"query rows per shard over {'x'.join(self.shard.queries)}"
+
+
+@dataclasses.dataclass(frozen=True)
 class Deferred(_Described):
     """A pending decision: `decide` with these ``kernels`` (in order, for a
     ring's steps) and ``context``, run again by the call's partition rule
@@ -206,7 +224,7 @@ class Kept(_Described):
         return "kept as written"
 
 
-Placement = Local | PerShard | Ring | BodyRing | Deferred | Kept
+Placement = Local | PerShard | Ring | BodyRing | QueryShards | Deferred | Kept
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
