@@ -10,6 +10,7 @@ materialised score matrix is.
 from __future__ import annotations
 
 import pathlib
+import re
 import sys
 
 import jax
@@ -44,6 +45,28 @@ def dense_kernel_operands(rewritten, t: int, s: int) -> list[tuple[int, ...]]:
     attention over channels has a head dimension, the tokens, above T)."""
     shapes = kernel_operand_shapes(rewritten, constants=False, qkv=False)
     return sorted({x for x in shapes if is_t_by_s(x, t, s)})
+
+
+#: A kernel call's function in an exported module (the lift route's re-export,
+#: or the splice route's ``_flashpass_splice<i>_flashpass_<kernel>``), with its
+#: argument list (q, k, v, then the extras) up to its result type or body.
+_KERNEL_FUNC = (
+    r"func\.func private @(?:_flashpass_splice\d+_)?flashpass_(?:{names})\((.*?)\)\s*(?:->|\{{)"
+)
+_TENSOR = re.compile(r"tensor<((?:\d+x)*)[a-z]\w*>")
+
+
+def dense_module_operands(text: str, t: int, s: int) -> list[tuple[int, ...]]:
+    """`dense_kernel_operands` of an exported module's text: the extras of
+    each kernel call's function that could hold a ``T x S`` matrix."""
+    from flashpass.kernels import kernel_names
+
+    pattern = re.compile(_KERNEL_FUNC.format(names="|".join(map(re.escape, kernel_names()))))
+    found = set()
+    for args in pattern.findall(text):
+        shapes = [tuple(int(d) for d in m.split("x") if d) for m in _TENSOR.findall(args)]
+        found |= {x for x in shapes[3:] if is_t_by_s(x, t, s)}
+    return sorted(found)
 
 
 def t_by_s_left(closed, t: int, s: int) -> list[tuple[int, ...]]:

@@ -291,7 +291,7 @@ def _export_mode(model, built, route, rec, t, s, ref):
     rec["kept"] += [f"not spliced: {n}" for n in getattr(report, "splice_notes", ())]
     rec["islands"] = sorted({i.op for i in report.islands})
     rec["silent"] = _silent(rec)
-    rec["dense_operands"] = []
+    rec["dense_operands"] = [list(x) for x in checks.dense_module_operands(new.mlir_module(), t, s)]
     rec["fwd_err"] = checks.tree_rel_error(got, want)
     _export_gradient(rec, built, exp, new, ref)
     _truth_errors(rec, ref.exact, got, want, train=False)

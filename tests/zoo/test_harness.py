@@ -125,7 +125,7 @@ def test_an_export_whose_gradient_differs_fails(monkeypatch):
             return jax.tree_util.tree_map(half, gp), gx
 
         call.defvjp(fwd, bwd)
-        return types.SimpleNamespace(call=call), report
+        return types.SimpleNamespace(call=call, mlir_module=new.mlir_module), report
 
     monkeypatch.setattr(harness.flashpass.export, "rewrite_and_explain", wrong_gradient)
     (rec,) = harness.run_model(model, modes=["export_lift"])
@@ -146,3 +146,23 @@ def test_an_artifact_without_attention_keeps_nothing():
     model = ZooModel("jax_native", "mlp", "test", lambda: built, ("direct", "export"))
     for rec in harness.run_model(model, modes=["export_splice", "export_lift"]):
         assert rec["status"] == "ok" and rec["sites"] == 0 and not rec["kept"], rec
+
+
+def _dense_mask(params, x):
+    t = x.shape[1]
+    s = jnp.einsum("btd,bsd->bts", x, x) / 4.0
+    keep = jnp.tril(jnp.ones((t, t), bool)) | (x[:, :, :1] > 0)  # varies over data: dense
+    return jax.nn.softmax(jnp.where(keep, s, -1e9), axis=-1) @ x
+
+
+@pytest.mark.parametrize("mode", ["export_lift", "export_splice"])
+def test_an_export_mode_measures_dense_kernel_operands(mode):
+    """As the other modes do, from the kernel calls in the rewritten module."""
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((2, 32, 16)), jnp.float32)
+    built = Built(forward=_dense_mask, params={}, inputs=(x,), seq=(32, 32))
+    model = ZooModel("jax_native", "dense", "test", lambda: built, ("direct", "export"))
+    (rec,) = harness.run_model(model, modes=[mode])
+    assert rec["status"] == "ok" and rec["rewritten"] == 1, rec
+    assert rec["dense_operands"] == [[2, 1, 32, 32]], rec  # the [B, H|1, T, S] mask
+    (plain,) = harness.run_model(_zoo(_plain, ("export",)), modes=[mode])
+    assert plain["dense_operands"] == [], plain
