@@ -184,7 +184,8 @@ def mask_recogniser(rank: int):
     ranks: kv lengths 10, prefix lengths 20, position masks 30, the diagonal
     40, prefix-LM 50, chunks and segments 60, sink windows 70 (a constant
     sink-window mask whose window spans every query is also a prefix-LM mask:
-    it is a `Prefix`, ranked first)."""
+    it is a `Prefix`, ranked first), block-causal 80, and last, at 90, any
+    combination of a per-query and a per-key array (`OuterMask`)."""
     return lambda fn: _register(MASK_RECOGNISERS, rank, fn) or fn
 
 

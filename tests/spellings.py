@@ -476,6 +476,29 @@ def _token_args(rng):
     return q, k, v, jnp.asarray(tokens)
 
 
+def deberta_padding(q, k, v, mask):
+    # DeBERTa: the int padding mask times itself transposed, read as bool,
+    # masked_fill(~mask, finfo.min): padded query rows keep no key
+    m = mask[:, None, None, :] * mask[:, None, :, None]
+    s = jnp.where(~m.astype(bool), float(np.finfo(np.float32).min), q @ k.swapaxes(-1, -2) * 0.3)
+    return jax.nn.softmax(s, -1) @ v
+
+
+def padding_sum_threshold(q, k, v, mask):
+    # two float padding vectors summed and compared: keeps where both are 1
+    m = mask.astype(jnp.float32)
+    keep = (m[:, None, :, None] + m[:, None, None, :]) > 1.5
+    s = jnp.where(keep, q @ k.swapaxes(-1, -2) * 0.3, -1e9)
+    return jax.nn.softmax(s, -1) @ v
+
+
+def _padding_args(rng):
+    q, k, v = bnth(rng)
+    mask = np.ones((B, T), np.int32)
+    mask[1, T - 5 :] = 0
+    return q, k, v, jnp.asarray(mask)
+
+
 #: Structured-mask spellings and the descriptors their spec must hold.
 STRUCTURED = {
     "window_iota": (window_iota, bnth, ("Causal(0)", "Window(3, None)")),
@@ -493,6 +516,12 @@ STRUCTURED = {
     "block_diffusion": (block_diffusion, bnth, ("BlockCausal(4)",)),
     "packed_segments": (packed_segments, _segment_args, ("Segments", "Causal(0)")),
     "packed_eos_cumsum": (packed_eos_cumsum, _token_args, ("Segments",)),
+    "deberta_padding": (deberta_padding, _padding_args, ("OuterMask(mul, ne, 0, False, True)",)),
+    "padding_sum_threshold": (
+        padding_sum_threshold,
+        _padding_args,
+        ("OuterMask(add, gt, 1.5, True, True)",),
+    ),
 }
 POSITIVE.update({name: (fn, make) for name, (fn, make, _) in STRUCTURED.items()})
 CAUSAL.update({"window_iota", "window_positions_int_min", "llama4_chunked", "packed_segments"})

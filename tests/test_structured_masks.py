@@ -244,16 +244,34 @@ def _with_ids(rng):
     return (*bnth(rng), jnp.asarray(ids))
 
 
+def _outer_not_separable(q, k, v, mask):
+    # one side of the product varies over queries and keys: no O(T) reading
+    t = q.shape[2]
+    m = mask[:, None, None, :] * (mask[:, None, :, None] + jnp.tril(jnp.ones((t, t), jnp.int32)))
+    s = jnp.where(m != 0, q @ k.swapaxes(-1, -2) * 0.3, -1e9)
+    return jax.nn.softmax(s, -1) @ v
+
+
+def _outer_soft_fill(q, k, v, mask):
+    # a fill of -5 does not exclude keys: the product stays the dense mask it is
+    m = mask[:, None, None, :] * mask[:, None, :, None]
+    return jax.nn.softmax(jnp.where(m != 0, q @ k.swapaxes(-1, -2), -5.0), -1) @ v
+
+
 NEAR_MISSES = {
     "window_off_by_one": (_window_off_by_one, bnth, ["Causal(0)", "Window(4, None)"]),
     "window_row_dependent": (_window_row_dependent, bnth, ["Causal(0)", "Mask"]),
     "window_traced_positions": (
         _window_traced_positions,
         lambda r: (*bnth(r), jnp.arange(spellings.T)),
-        # `i - j < 4` of traced positions stays dense; `j <= i` is compared as data
-        ["Mask", "PositionMask(le, 0, 0)"],
+        # `j <= i` is compared as data; `pos[i] - pos[j] < 4` is no window (nothing
+        # proves the positions are 0..T-1): the difference of the two vectors,
+        # recomputed exactly per tile (not a dense mask any more)
+        ["OuterMask(sub, lt, 4, True, True)", "PositionMask(le, 0, 0)"],
     ),
     "window_soft_fill": (_window_soft_fill, bnth, ["Mask"]),
+    "outer_not_separable": (_outer_not_separable, spellings._padding_args, ["Mask"]),
+    "outer_soft_fill": (_outer_soft_fill, spellings._padding_args, ["Mask"]),
     "window_gapped": (_window_gapped, bnth, ["Mask"]),
     "segments_ordered": (_segments_ordered, _with_ids, ["PositionMask(ge, 0, 0)"]),
     "segments_float": (_segments_float, _with_ids, ["Mask"]),
@@ -284,6 +302,19 @@ def test_near_miss_keeps_an_exact_reading(name, rng):
     assert len(report.rewrites) == 1, str(report)
     assert sorted(_described(report.rewrites[0].spec)) == sorted(want)
     _assert_close(opt(*args), fn(*args))
+
+
+def test_outer_mask_wraps_as_the_program_does(rng):
+    """The combination is recomputed in the arrays' own dtype: an int32 product
+    of two nonzero entries that wraps to 0 excludes its key, as the program's."""
+    q, k, v, mask = spellings._padding_args(rng)
+    mask = mask.at[0, 3].set(65536).at[0, 9].set(65536)  # 65536 * 65536 == 0 in int32
+    args = (q, k, v, mask)
+    opt = flashpass.optimize(spellings.deberta_padding, kernel="blockwise")
+    (r,) = opt.explain(*args).rewrites
+    assert _described(r.spec) == ["OuterMask(mul, ne, 0, False, True)"], r.spec
+    _assert_close(opt(*args), spellings.deberta_padding(*args))
+    _assert_close(_grads(opt, args), _grads(spellings.deberta_padding, args))
 
 
 def test_additive_mask_read_back_by_comparison(rng):
@@ -547,6 +578,7 @@ MASK_ORDER = [
     "structured.recognise_chunk_or_segments",
     "sink_window.recognise_sink_window",
     "block_causal.recognise_block_causal",
+    "outer_mask.recognise_outer_mask",
 ]
 
 

@@ -18,6 +18,7 @@ from .chunk import Chunk
 from .dropout import Dropout
 from .empty_rows import EmptyRows
 from .kv_lengths import KvLengths, valid_lengths
+from .outer_mask import OuterMask
 from .position_mask import PositionMask
 from .prefix import Prefix
 from .prefix_lengths import PrefixLengths
@@ -31,7 +32,7 @@ from .window import Window
 #: descriptors.
 KINDS = (Scale, Bias, Causal, Window, Chunk, Prefix, Segments, KvLengths, Sink, Mask)
 KINDS += (Softcap, Dropout, SinkWindow, PrefixLengths, PositionMask, Alibi, BandSelect)
-KINDS += (EmptyRows, BlockCausal)
+KINDS += (EmptyRows, BlockCausal, OuterMask)
 
 #: Score ops that exclude keys by position or segment id, so kernels may skip
 #: whole blocks (`Causal` is one of them).
@@ -63,6 +64,7 @@ __all__ = [
     "KeepOp",
     "KvLengths",
     "Mask",
+    "OuterMask",
     "Positional",
     "PositionMask",
     "Positions",

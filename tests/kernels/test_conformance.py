@@ -72,7 +72,7 @@ from flashpass.kernels.pallas_gpu import PallasGpuKernel
 from flashpass.kernels.pallas_tpu import PallasTpuKernel
 from flashpass.kernels.splash import SplashKernel
 from flashpass.kernels.tokamax import TokamaxKernel
-from flashpass.ops import BlockCausal, SinkWindow
+from flashpass.ops import BlockCausal, OuterMask, SinkWindow
 from flashpass.spec import (
     DESCRIPTORS,
     FLOAT_DTYPES,
@@ -257,6 +257,19 @@ def _band_select(dtype):
     return spec, [jnp.asarray(below), jnp.asarray(above)]
 
 
+def _outer_mask(dtype):
+    """DeBERTa's padding mask ``m[i] * m[j] != 0`` from one int vector read at
+    both positions: example 1's last 7 queries keep no key (the reference
+    averages v over every key, fill -1e9)."""
+    m = np.ones((2, 40), np.int32)
+    m[1, 33:] = 0
+    m[0, 5] = 3  # any nonzero keeps
+    ops = [Scale(0.25), OuterMask(0, 1, "mul", "ne", 0, -1e9, q_first=False)]
+    extras = [((2, 1, 40, 1), np.int32), ((2, 1, 1, 40), np.int32)]
+    spec = spec_of(t=40, dtype=dtype, ops=ops, extras=extras)
+    return spec, [jnp.asarray(m[:, None, :, None]), jnp.asarray(m[:, None, None, :])]
+
+
 CASES = {
     "causal": _causal,
     "bool_mask": _bool_mask,
@@ -279,6 +292,7 @@ CASES = {
     "prefix_lengths": _prefix_lengths,
     "positions": _positions,
     "band_select": _band_select,
+    "outer_mask": _outer_mask,
 }
 DTYPES = {"f32": F32, "bf16": BF16}
 #: `check` is also asked about these (no numerics).
@@ -388,6 +402,7 @@ WORDS = {
     "prefix_lengths": "prefix",
     "positions": "positions",
     "band_select": "band of diagonals",
+    "outer_mask": "per-query and a per-key array",
 }
 
 
