@@ -17,7 +17,7 @@ from flashpass.ops.outer_mask import COMBINE, COMPARE, OuterMask
 from flashpass.spec import excludes
 
 from .common import scalar_value
-from .indicators import compose
+from .indicators import boolean_factors, compose
 from .masks import mask_recogniser
 
 #: A comparison with its operands swapped (``c < x`` is ``x > c``).
@@ -29,6 +29,8 @@ def recognise_outer_mask(build, factor, keep_when, fill) -> bool:
     """``compare(combine(q side, kv side), c)``; see the module doc."""
     if not excludes(fill):
         return False
+    if keep_when and boolean_factors(build.scope, factor) is not None:
+        return False  # a conjunction of two-valued factors: each its own op (`add_mask`)
     node = build.scope.producer(factor.base)
     while node is not None and node.prim == "not":  # ``~m``: keeps where m is False
         factor, keep_when = compose(build.scope, factor, node.ins[0]), not keep_when

@@ -258,6 +258,14 @@ def _outer_soft_fill(q, k, v, mask):
     return jax.nn.softmax(jnp.where(m != 0, q @ k.swapaxes(-1, -2), -5.0), -1) @ v
 
 
+def _outer_two_valued(q, k, v, mask):
+    # a product of two 0/1 vectors is their conjunction: a query mask and a key
+    # mask, each its own op (which more kernels take than an `OuterMask`)
+    m = mask.astype(bool).astype(jnp.int32)
+    keep = (m[:, None, :, None] * m[:, None, None, :]) > 0
+    return jax.nn.softmax(jnp.where(keep, q @ k.swapaxes(-1, -2), -1e9), -1) @ v
+
+
 NEAR_MISSES = {
     "window_off_by_one": (_window_off_by_one, bnth, ["Causal(0)", "Window(4, None)"]),
     "window_row_dependent": (_window_row_dependent, bnth, ["Causal(0)", "Mask"]),
@@ -272,6 +280,7 @@ NEAR_MISSES = {
     "window_soft_fill": (_window_soft_fill, bnth, ["Mask"]),
     "outer_not_separable": (_outer_not_separable, spellings._padding_args, ["Mask"]),
     "outer_soft_fill": (_outer_soft_fill, spellings._padding_args, ["Mask"]),
+    "outer_two_valued": (_outer_two_valued, spellings._padding_args, ["Mask", "Mask"]),
     "window_gapped": (_window_gapped, bnth, ["Mask"]),
     "segments_ordered": (_segments_ordered, _with_ids, ["PositionMask(ge, 0, 0)"]),
     "segments_float": (_segments_float, _with_ids, ["Mask"]),
