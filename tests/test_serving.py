@@ -32,6 +32,7 @@ def _growth(mode: str, shapes: int, cache_size: int, workload="mixed") -> tuple[
     return grown, residue
 
 
+@pytest.mark.slow  # (test_resources' decode-step bound is the default set's memory check)
 def test_memory_over_varied_shapes_is_bounded_by_the_cache():
     """30 signatures (15 per function), ``cache_size=2``.  What the caches
     hold (the entries' programs, JAX's bounded tracing caches) stays under

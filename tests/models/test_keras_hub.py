@@ -102,16 +102,16 @@ def _forward(name: str, layers: int):
 # The default run covers each spelling once; the rest are slow variants.
 _SLOW = pytest.mark.slow
 CASES = [
-    pytest.param("gpt2", "GPT-2 backbone", 1, id="gpt2"),
+    pytest.param("gpt2", "GPT-2 backbone", 1, id="gpt2", marks=_SLOW),
     pytest.param("bert", "BERT backbone", 1, id="bert", marks=_SLOW),
     pytest.param("bloom", "Bloom backbone (ALiBi)", 1, id="bloom"),
-    pytest.param("llama", "Llama backbone (GQA)", 1, id="llama"),
+    pytest.param("llama", "Llama backbone (GQA)", 1, id="llama", marks=_SLOW),
     pytest.param("mistral", "Mistral backbone (GQA, sliding window)", 1, id="mistral", marks=_SLOW),
     pytest.param("qwen", "Qwen backbone (GQA)", 1, id="qwen", marks=_SLOW),
     pytest.param("phi3", "Phi-3 backbone (GQA)", 1, id="phi3", marks=_SLOW),
     pytest.param("gemma", "Gemma backbone (MQA)", 1, id="gemma", marks=_SLOW),
     pytest.param("gemma2", "Gemma 2 backbone (soft-cap, local + global)", 2, id="gemma2"),
-    pytest.param("gemma3", "Gemma 3 backbone (local + global)", 2, id="gemma3"),
+    pytest.param("gemma3", "Gemma 3 backbone (local + global)", 2, id="gemma3", marks=_SLOW),
 ]
 
 

@@ -166,6 +166,7 @@ def test_gemma2_like_layer_stack(check_model):
     assert _score_ops(report) == [[("softcap", 50.0), ("window", 3, 0)]]
 
 
+@pytest.mark.slow  # (the default set has penzai's llama- and gemma2-like models)
 def test_gpt_neox_like(check_model):
     fn, params, tokens = _gpt_neox(layer_stack=False)
     report = check_model(

@@ -344,7 +344,10 @@ PADDED = {
 }
 
 
-@pytest.mark.parametrize("name", list(PADDED))
+@pytest.mark.parametrize(
+    "name",
+    [n if "Llama" in n else pytest.param(n, marks=pytest.mark.slow) for n in PADDED],
+)
 def test_padding_mask_reaches_the_kernel_as_o_of_s(random_params, name):
     """A left-padded batch (#28): the model's additive ``lax.select(mask > 0,
     0, finfo.min)`` bias over causality and ``attention_mask`` reaches the

@@ -61,7 +61,8 @@ def _full_length_gathers(hlo: str, elements: int) -> int:
     )
 
 
-@pytest.mark.parametrize("kernel", ["reference", "blockwise"])
+# (``reference``'s plain steps: the slow set; ``blockwise`` runs every case here.)
+@pytest.mark.parametrize("kernel", [pytest.param("reference", marks=pytest.mark.slow), "blockwise"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize(
     "mesh_shape, names, spec",
@@ -191,7 +192,7 @@ def _dropped(q, k, v, key):
     "mesh_shape, names, spec",
     [
         ((8,), ("seq",), P(None, "seq")),
-        ((2, 4), ("data", "seq"), P("data", "seq")),
+        pytest.param((2, 4), ("data", "seq"), P("data", "seq"), marks=pytest.mark.slow),
         ((4, 2), ("seq", "model"), P(None, "seq", "model")),
     ],
     ids=["seq8", "data2xseq4", "seq4xheads2"],
@@ -384,7 +385,7 @@ BLOCKWISE_STEPS = {
 }
 
 
-@pytest.mark.parametrize("kernel", ["reference", "blockwise"])
+@pytest.mark.parametrize("kernel", [pytest.param("reference", marks=pytest.mark.slow), "blockwise"])
 @pytest.mark.parametrize(
     "case",
     [
@@ -729,7 +730,9 @@ def test_steps_run_over_query_chunks(monkeypatch):
     assert temps[1] < temps[0] * 0.75, temps
 
 
-@pytest.mark.parametrize("balanced", [True, False], ids=["zigzag", "contiguous"])
+@pytest.mark.parametrize(
+    "balanced", [True, pytest.param(False, marks=pytest.mark.slow)], ids=["zigzag", "contiguous"]
+)
 @pytest.mark.parametrize(
     "platform, kernel",
     [
