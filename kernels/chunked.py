@@ -16,12 +16,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from flashpass.ops import DESCRIPTORS, apply_score_ops
-
 from .base import CheckContext, PlainJaxKernel
 from .blockwise.tiles import slice_t
 from .dropout import dropout_reasons
-from .reference import repeat_kv, softmax_with_sink
+from .reference import reference_attention
 
 
 class ChunkedKernel(PlainJaxKernel):
@@ -30,7 +28,6 @@ class ChunkedKernel(PlainJaxKernel):
     program's keep-mask)."""
 
     name = "chunked"
-    descriptors = frozenset(DESCRIPTORS)
 
     def __init__(self, chunk: int = 256):
         if chunk < 1:
@@ -42,12 +39,15 @@ class ChunkedKernel(PlainJaxKernel):
 
     def apply(self, spec, q, k, v, extras=(), *, interpret=False):
         self.require(dropout_reasons(spec, self))
-        k, v = repeat_kv(spec, k), repeat_kv(spec, v)
         t, c = q.shape[2], min(self.chunk, q.shape[2])
         n, tail = divmod(t, c)
 
         def rows(start, size):
-            return _rows(spec, q, k, v, extras, start, size)
+            """The output rows ``start .. start + size`` (``start`` may be traced):
+            the reference on those queries, per-query extras sliced to them."""
+            qc = lax.dynamic_slice_in_dim(q, start, size, axis=2)
+            ex = [slice_t(x, start, size) for x in extras]
+            return reference_attention(spec, qc, k, v, ex, q_pos=start + jnp.arange(size))
 
         step = jax.checkpoint(lambda start: rows(start, c), prevent_cse=False)
         head = lax.map(step, jnp.arange(n) * c)  # [n, B, H, c, Dv]
@@ -55,15 +55,3 @@ class ChunkedKernel(PlainJaxKernel):
         if tail:
             out = jnp.concatenate([out, rows(n * c, tail)], axis=2)
         return out
-
-
-def _rows(spec, q, k, v, extras, start, size):
-    """The output rows ``start .. start + size`` (``start`` may be traced)."""
-    cdt = jnp.dtype(spec.compute_dtype)
-    qc = lax.dynamic_slice_in_dim(q, start, size, axis=2)
-    ex = [slice_t(x, start, size) for x in extras]  # per-query extras: this chunk's rows
-    s = jnp.einsum("bhtd,bhsd->bhts", qc.astype(cdt), k.astype(cdt), preferred_element_type=cdt)
-    s = apply_score_ops(spec, s, ex, q_pos=start + jnp.arange(size))
-    p = softmax_with_sink(spec, s, ex)
-    out = jnp.einsum("bhts,bhsd->bhtd", p.astype(spec.p_dtype), v, preferred_element_type=cdt)
-    return out.astype(spec.out_dtype)

@@ -50,14 +50,16 @@ def sink_cotangent(sink, m, den, delta):
     return grad.reshape(sink.shape).astype(sink.dtype)
 
 
-def reference_attention(spec: AttentionSpec, q, k, v, extras=(), *, dtype=None):
+def reference_attention(spec: AttentionSpec, q, k, v, extras=(), *, dtype=None, q_pos=None):
     """Naive attention for ``spec``; ``dtype`` overrides the compute dtype
-    (tests use float64 as the oracle)."""
+    (tests use float64 as the oracle).  ``q_pos``: the queries' positions
+    where ``q`` holds some of the spec's rows (``extras`` sliced to them;
+    the `chunked` kernel), else ``0 .. T-1``."""
     cdt = jnp.dtype(dtype or spec.compute_dtype)
     k = repeat_kv(spec, k)
     v = repeat_kv(spec, v)
     s = jnp.einsum("bhtd,bhsd->bhts", q.astype(cdt), k.astype(cdt), preferred_element_type=cdt)
-    s = apply_score_ops(spec, s, extras)
+    s = apply_score_ops(spec, s, extras, q_pos=q_pos)
     p = softmax_with_sink(spec, s, extras)
     drop = spec.dropout
     if drop is not None:

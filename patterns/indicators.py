@@ -38,6 +38,9 @@ COMPARISONS = {
     "ne": np.not_equal,
 }
 
+#: A comparison with its operands swapped (``c < x`` is ``x > c``).
+SWAPPED = {"ge": "le", "gt": "lt", "le": "ge", "lt": "gt", "eq": "eq", "ne": "ne"}
+
 _BINARY = {
     "add": np.add,
     "sub": np.subtract,

@@ -33,7 +33,7 @@ from .common import (
     uniform_value,
     where,
 )
-from .indicators import COMPARISONS, boolean_factors, compose, two_valued
+from .indicators import COMPARISONS, SWAPPED, boolean_factors, compose, two_valued
 
 
 @dataclasses.dataclass
@@ -252,10 +252,6 @@ def _band_select(build, factor, keep_when, fill, narrowed) -> bool:
     return band_select(build, factor, keep_when, fill, narrowed[0] if narrowed else factor)
 
 
-#: A comparison with its operands swapped (``c < x`` is ``x > c``).
-_SWAPPED = {"ge": "le", "gt": "lt", "le": "ge", "lt": "gt", "eq": "eq", "ne": "ne"}
-
-
 def compared_broadcast(scope, factor: Profile):
     """``(profile, Compared)`` when the mask ``factor`` is ``x <cmp> c`` (a
     scalar constant ``c``) and ``x`` is broadcast along more score axes than
@@ -264,7 +260,7 @@ def compared_broadcast(scope, factor: Profile):
     node = scope.producer(factor.base)
     if node is None or node.prim not in COMPARISONS or len(node.ins) != 2:
         return None
-    for side, prim in ((0, node.prim), (1, _SWAPPED[node.prim])):
+    for side, prim in ((0, node.prim), (1, SWAPPED[node.prim])):
         value = scalar_value(scope, node.ins[1 - side])
         x = node.ins[side]
         if value is None or scope.shape(x) != scope.shape(factor.base):

@@ -17,11 +17,8 @@ from flashpass.ops.outer_mask import COMBINE, COMPARE, OuterMask
 from flashpass.spec import excludes
 
 from .common import scalar_value
-from .indicators import boolean_factors, compose
+from .indicators import SWAPPED, boolean_factors, compose
 from .masks import mask_recogniser
-
-#: A comparison with its operands swapped (``c < x`` is ``x > c``).
-_SWAPPED = {"ge": "le", "gt": "lt", "le": "ge", "lt": "gt", "eq": "eq", "ne": "ne"}
 
 
 @mask_recogniser(rank=90)
@@ -53,17 +50,10 @@ def recognise_outer_mask(build, factor, keep_when, fill) -> bool:
         return False
     q_side, kv_side = sides[qi], sides[1 - qi]
     dtype = np.dtype(scope.dtype(q_side.base))
-    if (
-        dtype != np.dtype(scope.dtype(kv_side.base))
-        or dtype == np.bool_
-        and node.prim
-        in (
-            "add",
-            "sub",
-            "mul",
-        )
-    ):
+    if dtype != np.dtype(scope.dtype(kv_side.base)):
         return False
+    if dtype == np.bool_ and node.prim in ("add", "sub", "mul"):
+        return False  # (on booleans only `and` and `or` are read)
     q_index, _ = build.add_extra(q_side, None, dtype)
     kv_index, _ = build.add_extra(kv_side, None, dtype)
     op = OuterMask(q_index, kv_index, node.prim, compare, value, fill, qi == 0, keep_when)
@@ -81,7 +71,7 @@ def _compared(scope, factor):
         inner = compose(scope, factor, node.ins[0])
         if np.dtype(scope.dtype(inner.base)) == np.bool_:
             return None
-        return inner, "ne", _python(np.zeros((), scope.dtype(inner.base)))
+        return inner, "ne", np.zeros((), scope.dtype(inner.base)).item()
     if node.prim not in COMPARE or len(node.ins) != 2:
         return None
     sides = [compose(scope, factor, x) for x in node.ins]
@@ -93,11 +83,6 @@ def _compared(scope, factor):
         exact = np.asarray(value).astype(dtype)
         if np.asarray(exact, np.float64) != np.asarray(value, np.float64):
             return None  # the constant is not one of the operand's values
-        compare = node.prim if k == 0 else _SWAPPED[node.prim]
-        return sides[k], compare, _python(exact)
+        compare = node.prim if k == 0 else SWAPPED[node.prim]
+        return sides[k], compare, exact.item()  # (a Python number: hashable, exact)
     return None
-
-
-def _python(value: np.ndarray):
-    """A NumPy scalar as the Python number a frozen op holds (hashable, exact)."""
-    return value.item()

@@ -35,10 +35,7 @@ from flashpass.roles import UNIT
 from flashpass.site import RowKeep
 
 from .common import Profile, profile, scalar_value
-from .indicators import COMPARISONS, compose
-
-#: ``cmp(c, x)`` as ``cmp'(x, c)``: the comparison with its operands swapped.
-_SWAPPED = {"ge": "le", "gt": "lt", "le": "ge", "lt": "gt", "eq": "eq", "ne": "ne"}
+from .indicators import COMPARISONS, SWAPPED, compose
 
 
 def absorb_row_wipe(scope: Scope, root, out_roles, masks, post, layout_roles):
@@ -166,7 +163,7 @@ def _compared(scope: Scope, node):
     """``(operand, ("cmp", name, c))`` for ``cmp(operand, c)`` or ``cmp(c,
     operand)`` with a scalar constant ``c``; else None."""
     shape = scope.shape(node.out)
-    for i, name in ((0, node.prim), (1, _SWAPPED[node.prim])):
+    for i, name in ((0, node.prim), (1, SWAPPED[node.prim])):
         other = profile(scope, node.ins[1 - i], shape)
         if other.is_scalar:
             c = scalar_value(scope, other.base)
